@@ -1,0 +1,60 @@
+//! Binomial trees rooted anywhere: broadcast fans out in log2(n) rounds,
+//! reduce gathers partial results up the same tree.
+
+use super::Link;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::reduce::{self, ReduceOp};
+
+/// Position relative to the root, and its inverse.
+fn relative(link: &Link<'_>, root: usize) -> (usize, usize, impl Fn(usize) -> usize) {
+    let n = link.size();
+    let vr = (link.rank() + n - root) % n;
+    (vr, n, move |v: usize| (v + root) % n)
+}
+
+/// Root's `buf` ends up in every rank's `buf`.
+pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+    let (vr, n, real) = relative(link, root);
+    let mut mask = 1;
+    while mask < n {
+        if vr & mask != 0 {
+            link.recv(real(vr - mask), buf)?;
+            break;
+        }
+        mask <<= 1;
+    }
+    // Children: vr + m for every m below the bit we received on.
+    let children: Vec<usize> = std::iter::successors(Some(mask >> 1), |m| Some(m >> 1))
+        .take_while(|m| *m > 0)
+        .filter(|m| vr + m < n)
+        .map(|m| real(vr + m))
+        .collect();
+    let mut xfers: Vec<_> = children.iter().map(|c| link.send_xfer(*c, buf)).collect();
+    link.exchange(&mut xfers)
+}
+
+/// `acc` holds this rank's contribution; at the root it ends up holding the
+/// reduction over all ranks (elsewhere it is scratch).
+pub fn reduce(link: &mut Link<'_>, acc: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+    let (vr, n, real) = relative(link, root);
+    let mut scratch = Vec::new();
+    let mut mask = 1;
+    while mask < n {
+        if vr & mask == 0 {
+            let child = vr | mask;
+            if child < n {
+                scratch.resize(acc.len(), 0);
+                link.recv(real(child), &mut scratch)?;
+                reduce::reduce_into(acc, &scratch, dtype, op);
+            }
+        } else {
+            return link.send(real(vr & !mask), acc);
+        }
+        mask <<= 1;
+    }
+    if op == ReduceOp::Avg {
+        reduce::divide(acc, dtype, n);
+    }
+    Ok(())
+}

@@ -1,0 +1,202 @@
+//! Collective algorithms, one per file. They see only a `Link` (the
+//! transport plus the operation's label) and byte buffers; nothing here
+//! knows about sockets or C.
+
+pub mod binomial;
+pub mod direct;
+pub mod dissemination;
+pub mod recursive_doubling;
+pub mod ring;
+
+use crate::error::{Error, Result};
+use crate::op::{Desc, OpKind};
+use crate::transport::{Transport, Xfer};
+use std::ops::Range;
+
+/// The algorithms rdist has (the wire value is the discriminant; ranks
+/// that picked different ones fail with a mismatch instead of corrupting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Algo {
+    Ring = 1,
+    RecursiveDoubling = 2,
+    Binomial = 3,
+    Direct = 4,
+    Dissemination = 5,
+}
+
+impl Algo {
+    pub const ALL: [Algo; 5] = [
+        Algo::Ring,
+        Algo::RecursiveDoubling,
+        Algo::Binomial,
+        Algo::Direct,
+        Algo::Dissemination,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::RecursiveDoubling => "recursive_doubling",
+            Algo::Binomial => "binomial",
+            Algo::Direct => "direct",
+            Algo::Dissemination => "dissemination",
+        }
+    }
+
+    /// Parses a name from the `algo` option (also short forms).
+    pub fn parse(name: &str) -> Result<Algo> {
+        let n = name.trim().to_ascii_lowercase();
+        let alias = match n.as_str() {
+            "rd" | "doubling" => "recursive_doubling",
+            "tree" => "binomial",
+            "linear" => "direct",
+            other => other,
+        };
+        Algo::ALL
+            .into_iter()
+            .find(|a| a.name() == alias)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
+                Error::invalid_argument(format!(
+                    "unknown algorithm '{name}' (known: {})",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    /// The algorithms that can run `kind`, default first.
+    fn candidates(kind: OpKind) -> &'static [Algo] {
+        match kind {
+            OpKind::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling],
+            OpKind::Broadcast | OpKind::Reduce => &[Algo::Binomial],
+            OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring],
+            OpKind::Barrier => &[Algo::Dissemination],
+            _ => &[Algo::Direct],
+        }
+    }
+}
+
+/// Small allreduces are latency-bound (recursive doubling: log2(n) steps);
+/// large ones bandwidth-bound (ring: 2(n-1)/n of the data per rank).
+const SMALL_ALLREDUCE_BYTES: usize = 64 << 10;
+
+/// Picks the algorithm for an operation; `forced` wins where it applies.
+pub fn choose(kind: OpKind, bytes: usize, size: usize, forced: Option<Algo>) -> Algo {
+    let options = Algo::candidates(kind);
+    if let Some(f) = forced.filter(|f| options.contains(f)) {
+        return f;
+    }
+    match kind {
+        OpKind::AllReduce if bytes <= SMALL_ALLREDUCE_BYTES || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES => {
+            Algo::RecursiveDoubling
+        }
+        _ => options[0],
+    }
+}
+
+/// What an algorithm talks through: the transport, labelled with the
+/// operation so that every frame it sends can be checked by the receiver.
+pub struct Link<'t> {
+    transport: &'t mut dyn Transport,
+    desc: Desc,
+}
+
+impl<'t> Link<'t> {
+    pub fn new(transport: &'t mut dyn Transport, desc: Desc) -> Link<'t> {
+        Link { transport, desc }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.transport.size()
+    }
+
+    pub fn desc(&self) -> Desc {
+        self.desc
+    }
+
+    pub fn send_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {
+        Xfer::send(peer, data, self.desc)
+    }
+
+    pub fn recv_xfer<'a>(&self, peer: usize, buf: &'a mut [u8]) -> Xfer<'a> {
+        Xfer::recv(peer, buf, self.desc)
+    }
+
+    pub fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
+        self.transport.exchange(xfers)
+    }
+
+    pub fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
+        let x = self.send_xfer(peer, data);
+        self.exchange(&mut [x])
+    }
+
+    pub fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let x = self.recv_xfer(peer, buf);
+        self.exchange(&mut [x])
+    }
+
+    /// Sends `data` to `to` while receiving `buf` from `from`.
+    pub fn send_recv(&mut self, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
+        let s = self.send_xfer(to, data);
+        let r = self.recv_xfer(from, buf);
+        self.exchange(&mut [s, r])
+    }
+}
+
+/// Byte range of block `i` when `count` elements of `esize` bytes are cut
+/// into `n` nearly equal blocks (the first `count % n` get one more).
+pub fn block(count: usize, n: usize, i: usize, esize: usize) -> Range<usize> {
+    let base = count / n;
+    let extra = count % n;
+    let start = i * base + i.min(extra);
+    let len = base + usize::from(i < extra);
+    start * esize..(start + len) * esize
+}
+
+/// Borrows two disjoint ranges of one buffer, one to read and one to write.
+pub fn split_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&[u8], &mut [u8]) {
+    assert!(read.end <= write.start || write.end <= read.start, "ranges overlap");
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.end - write.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.end - read.start], &mut lo[write])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_the_buffer_exactly() {
+        for count in [0, 1, 2, 5, 17, 100] {
+            for n in 1..7 {
+                let mut next = 0;
+                for i in 0..n {
+                    let r = block(count, n, i, 4);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, count * 4);
+            }
+        }
+    }
+
+    #[test]
+    fn forced_algorithms_apply_only_where_they_can() {
+        assert_eq!(choose(OpKind::AllReduce, 8, 4, None), Algo::RecursiveDoubling);
+        assert_eq!(choose(OpKind::AllReduce, 64 << 20, 4, None), Algo::Ring);
+        assert_eq!(choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring)), Algo::Ring);
+        assert_eq!(choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring)), Algo::Binomial);
+        assert_eq!(Algo::parse("RD").unwrap(), Algo::RecursiveDoubling);
+        assert!(Algo::parse("bogus").unwrap_err().message().contains("ring"));
+    }
+}

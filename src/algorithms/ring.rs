@@ -1,0 +1,90 @@
+//! Ring algorithms: each rank sends to its right neighbour and receives
+//! from its left. Bandwidth-optimal: every rank moves (n-1)/n of the data
+//! per phase. Allreduce = reduce-scatter + allgather.
+
+use super::{block, split_pair, Link};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::reduce::{self, ReduceOp};
+
+fn neighbours(link: &Link<'_>) -> (usize, usize, usize, usize) {
+    let (r, n) = (link.rank(), link.size());
+    (r, n, (r + 1) % n, (r + n - 1) % n)
+}
+
+/// In-place allreduce of `buf` (`buf.len() / dtype.size()` elements).
+pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (r, n, right, left) = neighbours(link);
+    if n == 1 {
+        return Ok(());
+    }
+    let es = dtype.size();
+    let count = buf.len() / es;
+    let mut scratch = vec![0u8; block(count, n, 0, es).len()];
+    // Reduce-scatter: after n-1 steps rank r holds block r+1 fully reduced.
+    for s in 0..n - 1 {
+        let sb = block(count, n, (r + n - s) % n, es);
+        let rb = block(count, n, (r + 2 * n - s - 1) % n, es);
+        let incoming = &mut scratch[..rb.len()];
+        link.send_recv(right, &buf[sb], left, incoming)?;
+        reduce::reduce_into(&mut buf[rb], incoming, dtype, op);
+    }
+    if op == ReduceOp::Avg {
+        reduce::divide(&mut buf[block(count, n, (r + 1) % n, es)], dtype, n);
+    }
+    // Allgather the reduced blocks straight into place.
+    for s in 0..n - 1 {
+        let sb = block(count, n, (r + 1 + n - s) % n, es);
+        let rb = block(count, n, (r + n - s) % n, es);
+        let (out, into) = split_pair(buf, sb, rb);
+        link.send_recv(right, out, left, into)?;
+    }
+    Ok(())
+}
+
+/// `out` = block `rank` of the element-wise reduction of every rank's
+/// `input` (n blocks of `out.len()` bytes). `input` is not modified.
+pub fn reduce_scatter(
+    link: &mut Link<'_>,
+    input: &[u8],
+    out: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (r, n, right, left) = neighbours(link);
+    let bb = out.len();
+    let blk = |i: usize| &input[i * bb..(i + 1) * bb];
+    if n == 1 {
+        out.copy_from_slice(blk(0));
+    } else {
+        // Partial sums travel right; at step s this rank passes on block
+        // r-s-1 and receives block r-s-2, so the last one received is r.
+        let mut partial = blk((r + n - 1) % n).to_vec();
+        let mut incoming = vec![0u8; bb];
+        for s in 0..n - 1 {
+            link.send_recv(right, &partial, left, &mut incoming)?;
+            let b = (r + 2 * n - s - 2) % n;
+            if s + 2 < n {
+                reduce::reduce_to(&mut partial, &incoming, blk(b), dtype, op);
+            } else {
+                reduce::reduce_to(out, &incoming, blk(b), dtype, op);
+            }
+        }
+    }
+    if op == ReduceOp::Avg {
+        reduce::divide(out, dtype, n);
+    }
+    Ok(())
+}
+
+/// `buf` holds n blocks of `block_bytes`; this rank's own block is filled.
+/// Afterwards every block holds its rank's data.
+pub fn allgather(link: &mut Link<'_>, buf: &mut [u8], block_bytes: usize) -> Result<()> {
+    let (r, n, right, left) = neighbours(link);
+    let range = |i: usize| i * block_bytes..(i + 1) * block_bytes;
+    for s in 0..n.saturating_sub(1) {
+        let (out, into) = split_pair(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
+        link.send_recv(right, out, left, into)?;
+    }
+    Ok(())
+}

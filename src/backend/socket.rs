@@ -1,0 +1,357 @@
+//! The socket backend: runs each call with the algorithm chosen for it over
+//! the TCP transport, and keeps the counters that label every frame.
+
+use crate::algorithms::{self, binomial, direct, dissemination, recursive_doubling, ring, Algo, Link};
+use crate::call::{Call, Data, RawBuf};
+use crate::error::{Error, ErrorKind, Result};
+use crate::op::{Desc, OpKind};
+use crate::transport::mesh::{self, MeshSpec};
+use crate::transport::signal::AbortSignal;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{Transport, Xfer};
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Who the ranks of a communicator are and how to reach them.
+#[derive(Clone, Debug)]
+pub struct Roster {
+    pub job: [u8; 16],
+    pub comm_id: u64,
+    pub addrs: Vec<SocketAddr>,
+    pub hosts: Vec<String>,
+}
+
+impl Roster {
+    /// Rank within its host: how many lower ranks share its host name.
+    pub fn local_rank(&self, rank: usize) -> usize {
+        self.hosts[..rank].iter().filter(|h| **h == self.hosts[rank]).count()
+    }
+}
+
+pub struct SocketBackend {
+    transport: TcpTransport,
+    rank: usize,
+    size: usize,
+    roster: Roster,
+    timeout: Duration,
+    forced: Option<Algo>,
+    /// Collectives started so far (the label every rank must agree on).
+    seq: u64,
+    /// Messages sent to / received from each peer so far.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    /// Sends to this rank itself, waiting for their receive.
+    to_self: VecDeque<Vec<u8>>,
+}
+
+/// Copies `len` bytes between possibly overlapping caller buffers.
+///
+/// # Safety
+/// Both must be valid for `len` bytes.
+unsafe fn move_bytes(from: &RawBuf, to_addr: usize, len: usize) {
+    if len > 0 && from.addr() != to_addr {
+        std::ptr::copy(from.addr() as *const u8, to_addr as *mut u8, len);
+    }
+}
+
+impl SocketBackend {
+    /// Connects the mesh described by `roster` (listener already bound).
+    pub fn connect(
+        rank: usize,
+        roster: Roster,
+        listener: &TcpListener,
+        signal: Arc<AbortSignal>,
+        timeout: Duration,
+        forced: Option<Algo>,
+    ) -> Result<SocketBackend> {
+        crate::transport::tcp::ignore_sigpipe();
+        let size = roster.addrs.len();
+        let spec = MeshSpec {
+            rank,
+            size,
+            addrs: roster.addrs.clone(),
+            job: roster.job,
+            comm_id: roster.comm_id,
+            deadline: Instant::now() + timeout,
+        };
+        let streams = mesh::connect(listener, &spec)?;
+        Ok(SocketBackend {
+            transport: TcpTransport::new(rank, streams, signal, timeout)?,
+            rank,
+            size,
+            roster,
+            timeout,
+            forced,
+            seq: 0,
+            sent: vec![0; size],
+            received: vec![0; size],
+            to_self: VecDeque::new(),
+        })
+    }
+
+    pub fn roster(&self) -> &Roster {
+        &self.roster
+    }
+
+    /// Tells the peers this rank aborted (if nobody did yet).
+    pub fn abort(&mut self) {
+        if self.transport.failure().is_none() {
+            let e = Error::new(
+                ErrorKind::Aborted,
+                format!("rdist_comm_abort was called on rank {}", self.rank),
+            );
+            self.transport.fail(e, true);
+        }
+    }
+
+    pub fn close(&mut self) {
+        self.transport.close();
+    }
+
+    fn next_desc(&mut self, kind: OpKind, data: Data) -> Desc {
+        let d = Desc::new(kind, self.seq).data(data.count, data.dtype);
+        self.seq += 1;
+        d
+    }
+
+    fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
+        let algo = algorithms::choose(desc.kind, bytes, self.size, self.forced);
+        desc.algo = algo as u8;
+        (desc, algo)
+    }
+
+    /// Runs one call to completion.
+    ///
+    /// # Safety
+    /// The call's buffers must be valid as its constructor describes and not
+    /// used by anyone else until this returns.
+    pub unsafe fn run(&mut self, call: &Call) -> Result<()> {
+        if call.is_p2p() {
+            return self.run_p2p(std::slice::from_ref(call));
+        }
+        match *call {
+            Call::AllReduce { send, recv, data, op } => {
+                let d = Desc::new(OpKind::AllReduce, self.seq).data(data.count, data.dtype).reduction(op);
+                self.seq += 1;
+                let (desc, algo) = self.label(d, recv.len());
+                move_bytes(&send, recv.addr(), recv.len());
+                let buf = recv.bytes_mut();
+                let mut link = Link::new(&mut self.transport, desc);
+                match algo {
+                    Algo::RecursiveDoubling => recursive_doubling::allreduce(&mut link, buf, data.dtype, op),
+                    _ => ring::allreduce(&mut link, buf, data.dtype, op),
+                }
+            }
+            Call::Broadcast { send, recv, data, root } => {
+                let d = self.next_desc(OpKind::Broadcast, data).root(root);
+                let (desc, _) = self.label(d, recv.len());
+                if self.rank == root {
+                    move_bytes(&send, recv.addr(), recv.len());
+                }
+                binomial::broadcast(&mut Link::new(&mut self.transport, desc), recv.bytes_mut(), root)
+            }
+            Call::Reduce { send, recv, data, op, root } => {
+                let d = self.next_desc(OpKind::Reduce, data).reduction(op).root(root);
+                let (desc, _) = self.label(d, send.len());
+                let mut link = Link::new(&mut self.transport, desc);
+                if self.rank == root {
+                    move_bytes(&send, recv.addr(), recv.len());
+                    binomial::reduce(&mut link, recv.bytes_mut(), data.dtype, op, root)
+                } else {
+                    let mut acc = send.bytes().to_vec();
+                    binomial::reduce(&mut link, &mut acc, data.dtype, op, root)
+                }
+            }
+            Call::AllGather { send, recv, data } => {
+                let d = self.next_desc(OpKind::AllGather, data);
+                let (desc, _) = self.label(d, recv.len());
+                let bb = send.len();
+                move_bytes(&send, recv.addr() + self.rank * bb, bb);
+                ring::allgather(&mut Link::new(&mut self.transport, desc), recv.bytes_mut(), bb)
+            }
+            Call::ReduceScatter { send, recv, data, op } => {
+                let d = self.next_desc(OpKind::ReduceScatter, data).reduction(op);
+                let (desc, _) = self.label(d, send.len());
+                let copy;
+                let input: &[u8] = if send.overlaps(&recv) {
+                    copy = send.bytes().to_vec();
+                    &copy
+                } else {
+                    send.bytes()
+                };
+                let mut link = Link::new(&mut self.transport, desc);
+                ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op)
+            }
+            Call::Gather { send, recv, data, root } => {
+                let d = self.next_desc(OpKind::Gather, data).root(root);
+                let (desc, _) = self.label(d, send.len());
+                let mut link = Link::new(&mut self.transport, desc);
+                let bb = send.len();
+                if self.rank == root {
+                    move_bytes(&send, recv.addr() + root * bb, bb);
+                    direct::gather_at_root(&mut link, recv.bytes_mut(), bb)
+                } else {
+                    link.send(root, send.bytes())
+                }
+            }
+            Call::Scatter { send, recv, data, root } => {
+                let d = self.next_desc(OpKind::Scatter, data).root(root);
+                let (desc, _) = self.label(d, recv.len());
+                let mut link = Link::new(&mut self.transport, desc);
+                let bb = recv.len();
+                if self.rank == root {
+                    let own = RawBuf::new((send.addr() + root * bb) as *const u8, bb);
+                    if own.overlaps(&recv) && own.addr() != recv.addr() {
+                        // Send the other blocks before the own block is
+                        // moved over them.
+                        let copy = send.bytes().to_vec();
+                        direct::scatter_from_root(&mut link, &copy, bb)?;
+                        move_bytes(&RawBuf::of(&copy[root * bb..(root + 1) * bb]), recv.addr(), bb);
+                        return Ok(());
+                    }
+                    let sent = direct::scatter_from_root(&mut link, send.bytes(), bb);
+                    move_bytes(&own, recv.addr(), bb);
+                    sent
+                } else {
+                    link.recv(root, recv.bytes_mut())
+                }
+            }
+            Call::AllToAll { send, recv, data } => {
+                let d = self.next_desc(OpKind::AllToAll, data);
+                let (desc, _) = self.label(d, send.len());
+                let copy;
+                let input: &[u8] = if send.overlaps(&recv) {
+                    copy = send.bytes().to_vec();
+                    &copy
+                } else {
+                    send.bytes()
+                };
+                let bb = recv.len() / self.size;
+                direct::alltoall(&mut Link::new(&mut self.transport, desc), input, recv.bytes_mut(), bb)
+            }
+            Call::Barrier => {
+                let d = self.next_desc(OpKind::Barrier, Data { count: 0, dtype: crate::dtype::DType::Uint8 });
+                let (desc, _) = self.label(d, 0);
+                dissemination::barrier(&mut Link::new(&mut self.transport, desc))
+            }
+            Call::Send { .. } | Call::Recv { .. } => unreachable!("handled above"),
+        }
+    }
+
+    /// Runs sends and receives together in one exchange, so that any
+    /// pattern (a ring, a swap with a neighbour) completes.
+    ///
+    /// # Safety
+    /// As for `run`.
+    pub unsafe fn run_p2p(&mut self, calls: &[Call]) -> Result<()> {
+        // Sends to self first, so receives from self in the same group find them.
+        for c in calls {
+            if let Call::Send { buf, peer, .. } = c {
+                if *peer == self.rank {
+                    self.to_self.push_back(buf.bytes().to_vec());
+                }
+            }
+        }
+        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(calls.len());
+        for c in calls {
+            match *c {
+                Call::Send { buf, data, peer } if peer != self.rank => {
+                    let desc = Desc::new(OpKind::Send, self.sent[peer]).data(data.count, data.dtype).root(self.rank);
+                    self.sent[peer] += 1;
+                    xfers.push(Xfer::send(peer, buf.bytes(), desc));
+                }
+                Call::Recv { buf, data, peer } if peer != self.rank => {
+                    let desc = Desc::new(OpKind::Send, self.received[peer]).data(data.count, data.dtype).root(peer);
+                    self.received[peer] += 1;
+                    xfers.push(Xfer::recv(peer, buf.bytes_mut(), desc));
+                }
+                Call::Recv { buf, data, .. } => self.recv_from_self(buf, data)?,
+                _ => {}
+            }
+        }
+        self.transport.exchange(&mut xfers)
+    }
+
+    unsafe fn recv_from_self(&mut self, buf: RawBuf, data: Data) -> Result<()> {
+        let Some(msg) = self.to_self.pop_front() else {
+            return Err(Error::invalid_usage(format!(
+                "rank {} receives from itself but has no matching send: put the send before it, or both in one rdist_group_start/end",
+                self.rank
+            )));
+        };
+        if msg.len() != buf.len() {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {} sent itself {} bytes but receives {} x {} ({} bytes)",
+                    self.rank,
+                    msg.len(),
+                    data.count,
+                    data.dtype,
+                    buf.len()
+                ),
+            ));
+        }
+        buf.bytes_mut().copy_from_slice(&msg);
+        Ok(())
+    }
+
+    /// Collective split: ranks with equal `color` form a new communicator
+    /// ordered by (key, rank). Returns the new rank and backend, or None for
+    /// `color < 0` (no color).
+    pub fn split(&mut self, color: i32, key: i32, signal: Arc<AbortSignal>) -> Result<Option<(usize, SocketBackend)>> {
+        let seq = self.seq;
+        let d = self.next_desc(OpKind::Split, Data { count: 0, dtype: crate::dtype::DType::Uint8 });
+        let (desc, _) = self.label(d, 0);
+        let ip = self.roster.addrs[self.rank].ip();
+        let listener = TcpListener::bind((ip, 0))
+            .map_err(|e| Error::system(format!("binding a listener on {ip} for comm_split"), &e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::system("local_addr", &e))?
+            .port();
+        const REC: usize = 10;
+        let mut all = vec![0u8; REC * self.size];
+        let mine = &mut all[self.rank * REC..(self.rank + 1) * REC];
+        mine[0..4].copy_from_slice(&color.to_le_bytes());
+        mine[4..8].copy_from_slice(&key.to_le_bytes());
+        mine[8..10].copy_from_slice(&port.to_le_bytes());
+        ring::allgather(&mut Link::new(&mut self.transport, desc), &mut all, REC)?;
+        if color < 0 {
+            return Ok(None);
+        }
+        let field = |r: usize, at: usize| i32::from_le_bytes(all[r * REC + at..r * REC + at + 4].try_into().expect("4 bytes"));
+        let mut members: Vec<usize> = (0..self.size).filter(|r| field(*r, 0) == color).collect();
+        members.sort_by_key(|r| (field(*r, 4), *r));
+        let new_rank = members.iter().position(|r| *r == self.rank).expect("own color");
+        let addrs = members
+            .iter()
+            .map(|r| {
+                let p = u16::from_le_bytes([all[r * REC + 8], all[r * REC + 9]]);
+                SocketAddr::new(self.roster.addrs[*r].ip(), p)
+            })
+            .collect();
+        let roster = Roster {
+            job: self.roster.job,
+            comm_id: fnv1a(&[&self.roster.comm_id.to_le_bytes()[..], &seq.to_le_bytes(), &color.to_le_bytes()]),
+            addrs,
+            hosts: members.iter().map(|r| self.roster.hosts[*r].clone()).collect(),
+        };
+        let child = SocketBackend::connect(new_rank, roster, &listener, signal, self.timeout, self.forced)?;
+        Ok(Some((new_rank, child)))
+    }
+}
+
+/// 64-bit FNV-1a over several byte strings (communicator ids).
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for b in *part {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}

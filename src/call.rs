@@ -1,0 +1,235 @@
+//! One call as the caller made it: the operation, its buffers (raw, so that
+//! non-blocking calls can carry them to another thread) and parameters.
+//! Constructors validate everything that can be checked locally.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::op::OpKind;
+use crate::reduce::ReduceOp;
+
+/// A caller's buffer: address and length in bytes. Whoever makes a `Call`
+/// from raw pointers promises they stay valid until the call completes.
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a RawBuf is only dereferenced while the call that owns it runs,
+// and the caller guarantees exclusive use of the buffer until then.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    pub const EMPTY: RawBuf = RawBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+    };
+
+    pub fn new(ptr: *const u8, len: usize) -> RawBuf {
+        RawBuf {
+            ptr: ptr as *mut u8,
+            len,
+        }
+    }
+
+    pub fn of(s: &[u8]) -> RawBuf {
+        RawBuf::new(s.as_ptr(), s.len())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// # Safety
+    /// The buffer must be valid for reads of `len` bytes for `'a`.
+    pub unsafe fn bytes<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.ptr, self.len)
+        }
+    }
+
+    /// # Safety
+    /// The buffer must be valid for writes of `len` bytes for `'a`, and not
+    /// otherwise borrowed.
+    pub unsafe fn bytes_mut<'a>(&self) -> &'a mut [u8] {
+        if self.len == 0 {
+            &mut []
+        } else {
+            std::slice::from_raw_parts_mut(self.ptr, self.len)
+        }
+    }
+
+    /// Whether the two byte ranges share any byte.
+    pub fn overlaps(&self, other: &RawBuf) -> bool {
+        self.len > 0
+            && other.len > 0
+            && self.addr() < other.addr() + other.len
+            && other.addr() < self.addr() + self.len
+    }
+}
+
+/// Element count and type of a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Data {
+    pub count: usize,
+    pub dtype: DType,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Call {
+    AllReduce { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp },
+    Broadcast { send: RawBuf, recv: RawBuf, data: Data, root: usize },
+    Reduce { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp, root: usize },
+    AllGather { send: RawBuf, recv: RawBuf, data: Data },
+    ReduceScatter { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp },
+    Gather { send: RawBuf, recv: RawBuf, data: Data, root: usize },
+    Scatter { send: RawBuf, recv: RawBuf, data: Data, root: usize },
+    AllToAll { send: RawBuf, recv: RawBuf, data: Data },
+    Barrier,
+    Send { buf: RawBuf, data: Data, peer: usize },
+    Recv { buf: RawBuf, data: Data, peer: usize },
+}
+
+/// Checks a rank argument against the group size.
+pub fn check_rank(what: &str, value: i64, size: usize) -> Result<usize> {
+    if value < 0 || value as u64 >= size as u64 {
+        return Err(Error::invalid_argument(format!(
+            "{what} {value} is out of range (the communicator has ranks 0..{})",
+            size.saturating_sub(1)
+        )));
+    }
+    Ok(value as usize)
+}
+
+/// A buffer of `count` elements times `blocks`, checked for NULL and overflow.
+fn buffer(name: &str, ptr: *const u8, data: Data, blocks: usize) -> Result<RawBuf> {
+    let elems = data.count.checked_mul(blocks).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "{name}: {} blocks of {} elements overflow size_t",
+            blocks, data.count
+        ))
+    })?;
+    let len = data.dtype.bytes(elems).map_err(|e| e.context(name))?;
+    if len > isize::MAX as usize {
+        return Err(Error::invalid_argument(format!("{name}: {len} bytes is too large")));
+    }
+    if ptr.is_null() && len > 0 {
+        return Err(Error::invalid_argument(format!(
+            "{name} is NULL but {elems} elements of {} were given",
+            data.dtype
+        )));
+    }
+    Ok(RawBuf::new(ptr, len))
+}
+
+impl Call {
+    /// Builds a call from raw arguments as the C API receives them;
+    /// `size`/`rank` are the communicator's. Everything checkable without
+    /// the other ranks is checked here.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kind: OpKind,
+        send: *const u8,
+        recv: *mut u8,
+        data: Data,
+        op: ReduceOp,
+        root: i64,
+        rank: usize,
+        size: usize,
+    ) -> Result<Call> {
+        let one = |name: &str, p: *const u8| buffer(name, p, data, 1);
+        let all = |name: &str, p: *const u8| buffer(name, p, data, size);
+        let root_rank = || check_rank("root", root, size);
+        Ok(match kind {
+            OpKind::AllReduce => Call::AllReduce {
+                send: one("sendbuf", send)?,
+                recv: one("recvbuf", recv)?,
+                data,
+                op,
+            },
+            OpKind::Broadcast => {
+                let root = root_rank()?;
+                let send = if rank == root { one("sendbuf", send)? } else { RawBuf::EMPTY };
+                Call::Broadcast { send, recv: one("recvbuf", recv)?, data, root }
+            }
+            OpKind::Reduce => {
+                let root = root_rank()?;
+                let recv = if rank == root { one("recvbuf", recv)? } else { RawBuf::EMPTY };
+                Call::Reduce { send: one("sendbuf", send)?, recv, data, op, root }
+            }
+            OpKind::AllGather => Call::AllGather {
+                send: one("sendbuf", send)?,
+                recv: all("recvbuf", recv)?,
+                data,
+            },
+            OpKind::ReduceScatter => Call::ReduceScatter {
+                send: all("sendbuf", send)?,
+                recv: one("recvbuf", recv)?,
+                data,
+                op,
+            },
+            OpKind::Gather => {
+                let root = root_rank()?;
+                let recv = if rank == root { all("recvbuf", recv)? } else { RawBuf::EMPTY };
+                Call::Gather { send: one("sendbuf", send)?, recv, data, root }
+            }
+            OpKind::Scatter => {
+                let root = root_rank()?;
+                let send = if rank == root { all("sendbuf", send)? } else { RawBuf::EMPTY };
+                Call::Scatter { send, recv: one("recvbuf", recv)?, data, root }
+            }
+            OpKind::AllToAll => Call::AllToAll {
+                send: all("sendbuf", send)?,
+                recv: all("recvbuf", recv)?,
+                data,
+            },
+            OpKind::Barrier => Call::Barrier,
+            OpKind::Send => Call::Send {
+                buf: one("buf", send)?,
+                data,
+                peer: check_rank("peer", root, size)?,
+            },
+            OpKind::Split => return Err(Error::internal("comm_split is not a data call")),
+        })
+    }
+
+    /// A receive (the one call whose single buffer is written).
+    pub fn recv(buf: *mut u8, data: Data, peer: i64, size: usize) -> Result<Call> {
+        Ok(Call::Recv {
+            buf: buffer("buf", buf, data, 1)?,
+            data,
+            peer: check_rank("peer", peer, size)?,
+        })
+    }
+
+    pub fn is_p2p(&self) -> bool {
+        matches!(self, Call::Send { .. } | Call::Recv { .. })
+    }
+
+    /// The C function name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Call::AllReduce { .. } => "allreduce",
+            Call::Broadcast { .. } => "broadcast",
+            Call::Reduce { .. } => "reduce",
+            Call::AllGather { .. } => "allgather",
+            Call::ReduceScatter { .. } => "reduce_scatter",
+            Call::Gather { .. } => "gather",
+            Call::Scatter { .. } => "scatter",
+            Call::AllToAll { .. } => "alltoall",
+            Call::Barrier => "barrier",
+            Call::Send { .. } => "send",
+            Call::Recv { .. } => "recv",
+        }
+    }
+}

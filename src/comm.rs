@@ -1,0 +1,405 @@
+//! `Comm`: a communicator. Creation (rendezvous + mesh), rank/size/split/
+//! abort, and the one place where calls run: inline on the caller's thread,
+//! or on the communicator's worker thread for non-blocking calls (which
+//! keeps every call in issue order).
+
+use crate::algorithms::Algo;
+use crate::backend::socket::SocketBackend;
+use crate::call::Call;
+use crate::error::{Error, ErrorKind, Result};
+use crate::group;
+use crate::log;
+use crate::options::{Backend, LogLevel, Options};
+use crate::rendezvous::store::TcpStoreServer;
+use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
+use crate::transport::signal::AbortSignal;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A communicator: a group of ranks that run collectives together.
+pub struct Comm {
+    shared: Arc<Shared>,
+}
+
+/// The state shared between the owner's thread, the worker thread and
+/// threads that abort.
+pub(crate) struct Shared {
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    timeout: Duration,
+    signal: Arc<AbortSignal>,
+    engine: Mutex<Engine>,
+    queue: Mutex<Queue>,
+    queue_changed: Condvar,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Engine {
+    backend: SocketBackend,
+    /// The rendezvous store this rank hosts, if any (lives with the comm).
+    _server: Option<TcpStoreServer>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Jobs submitted and not yet finished (queued or running).
+    unfinished: usize,
+    closing: bool,
+}
+
+struct Job {
+    calls: Vec<Call>,
+    done: Arc<Completion>,
+}
+
+/// Where a non-blocking call's result appears.
+#[derive(Default)]
+struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    ready: Condvar,
+}
+
+/// A non-blocking call in flight.
+pub struct Request {
+    done: Arc<Completion>,
+    timeout: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock was already reported as an error; the
+    // state itself stays consistent, so keep going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Request {
+    /// Blocks until the call completes and returns its result.
+    pub fn wait(&self) -> Result<()> {
+        let mut r = lock(&self.done.result);
+        let started = Instant::now();
+        loop {
+            if let Some(res) = r.as_ref() {
+                return res.clone();
+            }
+            // Calls are bounded by the timeout themselves; this bound is a
+            // backstop against a bug, generous enough for queued calls.
+            let limit = self.timeout * 4 + Duration::from_secs(10);
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("request did not complete within {:.1} s", limit.as_secs_f64()),
+                ));
+            }
+            r = self.done.ready.wait_timeout(r, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// The result if the call has completed; never blocks.
+    pub fn test(&self) -> Option<Result<()>> {
+        lock(&self.done.result).clone()
+    }
+}
+
+impl Shared {
+    /// Runs calls in issue order: inline when nothing is queued, otherwise
+    /// behind the queued non-blocking calls.
+    ///
+    /// # Safety
+    /// Buffers of `calls` valid until this returns.
+    pub(crate) unsafe fn run_batch(self: &Arc<Self>, calls: Vec<Call>) -> Result<()> {
+        let busy = lock(&self.queue).unfinished > 0;
+        if busy {
+            return self.submit(calls)?.wait();
+        }
+        self.run_now(&calls)
+    }
+
+    unsafe fn run_now(&self, calls: &[Call]) -> Result<()> {
+        if self.signal.is_aborted() {
+            return Err(Error::new(
+                ErrorKind::Aborted,
+                format!("the communicator was aborted (rank {})", self.rank),
+            ));
+        }
+        let mut engine = lock(&self.engine);
+        let backend = &mut engine.backend;
+        let mut i = 0;
+        while i < calls.len() {
+            if calls[i].is_p2p() {
+                // Consecutive sends/receives run as one exchange.
+                let end = calls[i..].iter().position(|c| !c.is_p2p()).map_or(calls.len(), |k| i + k);
+                backend.run_p2p(&calls[i..end])?;
+                i = end;
+            } else {
+                backend.run(&calls[i])?;
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(self: &Arc<Self>, calls: Vec<Call>) -> Result<Request> {
+        let done = Arc::new(Completion::default());
+        {
+            let mut q = lock(&self.queue);
+            if q.closing {
+                return Err(Error::invalid_usage("the communicator is being destroyed"));
+            }
+            q.jobs.push_back(Job {
+                calls,
+                done: done.clone(),
+            });
+            q.unfinished += 1;
+        }
+        self.queue_changed.notify_all();
+        self.ensure_worker()?;
+        Ok(Request {
+            done,
+            timeout: self.timeout,
+        })
+    }
+
+    fn ensure_worker(self: &Arc<Self>) -> Result<()> {
+        let mut w = lock(&self.worker);
+        if w.is_none() {
+            let me = self.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("rdist-rank{}", self.rank))
+                .spawn(move || me.work())
+                .map_err(|e| Error::system("starting the communicator's worker thread", &e))?;
+            *w = Some(handle);
+        }
+        Ok(())
+    }
+
+    /// The worker: runs queued jobs in order until the comm closes.
+    fn work(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(job) = q.jobs.pop_front() {
+                        break job;
+                    }
+                    if q.closing {
+                        return;
+                    }
+                    q = self.queue_changed.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: whoever submitted the job keeps its buffers valid
+                // until the request completes.
+                unsafe { self.run_now(&job.calls) }
+            }))
+            .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
+            *lock(&job.done.result) = Some(result);
+            job.done.ready.notify_all();
+            lock(&self.queue).unfinished -= 1;
+            self.queue_changed.notify_all();
+        }
+    }
+
+    fn stop_worker(&self) {
+        lock(&self.queue).closing = true;
+        self.queue_changed.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Comm {
+    /// torch.distributed-style creation: `init_method` is `env://`,
+    /// `tcp://HOST:PORT` or `file:///path`; rank/size -1 read the
+    /// environment. Blocks until all ranks joined or the timeout passed.
+    pub fn init(init_method: &str, rank: i64, size: i64, opts: &Options) -> Result<Comm> {
+        let opts = opts.with_env()?;
+        let env = |k: &str| std::env::var(k).ok();
+        let (rank, size) = method::rank_and_size(rank, size, &env)?;
+        let meeting = Meeting::Method(method::parse(init_method, &env)?);
+        Comm::create(&meeting, rank, size, &opts)
+    }
+
+    /// NCCL-style creation from a unique id made by `Comm::unique_id`.
+    pub fn init_rank(id: &[u8; rendezvous::unique_id::UNIQUE_ID_BYTES], rank: i64, size: i64, opts: &Options) -> Result<Comm> {
+        let opts = opts.with_env()?;
+        if size < 1 || size > i32::MAX as i64 {
+            return Err(Error::invalid_argument(format!("world size {size} must be at least 1")));
+        }
+        let rank = crate::call::check_rank("rank", rank, size as usize)?;
+        let id = UniqueId::from_bytes(id)?;
+        Comm::create(&Meeting::UniqueId(id), rank, size as usize, &opts)
+    }
+
+    /// Creates a unique id and hosts its rendezvous in this process (in a
+    /// background thread, until every rank joined or the timeout).
+    pub fn unique_id() -> Result<[u8; rendezvous::unique_id::UNIQUE_ID_BYTES]> {
+        let opts = Options::default().with_env()?;
+        let id = rendezvous::unique_id::create(opts.ifname.as_deref(), opts.timeout)?;
+        Ok(id.to_bytes())
+    }
+
+    fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
+        log::raise_level(opts.debug);
+        let started = Instant::now();
+        if opts.backend == Backend::Nccl {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "backend 'nccl' is not available in this build of rdist (host memory runs on the socket backend; use backend=auto or socket)",
+            ));
+        }
+        let forced = opts.algo.as_deref().map(Algo::parse).transpose()?;
+        let joined = rendezvous::join(meeting, rank, size, opts)?;
+        let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
+        let backend = SocketBackend::connect(rank, joined.roster.clone(), &joined.listener, signal.clone(), opts.timeout, forced)?;
+        joined.finish();
+        log::emit(
+            LogLevel::Info,
+            Some(rank),
+            &format!(
+                "joined {size} ranks in {:.3} s: socket backend, tcp transport, local rank {}, listening on {}",
+                started.elapsed().as_secs_f64(),
+                joined.local_rank,
+                joined.roster.addrs[rank]
+            ),
+        );
+        Ok(Comm::from_parts(rank, size, joined.local_rank, opts.timeout, signal, backend, joined.server))
+    }
+
+    fn from_parts(
+        rank: usize,
+        size: usize,
+        local_rank: usize,
+        timeout: Duration,
+        signal: Arc<AbortSignal>,
+        backend: SocketBackend,
+        server: Option<TcpStoreServer>,
+    ) -> Comm {
+        Comm {
+            shared: Arc::new(Shared {
+                rank,
+                size,
+                local_rank,
+                timeout,
+                signal,
+                engine: Mutex::new(Engine { backend, _server: server }),
+                queue: Mutex::new(Queue::default()),
+                queue_changed: Condvar::new(),
+                worker: Mutex::new(None),
+            }),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    pub fn local_rank(&self) -> usize {
+        self.shared.local_rank
+    }
+
+    pub fn backend(&self) -> Backend {
+        Backend::Socket
+    }
+
+    /// Runs a call now (or queues it in the current group).
+    ///
+    /// # Safety
+    /// The call's buffers must stay valid until it completes (for a call
+    /// inside a group: until the group ends).
+    pub unsafe fn run(&self, call: Call) -> Result<()> {
+        if group::active() {
+            group::enqueue(self.shared.clone(), call);
+            return Ok(());
+        }
+        self.shared.run_batch(vec![call])
+    }
+
+    /// Starts a call on the communicator's worker and returns at once.
+    ///
+    /// # Safety
+    /// The call's buffers must stay valid and untouched until the request
+    /// completes.
+    pub unsafe fn submit(&self, call: Call) -> Result<Request> {
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
+            ));
+        }
+        self.shared.submit(vec![call])
+    }
+
+    /// Collective: ranks with equal `color` form a new communicator ordered
+    /// by (key, rank); a negative color (RDIST_SPLIT_NOCOLOR) yields None.
+    pub fn split(&self, color: i32, key: i32) -> Result<Option<Comm>> {
+        if color < 0 && color != -1 {
+            return Err(Error::invalid_argument(format!(
+                "color {color} is negative (use RDIST_SPLIT_NOCOLOR, -1, to opt out)"
+            )));
+        }
+        if group::active() {
+            return Err(Error::invalid_usage("rdist_comm_split cannot be called inside a group"));
+        }
+        // Wait for queued non-blocking calls: split comes after them.
+        {
+            let mut q = lock(&self.shared.queue);
+            while q.unfinished > 0 {
+                q = self.shared.queue_changed.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
+        let mut engine = lock(&self.shared.engine);
+        let Some((rank, backend)) = engine.backend.split(color, key, signal.clone())? else {
+            return Ok(None);
+        };
+        let size = backend.roster().addrs.len();
+        let local_rank = backend.roster().local_rank(rank);
+        Ok(Some(Comm::from_parts(rank, size, local_rank, self.shared.timeout, signal, backend, None)))
+    }
+
+    /// Makes pending and future calls fail with `Aborted` here and on every
+    /// rank that can still be reached. Callable from any thread.
+    pub fn abort(&self) {
+        self.shared.signal.abort();
+        // The running call (if any) notices at once and lets go of the engine.
+        lock(&self.shared.engine).backend.abort();
+    }
+
+    /// A handle that can abort this communicator from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Aborts a communicator from another thread (see `Comm::abort`).
+#[derive(Clone)]
+pub struct AbortHandle {
+    shared: Arc<Shared>,
+}
+
+impl AbortHandle {
+    pub fn abort(&self) {
+        self.shared.signal.abort();
+        lock(&self.shared.engine).backend.abort();
+    }
+}
+
+impl Drop for Comm {
+    /// Local: finishes queued calls, says goodbye to the peers, closes
+    /// every connection and joins every thread.
+    fn drop(&mut self) {
+        self.shared.stop_worker();
+        lock(&self.shared.engine).backend.close();
+    }
+}

@@ -1,0 +1,173 @@
+//! Communicator creation, queries, split, abort and destroy.
+
+use super::options::c_str;
+use super::types::*;
+use super::{boundary, check_out, handle, write_out};
+use crate::comm::Comm;
+use crate::error::Result;
+use crate::options::Options;
+use std::ffi::c_int;
+
+fn options_of(opts: *const rdist_options_t) -> Options {
+    // SAFETY: NULL or a live handle from rdist_options_create.
+    unsafe { opts.as_ref() }.map(|o| o.opts.clone()).unwrap_or_default()
+}
+
+fn publish(out: *mut *mut rdist_comm_t, comm: Comm) -> Result<()> {
+    write_out(out, "out", Box::into_raw(Box::new(rdist_comm_t { comm })))
+}
+
+fn rank_hint(rank: c_int) -> Option<usize> {
+    (rank >= 0).then_some(rank as usize)
+}
+
+/// torch.distributed-style creation. `init_method` is "env://",
+/// "tcp://HOST:PORT" or "file:///path"; `rank`/`world_size` -1 read RANK /
+/// WORLD_SIZE (falling back to Slurm's and Open MPI's variables). env://
+/// reads MASTER_ADDR and MASTER_PORT. `opts` may be NULL. Blocks until all
+/// world_size ranks have joined or timeout_ms passes; on timeout the error
+/// names the ranks that never arrived. On failure *out is left unchanged.
+#[no_mangle]
+pub extern "C" fn rdist_init(
+    out: *mut *mut rdist_comm_t,
+    init_method: *const std::ffi::c_char,
+    rank: c_int,
+    world_size: c_int,
+    opts: *const rdist_options_t,
+) -> rdist_result_t {
+    boundary("rdist_init", rank_hint(rank), || {
+        check_out(out, "out")?;
+        let method = c_str(init_method, "init_method")?;
+        let comm = Comm::init(method, rank.into(), world_size.into(), &options_of(opts))?;
+        publish(out, comm)
+    })
+}
+
+/// NCCL-style bootstrap, step 1: creates an id and hosts its rendezvous in
+/// this process until every rank has joined (or timeout_ms). Ship the
+/// bytes to every rank by your own means; an id is good for one
+/// communicator.
+#[no_mangle]
+pub extern "C" fn rdist_get_unique_id(out: *mut rdist_unique_id_t) -> rdist_result_t {
+    boundary("rdist_get_unique_id", None, || {
+        check_out(out, "out")?;
+        let bytes = Comm::unique_id()?;
+        let mut id = rdist_unique_id_t {
+            internal: [0; RDIST_UNIQUE_ID_BYTES],
+        };
+        for (d, s) in id.internal.iter_mut().zip(bytes) {
+            *d = s as std::ffi::c_char;
+        }
+        write_out(out, "out", id)
+    })
+}
+
+/// NCCL-style bootstrap, step 2: joins the communicator of `id` as `rank`
+/// of `world_size` (id by value, as ncclCommInitRank). On failure *out is
+/// left unchanged.
+#[no_mangle]
+pub extern "C" fn rdist_comm_init_rank(
+    out: *mut *mut rdist_comm_t,
+    world_size: c_int,
+    id: rdist_unique_id_t,
+    rank: c_int,
+    opts: *const rdist_options_t,
+) -> rdist_result_t {
+    boundary("rdist_comm_init_rank", rank_hint(rank), || {
+        check_out(out, "out")?;
+        let mut bytes = [0u8; RDIST_UNIQUE_ID_BYTES];
+        for (d, s) in bytes.iter_mut().zip(id.internal) {
+            *d = s as u8;
+        }
+        let comm = Comm::init_rank(&bytes, rank.into(), world_size.into(), &options_of(opts))?;
+        publish(out, comm)
+    })
+}
+
+fn query(func: &str, comm: *const rdist_comm_t, out: *mut c_int, get: impl FnOnce(&Comm) -> usize) -> rdist_result_t {
+    boundary(func, None, || {
+        let c = handle(comm, "comm")?;
+        write_out(out, "out", get(&c.comm) as c_int)
+    })
+}
+
+/// This process's rank in `comm`.
+#[no_mangle]
+pub extern "C" fn rdist_comm_rank(comm: *const rdist_comm_t, rank: *mut c_int) -> rdist_result_t {
+    query("rdist_comm_rank", comm, rank, Comm::rank)
+}
+
+/// The number of ranks in `comm`.
+#[no_mangle]
+pub extern "C" fn rdist_comm_size(comm: *const rdist_comm_t, size: *mut c_int) -> rdist_result_t {
+    query("rdist_comm_size", comm, size, Comm::size)
+}
+
+/// This process's rank among the ranks of `comm` on the same host.
+#[no_mangle]
+pub extern "C" fn rdist_comm_local_rank(comm: *const rdist_comm_t, local_rank: *mut c_int) -> rdist_result_t {
+    query("rdist_comm_local_rank", comm, local_rank, Comm::local_rank)
+}
+
+/// The backend `comm` runs on (never RDIST_BACKEND_AUTO).
+#[no_mangle]
+pub extern "C" fn rdist_comm_backend(comm: *const rdist_comm_t, backend: *mut rdist_backend_t) -> rdist_result_t {
+    boundary("rdist_comm_backend", None, || {
+        let c = handle(comm, "comm")?;
+        check_out(backend, "backend")?;
+        let value = match c.comm.backend() {
+            crate::options::Backend::Nccl => rdist_backend_t::RDIST_BACKEND_NCCL,
+            _ => rdist_backend_t::RDIST_BACKEND_SOCKET,
+        };
+        write_out(backend, "backend", value)
+    })
+}
+
+/// Collective over `comm`: ranks with equal `color` form a new
+/// communicator, ordered by (key, old rank). `color` RDIST_SPLIT_NOCOLOR
+/// yields *out = NULL. On failure *out is left unchanged.
+#[no_mangle]
+pub extern "C" fn rdist_comm_split(comm: *mut rdist_comm_t, color: c_int, key: c_int, out: *mut *mut rdist_comm_t) -> rdist_result_t {
+    let rank = rank_of(comm);
+    boundary("rdist_comm_split", rank, || {
+        let c = handle(comm, "comm")?;
+        check_out(out, "out")?;
+        match c.comm.split(color, key)? {
+            Some(child) => publish(out, child),
+            None => write_out(out, "out", std::ptr::null_mut()),
+        }
+    })
+}
+
+/// Makes every pending and future operation on `comm`, on every rank that
+/// can still be reached, fail promptly with RDIST_ERR_ABORTED. Callable
+/// from any thread while another thread is blocked in `comm`.
+#[no_mangle]
+pub extern "C" fn rdist_comm_abort(comm: *mut rdist_comm_t) -> rdist_result_t {
+    let rank = rank_of(comm);
+    boundary("rdist_comm_abort", rank, || {
+        handle(comm, "comm")?.comm.abort();
+        Ok(())
+    })
+}
+
+/// Local: needs no other rank. Finishes this rank's queued non-blocking
+/// calls, lets data already handed to rdist reach the peers, then frees
+/// every thread, socket and buffer of `comm`. A peer that later waits on
+/// this rank gets RDIST_ERR_PEER_LOST. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn rdist_comm_destroy(comm: *mut rdist_comm_t) -> rdist_result_t {
+    boundary("rdist_comm_destroy", rank_of(comm), || {
+        if !comm.is_null() {
+            // SAFETY: from Box::into_raw in publish(); destroyed once.
+            drop(unsafe { Box::from_raw(comm) });
+        }
+        Ok(())
+    })
+}
+
+/// The rank of a communicator handle, for error messages.
+pub(crate) fn rank_of(comm: *const rdist_comm_t) -> Option<usize> {
+    // SAFETY: NULL or a live handle.
+    unsafe { comm.as_ref() }.map(|c| c.comm.rank())
+}

@@ -1,0 +1,87 @@
+//! The C ABI: the only `extern "C"` code. It translates pointers, enums
+//! and errors into the safe API and back, and nothing else. Every export
+//! runs its body through `boundary`, which catches panics and records the
+//! thread-local `rdist_last_error()` text.
+
+#![allow(non_camel_case_types)]
+
+pub mod collectives;
+pub mod comm;
+pub mod options;
+pub mod p2p;
+pub mod requests;
+pub mod types;
+pub mod version;
+
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use types::rdist_result_t;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(text: String) {
+    let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Pointer to this thread's last error text (valid until the next call).
+pub(crate) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The panic boundary every export goes through: runs `body`, maps its
+/// error to a result code and a message "FUNC: rank R: cause", and turns
+/// a panic into RDIST_ERR_INTERNAL.
+pub(crate) fn boundary(func: &str, rank: Option<usize>, body: impl FnOnce() -> Result<()>) -> rdist_result_t {
+    set_last_error(String::new());
+    let who = match rank {
+        Some(r) => format!("{func}: rank {r}"),
+        None => func.to_string(),
+    };
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => rdist_result_t::RDIST_SUCCESS,
+        Ok(Err(e)) => {
+            set_last_error(format!("{who}: {}", e.message()));
+            rdist_result_t::from(e.kind())
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_last_error(format!("{who}: internal error (a bug in rdist, please report it): {what}"));
+            rdist_result_t::RDIST_ERR_INTERNAL
+        }
+    }
+}
+
+/// Borrows a handle, refusing NULL.
+pub(crate) fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
+    // SAFETY: non-NULL handles come from Box::into_raw in this module and
+    // are alive until their destroy call (using one after is the caller's
+    // undefined behaviour, as in C).
+    unsafe { p.as_ref() }.ok_or_else(|| Error::invalid_argument(format!("{name} is NULL")))
+}
+
+/// Writes an out-parameter (only ever on success), refusing NULL.
+pub(crate) fn write_out<T>(p: *mut T, name: &str, value: T) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::invalid_argument(format!("{name} (an out-pointer) is NULL")));
+    }
+    // SAFETY: non-NULL and, per the contract, pointing at a writable T.
+    unsafe { p.write(value) };
+    Ok(())
+}
+
+/// Checks an out-pointer before any work is done.
+pub(crate) fn check_out<T>(p: *mut T, name: &str) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::invalid_argument(format!("{name} (an out-pointer) is NULL")));
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! rdist_options_*: key/value settings for rdist_init / rdist_comm_init_rank.
+
+use super::types::{rdist_options_t, rdist_result_t};
+use super::{boundary, handle, write_out};
+use crate::error::{Error, Result};
+use crate::options::Options;
+use std::ffi::{c_char, CStr};
+
+/// Reads a C string argument, refusing NULL and invalid UTF-8.
+pub(crate) fn c_str<'a>(p: *const c_char, name: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::invalid_argument(format!("{name} is NULL")));
+    }
+    // SAFETY: non-NULL, and per the contract a NUL-terminated string.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Error::invalid_argument(format!("{name} is not valid UTF-8")))
+}
+
+/// Creates an empty option set (every key at its default / environment
+/// value). On failure *out is left unchanged.
+#[no_mangle]
+pub extern "C" fn rdist_options_create(out: *mut *mut rdist_options_t) -> rdist_result_t {
+    boundary("rdist_options_create", None, || {
+        let boxed = Box::new(rdist_options_t { opts: Options::default() });
+        write_out(out, "out", Box::into_raw(boxed))
+    })
+}
+
+/// Sets `key` to `value` (both NUL-terminated). Keys: backend, transport,
+/// algo, timeout_ms, local_rank, device, ifname, auth_token, debug,
+/// trace_file. Unknown keys and unparsable values give
+/// RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
+/// option wins over its environment variable.
+#[no_mangle]
+pub extern "C" fn rdist_options_set(opts: *mut rdist_options_t, key: *const c_char, value: *const c_char) -> rdist_result_t {
+    boundary("rdist_options_set", None, || {
+        let o = handle(opts, "opts")?;
+        let (k, v) = (c_str(key, "key")?, c_str(value, "value")?);
+        let mut updated = o.opts.clone();
+        updated.set(k, v)?;
+        // SAFETY: handle() checked non-NULL; the caller owns it exclusively.
+        unsafe { (*opts).opts = updated };
+        Ok(())
+    })
+}
+
+/// Frees an option set; NULL is a no-op. Communicators created with it
+/// keep their own copy.
+#[no_mangle]
+pub extern "C" fn rdist_options_destroy(opts: *mut rdist_options_t) {
+    if !opts.is_null() {
+        // SAFETY: from Box::into_raw in rdist_options_create.
+        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(opts) }));
+    }
+}

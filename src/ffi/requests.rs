@@ -1,0 +1,43 @@
+//! Completing non-blocking calls.
+
+use super::types::*;
+use super::{boundary, handle, write_out};
+use std::ffi::c_int;
+
+/// Blocks until the request completes and returns its result (bounded by
+/// the communicator's timeout_ms). The request stays valid: free it with
+/// rdist_request_free.
+#[no_mangle]
+pub extern "C" fn rdist_wait(req: *mut rdist_request_t) -> rdist_result_t {
+    boundary("rdist_wait", None, || handle(req, "req")?.req.wait())
+}
+
+/// Never blocks: *done = 1 when the request has completed (the call then
+/// returns its result), else *done = 0 and RDIST_SUCCESS.
+#[no_mangle]
+pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdist_result_t {
+    boundary("rdist_test", None, || {
+        let r = handle(req, "req")?;
+        super::check_out(done, "done")?;
+        match r.req.test() {
+            None => write_out(done, "done", 0),
+            Some(result) => {
+                write_out(done, "done", 1)?;
+                result
+            }
+        }
+    })
+}
+
+/// Frees a request, waiting first if it is still in flight. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
+    if req.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: from Box::into_raw in issue(); freed once.
+        let r = unsafe { Box::from_raw(req) };
+        let _ = r.req.wait();
+    });
+}

@@ -1,0 +1,140 @@
+//! The C types: opaque handles, result/dtype/op/backend enums, unique id.
+//! Enum *arguments* arrive as plain integers (`RawDType` etc., shown as
+//! the enum types in the header) and are validated with TryFrom.
+
+use crate::comm::{Comm, Request};
+use crate::error::ErrorKind;
+use crate::options::Options;
+use std::ffi::{c_char, c_int};
+
+/// Result of every fallible call; 0 is success. Details of a failure are in
+/// rdist_last_error().
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum rdist_result_t {
+    RDIST_SUCCESS = 0,
+    /// Bad pointer, count, rank, dtype, op or option.
+    RDIST_ERR_INVALID_ARGUMENT = 1,
+    /// Call not allowed in this state.
+    RDIST_ERR_INVALID_USAGE = 2,
+    /// A bounded wait ran out.
+    RDIST_ERR_TIMEOUT = 3,
+    /// A rank exited, crashed or disconnected.
+    RDIST_ERR_PEER_LOST = 4,
+    /// Ranks called different collectives/counts/dtypes.
+    RDIST_ERR_MISMATCH = 5,
+    /// The communicator was aborted.
+    RDIST_ERR_ABORTED = 6,
+    /// The requested backend is not usable here.
+    RDIST_ERR_UNAVAILABLE = 7,
+    /// An OS or network call failed.
+    RDIST_ERR_SYSTEM = 8,
+    /// NCCL or CUDA reported an error.
+    RDIST_ERR_BACKEND = 9,
+    /// A peer failed the job's authentication.
+    RDIST_ERR_AUTH = 10,
+    /// A bug in rdist.
+    RDIST_ERR_INTERNAL = 11,
+}
+
+impl From<ErrorKind> for rdist_result_t {
+    fn from(k: ErrorKind) -> rdist_result_t {
+        use rdist_result_t::*;
+        match k {
+            ErrorKind::InvalidArgument => RDIST_ERR_INVALID_ARGUMENT,
+            ErrorKind::InvalidUsage => RDIST_ERR_INVALID_USAGE,
+            ErrorKind::Timeout => RDIST_ERR_TIMEOUT,
+            ErrorKind::PeerLost => RDIST_ERR_PEER_LOST,
+            ErrorKind::Mismatch => RDIST_ERR_MISMATCH,
+            ErrorKind::Aborted => RDIST_ERR_ABORTED,
+            ErrorKind::Unavailable => RDIST_ERR_UNAVAILABLE,
+            ErrorKind::System => RDIST_ERR_SYSTEM,
+            ErrorKind::Backend => RDIST_ERR_BACKEND,
+            ErrorKind::Auth => RDIST_ERR_AUTH,
+            ErrorKind::Internal => RDIST_ERR_INTERNAL,
+        }
+    }
+}
+
+/// Element types. Values equal NCCL's ncclDataType_t, so engines can cast
+/// directly.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum rdist_dtype_t {
+    RDIST_INT8 = 0,
+    RDIST_UINT8 = 1,
+    RDIST_INT32 = 2,
+    RDIST_UINT32 = 3,
+    RDIST_INT64 = 4,
+    RDIST_UINT64 = 5,
+    RDIST_FLOAT16 = 6,
+    RDIST_FLOAT32 = 7,
+    RDIST_FLOAT64 = 8,
+    RDIST_BFLOAT16 = 9,
+}
+
+/// Reductions. Values equal NCCL's ncclRedOp_t. AVG is SUM divided by the
+/// group size (for integers: truncating division).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum rdist_op_t {
+    RDIST_SUM = 0,
+    RDIST_PROD = 1,
+    RDIST_MAX = 2,
+    RDIST_MIN = 3,
+    RDIST_AVG = 4,
+}
+
+/// Backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum rdist_backend_t {
+    RDIST_BACKEND_AUTO = 0,
+    RDIST_BACKEND_SOCKET = 1,
+    RDIST_BACKEND_NCCL = 2,
+}
+
+/// An rdist_result_t as it arrives (any int).
+pub type RawResult = c_int;
+/// An rdist_dtype_t as it arrives (any int; validated, never transmuted).
+pub type RawDType = c_int;
+/// An rdist_op_t as it arrives.
+pub type RawOp = c_int;
+/// An rdist_backend_t as it is written out.
+pub type RawBackend = c_int;
+
+/// Size of rdist_unique_id_t.
+pub const RDIST_UNIQUE_ID_BYTES: usize = 128;
+
+/// Opaque bytes from rdist_get_unique_id(); copy all of them to every rank.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct rdist_unique_id_t {
+    pub internal: [c_char; RDIST_UNIQUE_ID_BYTES],
+}
+
+/// Pass as color to rdist_comm_split() to take no part in any new
+/// communicator.
+pub const RDIST_SPLIT_NOCOLOR: c_int = -1;
+
+/// A communicator (process group).
+pub struct rdist_comm {
+    pub(crate) comm: Comm,
+}
+
+/// An operation in flight.
+pub struct rdist_request {
+    pub(crate) req: Request,
+}
+
+/// Key/value settings.
+pub struct rdist_options {
+    pub(crate) opts: Options,
+}
+
+/// A communicator (process group).
+pub type rdist_comm_t = rdist_comm;
+/// An operation in flight.
+pub type rdist_request_t = rdist_request;
+/// Key/value settings.
+pub type rdist_options_t = rdist_options;

@@ -1,0 +1,82 @@
+//! rdist_group_start/end: per-thread, nestable. Calls made inside a group
+//! are queued and run together at the outermost end, so that sends and
+//! receives between the same ranks can't deadlock each other.
+
+use crate::call::Call;
+use crate::comm::Shared;
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+#[derive(Default)]
+struct Group {
+    depth: usize,
+    queued: Vec<(Arc<Shared>, Call)>,
+}
+
+thread_local! {
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+pub fn start() {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+}
+
+pub fn active() -> bool {
+    GROUP.with(|g| g.borrow().depth > 0)
+}
+
+/// Queues a call on `comm` for the current group.
+pub(crate) fn enqueue(comm: Arc<Shared>, call: Call) {
+    GROUP.with(|g| g.borrow_mut().queued.push((comm, call)));
+}
+
+/// Ends one level; the outermost end runs everything queued (each
+/// communicator's calls in order, different communicators concurrently)
+/// and reports the first error.
+///
+/// # Safety
+/// Every queued call's buffers must still be valid (the C contract).
+pub unsafe fn end() -> Result<()> {
+    let queued = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Error::invalid_usage(
+                "rdist_group_end without a matching rdist_group_start",
+            ));
+        }
+        g.depth -= 1;
+        Ok(if g.depth == 0 { std::mem::take(&mut g.queued) } else { Vec::new() })
+    })?;
+    // Split by communicator, keeping each one's order.
+    let mut per_comm: Vec<(Arc<Shared>, Vec<Call>)> = Vec::new();
+    for (comm, call) in queued {
+        match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &comm)) {
+            Some((_, calls)) => calls.push(call),
+            None => per_comm.push((comm, vec![call])),
+        }
+    }
+    match per_comm.len() {
+        0 => Ok(()),
+        1 => {
+            let (comm, calls) = &per_comm[0];
+            comm.run_batch(calls.clone())
+        }
+        _ => std::thread::scope(|s| {
+            let handles: Vec<_> = per_comm
+                .iter()
+                .map(|(comm, calls)| {
+                    let calls = calls.clone();
+                    // SAFETY: the caller keeps the buffers valid until end returns,
+                    // and we join every thread before returning.
+                    s.spawn(move || unsafe { comm.run_batch(calls) })
+                })
+                .collect();
+            let results: Vec<Result<()>> = handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a group thread panicked"))))
+                .collect();
+            results.into_iter().collect::<Result<Vec<()>>>().map(|_| ())
+        }),
+    }
+}

@@ -1,0 +1,289 @@
+//! Key/value settings: what `rdist_options_set` accepts, plus the environment
+//! variables that back each key. Parsed once, when a communicator is created.
+
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+/// Which backend runs the collectives (values equal `rdist_backend_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Backend {
+    Auto = 0,
+    Socket = 1,
+    Nccl = 2,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Socket => "socket",
+            Backend::Nccl => "nccl",
+        }
+    }
+}
+
+/// How bytes move between ranks on one host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Shared memory on one host, TCP across hosts.
+    Auto,
+    /// TCP everywhere (the cross-host path, testable on one machine).
+    Tcp,
+}
+
+/// Log verbosity (to stderr).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Warn = 0,
+    Info = 1,
+    Trace = 2,
+}
+
+/// Every setting of a communicator. `Options::default()` is the documented
+/// defaults; `Options::from_env()` layers the environment on top; explicit
+/// `set` calls win over both.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    pub backend: Backend,
+    pub transport: TransportKind,
+    pub algo: Option<String>,
+    pub timeout: Duration,
+    pub local_rank: Option<i32>,
+    pub device: Option<i32>,
+    pub ifname: Option<String>,
+    pub auth_token: Option<String>,
+    pub debug: LogLevel,
+    pub trace_file: Option<String>,
+    /// Keys set explicitly (they win over the environment).
+    explicit: Vec<&'static str>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            backend: Backend::Auto,
+            transport: TransportKind::Auto,
+            algo: None,
+            timeout: Duration::from_millis(300_000),
+            local_rank: None,
+            device: None,
+            ifname: None,
+            auth_token: None,
+            debug: LogLevel::Warn,
+            trace_file: None,
+            explicit: Vec::new(),
+        }
+    }
+}
+
+/// Each key with the environment variable that supplies it.
+pub const KEYS: [(&str, &str); 10] = [
+    ("backend", "RDIST_BACKEND"),
+    ("transport", "RDIST_TRANSPORT"),
+    ("algo", "RDIST_ALGO"),
+    ("timeout_ms", "RDIST_TIMEOUT_MS"),
+    ("local_rank", "LOCAL_RANK"),
+    ("device", "RDIST_DEVICE"),
+    ("ifname", "RDIST_SOCKET_IFNAME"),
+    ("auth_token", "RDIST_AUTH_TOKEN"),
+    ("debug", "RDIST_DEBUG"),
+    ("trace_file", "RDIST_TRACE_FILE"),
+];
+
+impl Options {
+    /// Sets `key` to `value`, validating both.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        let canonical = KEYS
+            .iter()
+            .map(|(k, _)| *k)
+            .find(|k| *k == key)
+            .ok_or_else(|| {
+                let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+                Error::invalid_argument(format!(
+                    "unknown option '{key}' (known: {})",
+                    known.join(", ")
+                ))
+            })?;
+        self.apply(canonical, value)?;
+        if !self.explicit.contains(&canonical) {
+            self.explicit.push(canonical);
+        }
+        Ok(())
+    }
+
+    /// These options with the environment filled in for every key not set
+    /// explicitly. A malformed environment variable is an error naming it.
+    pub fn with_env(&self) -> Result<Options> {
+        self.with_env_from(|name| std::env::var(name).ok())
+    }
+
+    /// `with_env` with an injectable lookup (for tests).
+    pub fn with_env_from(&self, lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
+        let mut merged = self.clone();
+        for (key, var) in KEYS {
+            if self.explicit.contains(&key) {
+                continue;
+            }
+            if let Some(value) = lookup(var).filter(|v| !v.trim().is_empty()) {
+                merged
+                    .apply(key, &value)
+                    .map_err(|e| e.context(format!("environment variable {var}")))?;
+            }
+        }
+        Ok(merged)
+    }
+
+    fn apply(&mut self, key: &str, value: &str) -> Result<()> {
+        let v = value.trim();
+        let bad = |what: &str| {
+            Error::invalid_argument(format!("option '{key}': '{value}' is not {what}"))
+        };
+        match key {
+            "backend" => {
+                self.backend = match v.to_ascii_lowercase().as_str() {
+                    "auto" => Backend::Auto,
+                    "socket" | "gloo" | "tcp" => Backend::Socket,
+                    "nccl" => Backend::Nccl,
+                    _ => return Err(bad("one of auto, socket, nccl")),
+                }
+            }
+            "transport" => {
+                self.transport = match v.to_ascii_lowercase().as_str() {
+                    "auto" | "shm" => TransportKind::Auto,
+                    "tcp" => TransportKind::Tcp,
+                    _ => return Err(bad("one of auto, tcp")),
+                }
+            }
+            "algo" => {
+                self.algo = match v.to_ascii_lowercase().as_str() {
+                    "" | "auto" => None,
+                    name => Some(name.to_string()),
+                }
+            }
+            "timeout_ms" => {
+                let ms: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|ms| *ms > 0)
+                    .ok_or_else(|| bad("a positive number of milliseconds"))?;
+                self.timeout = Duration::from_millis(ms);
+            }
+            "local_rank" => {
+                let r: i32 = v
+                    .parse()
+                    .ok()
+                    .filter(|r| *r >= 0)
+                    .ok_or_else(|| bad("a rank >= 0"))?;
+                self.local_rank = Some(r);
+            }
+            "device" => {
+                let d: i32 = v
+                    .parse()
+                    .ok()
+                    .filter(|d| *d >= 0)
+                    .ok_or_else(|| bad("a device ordinal >= 0"))?;
+                self.device = Some(d);
+            }
+            "ifname" => {
+                if v.is_empty() {
+                    return Err(bad("an interface list like eth0,eth1 or ^docker,lo"));
+                }
+                self.ifname = Some(v.to_string());
+            }
+            "auth_token" => self.auth_token = Some(value.to_string()).filter(|t| !t.is_empty()),
+            "debug" => {
+                self.debug = match v.to_ascii_uppercase().as_str() {
+                    "WARN" | "" => LogLevel::Warn,
+                    "INFO" => LogLevel::Info,
+                    "TRACE" => LogLevel::Trace,
+                    _ => return Err(bad("one of WARN, INFO, TRACE")),
+                }
+            }
+            "trace_file" => self.trace_file = Some(value.to_string()).filter(|t| !t.is_empty()),
+            _ => return Err(Error::internal(format!("option key '{key}' not handled"))),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let o = Options::default();
+        assert_eq!(o.backend, Backend::Auto);
+        assert_eq!(o.transport, TransportKind::Auto);
+        assert_eq!(o.timeout, Duration::from_secs(300));
+        assert_eq!(o.debug, LogLevel::Warn);
+    }
+
+    #[test]
+    fn every_key_accepts_a_valid_value() {
+        let mut o = Options::default();
+        for (key, value) in [
+            ("backend", "socket"),
+            ("transport", "tcp"),
+            ("algo", "ring"),
+            ("timeout_ms", "1500"),
+            ("local_rank", "3"),
+            ("device", "1"),
+            ("ifname", "^docker,lo"),
+            ("auth_token", "s3cret"),
+            ("debug", "info"),
+            ("trace_file", "/tmp/t.json"),
+        ] {
+            o.set(key, value).unwrap();
+        }
+        assert_eq!(o.backend, Backend::Socket);
+        assert_eq!(o.transport, TransportKind::Tcp);
+        assert_eq!(o.algo.as_deref(), Some("ring"));
+        assert_eq!(o.timeout, Duration::from_millis(1500));
+        assert_eq!(o.local_rank, Some(3));
+        assert_eq!(o.debug, LogLevel::Info);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_invalid_arguments() {
+        let mut o = Options::default();
+        let e = o.set("timeout", "5").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.message().contains("unknown option 'timeout'"), "{e}");
+        for (key, value) in [
+            ("timeout_ms", "-1"),
+            ("timeout_ms", "abc"),
+            ("timeout_ms", "0"),
+            ("backend", "mpi"),
+            ("debug", "LOUD"),
+            ("local_rank", "-2"),
+        ] {
+            let e = o.set(key, value).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{key}={value}");
+            assert!(e.message().contains(key), "{e}");
+        }
+    }
+
+    #[test]
+    fn explicit_options_win_over_the_environment() {
+        let mut o = Options::default();
+        o.set("timeout_ms", "1000").unwrap();
+        let env = |name: &str| match name {
+            "RDIST_TIMEOUT_MS" => Some("9000".to_string()),
+            "RDIST_TRANSPORT" => Some("tcp".to_string()),
+            _ => None,
+        };
+        let merged = o.with_env_from(env).unwrap();
+        assert_eq!(merged.timeout, Duration::from_millis(1000));
+        assert_eq!(merged.transport, TransportKind::Tcp);
+    }
+
+    #[test]
+    fn a_malformed_environment_variable_is_named() {
+        let env = |name: &str| (name == "RDIST_BACKEND").then(|| "bogus".to_string());
+        let e = Options::default().with_env_from(env).unwrap_err();
+        assert!(e.message().contains("RDIST_BACKEND"), "{e}");
+    }
+}

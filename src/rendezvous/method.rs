@@ -1,0 +1,148 @@
+//! Where ranks meet: parsing `env://`, `tcp://HOST:PORT`, `file:///path`
+//! and the rank/world-size variables of torchrun, Slurm and Open MPI.
+
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+/// A parsed init method.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Method {
+    /// A TCP store at host:port, hosted by rank 0.
+    Tcp { host: String, port: u16 },
+    /// A store in a directory on a shared file system.
+    File(PathBuf),
+}
+
+/// The variables that can supply rank, world size and local rank, in order.
+const RANK_VARS: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+const SIZE_VARS: [&str; 4] = ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
+pub const LOCAL_RANK_VARS: [&str; 3] = ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
+
+/// Reads the first of `vars` that is set, as an integer.
+pub fn first_int(vars: &[&str], lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<i64>> {
+    for var in vars {
+        if let Some(v) = lookup(var).filter(|v| !v.trim().is_empty()) {
+            return v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| Error::invalid_argument(format!("environment variable {var}='{v}' is not an integer")));
+        }
+    }
+    Ok(None)
+}
+
+/// Parses `init_method`; `env://` reads MASTER_ADDR and MASTER_PORT.
+pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
+    let m = init_method.trim();
+    if m == "env://" || m.is_empty() {
+        let host = lookup("MASTER_ADDR").filter(|h| !h.is_empty()).ok_or_else(|| {
+            Error::invalid_argument(
+                "init method env:// needs MASTER_ADDR and MASTER_PORT (rdistrun and torchrun set them; under Slurm, export MASTER_ADDR=$(scontrol show hostnames | head -1))",
+            )
+        })?;
+        let port = lookup("MASTER_PORT")
+            .ok_or_else(|| Error::invalid_argument("init method env:// needs MASTER_PORT"))?;
+        return Ok(Method::Tcp { host, port: parse_port(&port, "MASTER_PORT")? });
+    }
+    if let Some(rest) = m.strip_prefix("tcp://") {
+        let (host, port) = rest.rsplit_once(':').ok_or_else(|| {
+            Error::invalid_argument(format!("init method '{m}' has no port (expected tcp://HOST:PORT)"))
+        })?;
+        if host.is_empty() {
+            return Err(Error::invalid_argument(format!("init method '{m}' has no host")));
+        }
+        return Ok(Method::Tcp {
+            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            port: parse_port(port.trim_end_matches('/'), "the port")?,
+        });
+    }
+    if let Some(path) = m.strip_prefix("file://") {
+        if !path.starts_with('/') {
+            return Err(Error::invalid_argument(format!(
+                "init method '{m}' needs an absolute path (file:///shared/dir/job)"
+            )));
+        }
+        return Ok(Method::File(PathBuf::from(path)));
+    }
+    Err(Error::invalid_argument(format!(
+        "unknown init method '{m}' (expected env://, tcp://HOST:PORT or file:///path)"
+    )))
+}
+
+fn parse_port(s: &str, what: &str) -> Result<u16> {
+    s.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| Error::invalid_argument(format!("{what} '{s}' is not a port number (1..65535)")))
+}
+
+/// Rank and world size from the arguments, -1 meaning "from the environment".
+pub fn rank_and_size(rank: i64, size: i64, lookup: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize)> {
+    let size = if size == -1 {
+        first_int(&SIZE_VARS, lookup)?.ok_or_else(|| {
+            Error::invalid_argument("world_size is -1 but none of WORLD_SIZE, SLURM_NTASKS, OMPI_COMM_WORLD_SIZE is set")
+        })?
+    } else {
+        size
+    };
+    if size < 1 || size > i32::MAX as i64 {
+        return Err(Error::invalid_argument(format!("world size {size} must be at least 1")));
+    }
+    let rank = if rank == -1 {
+        first_int(&RANK_VARS, lookup)?.ok_or_else(|| {
+            Error::invalid_argument("rank is -1 but none of RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK is set")
+        })?
+    } else {
+        rank
+    };
+    if rank < 0 || rank >= size {
+        return Err(Error::invalid_argument(format!(
+            "rank {rank} is out of range for world size {size}"
+        )));
+    }
+    Ok((rank as usize, size as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn methods_parse() {
+        let none = env(&[]);
+        assert_eq!(
+            parse("tcp://10.0.0.1:29500", &none).unwrap(),
+            Method::Tcp { host: "10.0.0.1".into(), port: 29500 }
+        );
+        assert_eq!(
+            parse("tcp://[::1]:80", &none).unwrap(),
+            Method::Tcp { host: "::1".into(), port: 80 }
+        );
+        assert_eq!(parse("file:///tmp/x", &none).unwrap(), Method::File("/tmp/x".into()));
+        let e = parse("env://", &none).unwrap_err();
+        assert!(e.message().contains("MASTER_ADDR"), "{e}");
+        let with = env(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "123")]);
+        assert_eq!(parse("env://", &with).unwrap(), Method::Tcp { host: "h".into(), port: 123 });
+        for bad in ["tcp://host", "tcp://:1", "tcp://h:70000", "file://rel", "mpi://x"] {
+            assert!(parse(bad, &none).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ranks_fall_back_to_slurm_and_open_mpi() {
+        let slurm = env(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8")]);
+        assert_eq!(rank_and_size(-1, -1, &slurm).unwrap(), (3, 8));
+        let ompi = env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+        assert_eq!(rank_and_size(-1, -1, &ompi).unwrap(), (1, 2));
+        assert_eq!(rank_and_size(0, 1, &env(&[])).unwrap(), (0, 1));
+        assert!(rank_and_size(4, 4, &env(&[])).is_err());
+        assert!(rank_and_size(-1, 4, &env(&[])).unwrap_err().message().contains("RANK"));
+        assert!(rank_and_size(0, 0, &env(&[])).is_err());
+    }
+}

@@ -1,0 +1,203 @@
+//! Rendezvous: ranks find each other through a key-value store (hosted by
+//! rank 0, by the unique id's creator, or kept in a shared directory),
+//! publish their listening address, host and pid, and learn everyone's.
+
+pub mod method;
+pub mod store;
+pub mod unique_id;
+
+use crate::backend::socket::Roster;
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::Options;
+use crate::transport::iface;
+use method::Method;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
+use unique_id::UniqueId;
+
+/// How ranks meet.
+#[derive(Clone, Debug)]
+pub enum Meeting {
+    Method(Method),
+    UniqueId(UniqueId),
+}
+
+/// What a rank knows once everyone has joined.
+pub struct Joined {
+    pub rank: usize,
+    pub size: usize,
+    pub local_rank: usize,
+    pub roster: Roster,
+    pub listener: TcpListener,
+    pub store: Arc<dyn Store>,
+    /// The store server, when this rank hosts it (kept alive with the comm).
+    pub server: Option<TcpStoreServer>,
+    file_store: Option<Arc<FileStore>>,
+}
+
+impl Joined {
+    /// Called once the mesh is up: the store's job is done; a shared
+    /// directory is removed by the last rank to get here.
+    pub fn finish(&self) {
+        let connected = self.store.add("connected", 1).unwrap_or(0);
+        if connected >= self.size as i64 {
+            if let Some(f) = &self.file_store {
+                let _ = f.remove();
+            }
+        }
+    }
+}
+
+fn left(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
+    match ip {
+        IpAddr::V4(_) => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port),
+        IpAddr::V6(_) => SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port),
+    }
+}
+
+/// Meets the other ranks; blocks until all `size` have joined or the
+/// timeout passes.
+pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Joined> {
+    let deadline = Instant::now() + opts.timeout;
+    let mut server = None;
+    let mut file_store = None;
+    let (store, master, job, place): (Arc<dyn Store>, Option<SocketAddr>, Option<[u8; 16]>, String) = match meeting {
+        Meeting::Method(Method::Tcp { host, port }) => {
+            let master = iface::resolve(host, *port)?;
+            if rank == 0 {
+                server = Some(TcpStoreServer::bind(wildcard(master.ip(), *port))?);
+            }
+            let client = TcpStoreClient::connect(&format!("{host}:{port}"), deadline)?;
+            (Arc::new(client), Some(master), None, format!("the store at {host}:{port}"))
+        }
+        Meeting::Method(Method::File(path)) => {
+            let f = Arc::new(FileStore::new(path)?);
+            file_store = Some(f.clone());
+            (f, None, None, format!("the directory {}", path.display()))
+        }
+        Meeting::UniqueId(id) => {
+            let client = TcpStoreClient::connect(&id.addr.to_string(), deadline)?;
+            (Arc::new(client), Some(id.addr), Some(id.job), format!("the unique id's store at {}", id.addr))
+        }
+    };
+    let job = match job {
+        Some(j) => j,
+        None if rank == 0 => {
+            let mut j = [0u8; 16];
+            unique_id::random_bytes(&mut j);
+            store.set("job", &j)?;
+            j
+        }
+        None => {
+            let v = store.get("job", left(deadline)).map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+            v.as_slice().try_into().map_err(|_| Error::internal("job id in the store has the wrong length"))?
+        }
+    };
+    if store.add(&format!("claim/{rank}"), 1)? > 1 {
+        return Err(Error::invalid_usage(format!(
+            "rank {rank} joined twice: two processes were started with rank {rank} (check RANK / the rank argument)"
+        )));
+    }
+    store.set("world_size", size.to_string().as_bytes())?;
+
+    let ip = match master {
+        Some(m) => iface::listen_address(opts.ifname.as_deref(), m)?,
+        None => iface::public_address(opts.ifname.as_deref()),
+    };
+    let listener = TcpListener::bind((ip, 0))
+        .map_err(|e| Error::system(format!("binding a listener on {ip}"), &e))?;
+    let addr = listener.local_addr().map_err(|e| Error::system("local_addr", &e))?;
+    let host = hostname();
+    let me = format!("{size} {addr} {host} {}", std::process::id());
+    store.set(&format!("rank/{rank}"), me.as_bytes())?;
+
+    let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store
+        .wait(&key_refs, left(deadline))
+        .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+    let mut addrs = Vec::with_capacity(size);
+    let mut hosts = Vec::with_capacity(size);
+    for (r, key) in keys.iter().enumerate() {
+        let v = String::from_utf8_lossy(&store.get(key, left(deadline).max(Duration::from_millis(1)))?).into_owned();
+        let mut parts = v.split(' ');
+        let (their_size, their_addr, their_host) = (parts.next(), parts.next(), parts.next());
+        if their_size != Some(&size.to_string()) {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {r} was started with world size {} but rank {rank} with {size}",
+                    their_size.unwrap_or("?")
+                ),
+            ));
+        }
+        addrs.push(
+            their_addr
+                .and_then(|a| a.parse().ok())
+                .ok_or_else(|| Error::internal(format!("rank {r} published a bad address '{v}'")))?,
+        );
+        hosts.push(their_host.unwrap_or("?").to_string());
+    }
+    let roster = Roster {
+        job,
+        comm_id: 0,
+        addrs,
+        hosts,
+    };
+    let local_rank = match opts.local_rank {
+        Some(l) => l as usize,
+        None => match method::first_int(&method::LOCAL_RANK_VARS[1..], &|k| std::env::var(k).ok())? {
+            Some(l) if l >= 0 => l as usize,
+            _ => roster.local_rank(rank),
+        },
+    };
+    Ok(Joined {
+        rank,
+        size,
+        local_rank,
+        roster,
+        listener,
+        store,
+        server,
+        file_store,
+    })
+}
+
+/// Turns a store timeout into a rendezvous timeout naming the missing ranks.
+fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &Options) -> Error {
+    if e.kind() != ErrorKind::Timeout {
+        return e;
+    }
+    let missing: Vec<usize> = (0..size)
+        .filter(|r| !store.check(&[&format!("rank/{r}")]).unwrap_or(false))
+        .collect();
+    let shown: Vec<String> = missing.iter().take(16).map(|r| r.to_string()).collect();
+    let more = if missing.len() > 16 { format!(" and {} more", missing.len() - 16) } else { String::new() };
+    Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "rendezvous through {place} timed out after {:.1} s: {} of {size} ranks joined; missing: rank{} {}{more}",
+            opts.timeout.as_secs_f64(),
+            size - missing.len(),
+            if missing.len() == 1 { "" } else { "s" },
+            shown.join(", ")
+        ),
+    )
+}

@@ -1,0 +1,243 @@
+//! Connecting every pair of ranks: rank i dials every lower rank and accepts
+//! every higher one. Each connection starts with a hello naming the job, the
+//! communicator and the rank (the slot where authentication goes later),
+//! answered by a one-byte verdict.
+
+use crate::error::{describe_io, Error, ErrorKind, Result};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+const HELLO_MAGIC: u32 = 0x5244_4831; // "RDH1"
+const HELLO_BYTES: usize = 40;
+
+/// Who is connecting to whom.
+#[derive(Clone, Debug)]
+pub struct MeshSpec {
+    pub rank: usize,
+    pub size: usize,
+    /// Listening address of every rank.
+    pub addrs: Vec<SocketAddr>,
+    /// Random per job; distinguishes jobs that reuse a port.
+    pub job: [u8; 16],
+    /// Distinguishes communicators of one job (the world, each split).
+    pub comm_id: u64,
+    pub deadline: Instant,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Verdict {
+    Welcome = 0,
+    OtherJob = 1,
+    OtherWorld = 2,
+}
+
+fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
+    let mut b = [0u8; HELLO_BYTES];
+    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[4..20].copy_from_slice(&spec.job);
+    b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
+    b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
+    b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
+    b
+}
+
+/// Judges a hello; returns the dialing rank when it belongs here.
+fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, Verdict> {
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    if u32_at(0) != HELLO_MAGIC || b[4..20] != spec.job {
+        return Err(Verdict::OtherJob);
+    }
+    let comm = u64::from_le_bytes(b[20..28].try_into().expect("8 bytes"));
+    let rank = u32_at(28) as usize;
+    if comm != spec.comm_id || u32_at(32) as usize != spec.size || rank <= spec.rank || rank >= spec.size {
+        return Err(Verdict::OtherWorld);
+    }
+    Ok(rank)
+}
+
+fn configure(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    // Keepalive finds peers whose host vanished without closing the
+    // connection (a crash of the machine, a cable); a process crash is
+    // seen at once anyway.
+    let set = |level: i32, name: i32, value: i32| {
+        // SAFETY: setsockopt on our own socket with a live i32.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const i32).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            )
+        };
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 2);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+}
+
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match TcpStream::connect_timeout(&addr, left(deadline)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() + pause < deadline => {
+                if e.kind() != io::ErrorKind::ConnectionRefused && e.kind() != io::ErrorKind::TimedOut {
+                    return Err(e);
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Connects this rank to every other; index = peer rank, `None` for self.
+pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<TcpStream>>> {
+    let mut streams: Vec<Option<TcpStream>> = (0..spec.size).map(|_| None).collect();
+    let me = hello(spec);
+    let timed_out = |what: String| {
+        Error::new(
+            ErrorKind::Timeout,
+            format!("rank {} timed out connecting to its peers: {what}", spec.rank),
+        )
+    };
+    for peer in 0..spec.rank {
+        let addr = spec.addrs[peer];
+        let mut s = dial(addr, spec.deadline).map_err(|e| {
+            Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "rank {} cannot connect to rank {peer} at {addr}: {}",
+                    spec.rank,
+                    describe_io(&e)
+                ),
+            )
+        })?;
+        configure(&s);
+        s.write_all(&me)
+            .map_err(|e| Error::system(format!("sending hello to rank {peer} at {addr}"), &e))?;
+        streams[peer] = Some(s);
+    }
+    accept_higher(listener, spec, &mut streams, &timed_out)?;
+    for peer in 0..spec.rank {
+        let s = streams[peer].as_mut().expect("dialed above");
+        s.set_read_timeout(Some(left(spec.deadline)))
+            .map_err(|e| Error::system("set_read_timeout", &e))?;
+        let mut verdict = [0u8; 1];
+        match s.read_exact(&mut verdict) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut => {
+                return Err(timed_out(format!("rank {peer} never answered the hello")));
+            }
+            Err(e) => {
+                return Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!("rank {peer} closed the connection during the handshake ({})", describe_io(&e)),
+                ))
+            }
+        }
+        match verdict[0] {
+            0 => {}
+            1 => {
+                return Err(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "rank {peer} at {} belongs to another job and refused this rank (two jobs sharing a MASTER_PORT?)",
+                        spec.addrs[peer]
+                    ),
+                ))
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    format!(
+                        "rank {peer} refused this rank: it expects a different communicator or world size (world size {} here)",
+                        spec.size
+                    ),
+                ))
+            }
+        }
+        s.set_read_timeout(None)
+            .map_err(|e| Error::system("set_read_timeout", &e))?;
+    }
+    Ok(streams)
+}
+
+fn accept_higher(
+    listener: &TcpListener,
+    spec: &MeshSpec,
+    streams: &mut [Option<TcpStream>],
+    timed_out: &dyn Fn(String) -> Error,
+) -> Result<()> {
+    let expected = spec.size - 1 - spec.rank;
+    let mut have = 0;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::system("set_nonblocking", &e))?;
+    while have < expected {
+        if Instant::now() >= spec.deadline {
+            let missing: Vec<String> = (spec.rank + 1..spec.size)
+                .filter(|r| streams[*r].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            return Err(timed_out(format!(
+                "ranks {} never connected to {}",
+                missing.join(", "),
+                spec.addrs[spec.rank]
+            )));
+        }
+        let (mut s, _) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let mut fd = libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                let ms = left(spec.deadline).as_millis().min(100) as i32;
+                // SAFETY: one live pollfd.
+                unsafe { libc::poll(&mut fd, 1, ms.max(1)) };
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::system("accept", &e)),
+        };
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_read_timeout(Some(left(spec.deadline).min(Duration::from_secs(10))));
+        let mut b = [0u8; HELLO_BYTES];
+        if s.read_exact(&mut b).is_err() {
+            continue; // a stray connection (a port scanner, a health check)
+        }
+        match judge(spec, &b) {
+            Ok(rank) if streams[rank].is_none() => {
+                s.write_all(&[Verdict::Welcome as u8])
+                    .map_err(|e| Error::system(format!("answering rank {rank}"), &e))?;
+                configure(&s);
+                let _ = s.set_read_timeout(None);
+                streams[rank] = Some(s);
+                have += 1;
+            }
+            Ok(_) => {
+                let _ = s.write_all(&[Verdict::OtherWorld as u8]);
+            }
+            Err(v) => {
+                let _ = s.write_all(&[v as u8]);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,714 @@
+//! The TCP transport: one non-blocking connection per peer and a poll()
+//! progress loop run by the calling thread. Every exchange also drains
+//! frames arriving early from any peer (into a per-peer inbox), so that
+//! symmetric sends never deadlock and a failure report from any rank, or a
+//! dead connection, is noticed while waiting for something else.
+
+use super::frame::{self, FrameKind, Header, HEADER_BYTES};
+use super::signal::AbortSignal;
+use super::{Dir, Transport, Xfer};
+use crate::error::{describe_io, Error, ErrorKind, Result};
+use crate::op::Desc;
+use std::collections::VecDeque;
+use std::io::{self, Read};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long failure reports and goodbyes may take per peer: they are best
+/// effort and must never hold up an error.
+const NOTIFY_BUDGET: Duration = Duration::from_millis(200);
+
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    conns: Vec<Option<Conn>>,
+    signal: Arc<AbortSignal>,
+    timeout: Duration,
+    /// Set by the first error; every later exchange fails with it.
+    failed: Option<Error>,
+    /// Whether the peers were told about `failed`.
+    notified: bool,
+}
+
+/// Why a peer can no longer be reached.
+#[derive(Clone, Debug)]
+enum Gone {
+    /// It destroyed its communicator cleanly.
+    Bye,
+    /// Its connection broke (the process exited or crashed).
+    Lost(String),
+}
+
+struct Conn {
+    stream: TcpStream,
+    inbox: VecDeque<(Header, Vec<u8>)>,
+    incoming: Incoming,
+    /// Bytes still to write of a frame whose writing was interrupted.
+    unfinished_out: usize,
+    gone: Option<Gone>,
+    connected_at: Instant,
+}
+
+enum Incoming {
+    Header { buf: [u8; HEADER_BYTES], got: usize },
+    Payload { header: Header, into: Target, got: usize },
+}
+
+enum Target {
+    /// Straight into the buffer of transfer `i` of the current exchange.
+    Posted(usize),
+    /// Into the inbox (nobody asked for it yet).
+    Early(Vec<u8>),
+    /// A control frame's payload.
+    Control(Vec<u8>),
+}
+
+/// Per-exchange bookkeeping.
+struct Progress {
+    /// Transfers not yet complete.
+    remaining: usize,
+    /// Per peer: indices of its receives/sends not yet complete, in order.
+    recvs: Vec<VecDeque<usize>>,
+    sends: Vec<VecDeque<usize>>,
+    /// Per transfer: bytes written so far (header included) and its header.
+    written: Vec<usize>,
+    headers: Vec<[u8; HEADER_BYTES]>,
+    /// The operation this exchange belongs to (for messages).
+    desc: Option<Desc>,
+}
+
+impl TcpTransport {
+    /// Takes over connected streams (index = peer rank; `None` for this rank).
+    pub fn new(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        signal: Arc<AbortSignal>,
+        timeout: Duration,
+    ) -> Result<TcpTransport> {
+        let size = streams.len();
+        let mut conns = Vec::with_capacity(size);
+        for s in streams {
+            conns.push(match s {
+                None => None,
+                Some(stream) => {
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(|e| Error::system("set_nonblocking", &e))?;
+                    Some(Conn {
+                        stream,
+                        inbox: VecDeque::new(),
+                        incoming: Incoming::Header {
+                            buf: [0; HEADER_BYTES],
+                            got: 0,
+                        },
+                        unfinished_out: 0,
+                        gone: None,
+                        connected_at: Instant::now(),
+                    })
+                }
+            });
+        }
+        Ok(TcpTransport {
+            rank,
+            size,
+            conns,
+            signal,
+            timeout,
+            failed: None,
+            notified: false,
+        })
+    }
+
+    /// The error this transport failed with, if any.
+    pub fn failure(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+
+    /// Marks the transport failed with `err` and tells every reachable peer
+    /// (unless the error came from a peer's own report). Returns `err`.
+    pub fn fail(&mut self, err: Error, tell_peers: bool) -> Error {
+        if self.failed.is_none() {
+            self.failed = Some(err.clone());
+        }
+        if tell_peers && !self.notified {
+            self.notified = true;
+            let report = match err.kind() {
+                ErrorKind::Aborted => format!("rank {} aborted the communicator", self.rank),
+                _ => format!("rank {} failed: {}", self.rank, err.message()),
+            };
+            let payload = frame::encode_failure(&Error::new(err.kind(), report));
+            let header = Header::control(FrameKind::Failure, payload.len()).encode();
+            for conn in self.conns.iter_mut().flatten() {
+                if conn.gone.is_none() {
+                    conn.send_control(&header, &payload);
+                }
+            }
+        }
+        err
+    }
+
+    /// Clean goodbye: tells peers this rank is leaving, lets the kernel
+    /// deliver what was already sent, and closes every connection.
+    pub fn close(&mut self) {
+        let header = Header::control(FrameKind::Bye, 0).encode();
+        for conn in self.conns.iter_mut().flatten() {
+            if conn.gone.is_none() && self.failed.is_none() {
+                conn.send_control(&header, &[]);
+            }
+            let _ = conn.stream.shutdown(Shutdown::Write);
+            conn.drain();
+        }
+        self.conns.clear();
+    }
+
+    fn conn(&mut self, peer: usize) -> &mut Conn {
+        self.conns[peer]
+            .as_mut()
+            .expect("exchange validated that peer is not this rank")
+    }
+
+    fn check_xfers(&self, xfers: &[Xfer<'_>]) -> Result<()> {
+        for x in xfers {
+            if x.peer >= self.size || x.peer == self.rank {
+                return Err(Error::internal(format!(
+                    "transfer with invalid peer {} on rank {} of {}",
+                    x.peer, self.rank, self.size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn start(&mut self, xfers: &mut [Xfer<'_>]) -> Result<Progress> {
+        let mut p = Progress {
+            remaining: xfers.len(),
+            recvs: vec![VecDeque::new(); self.size],
+            sends: vec![VecDeque::new(); self.size],
+            written: vec![0; xfers.len()],
+            headers: vec![[0; HEADER_BYTES]; xfers.len()],
+            desc: xfers.first().map(|x| x.desc),
+        };
+        for (i, x) in xfers.iter().enumerate() {
+            match &x.dir {
+                Dir::Send(data) => {
+                    p.headers[i] = Header::data(x.desc, data.len()).encode();
+                    p.sends[x.peer].push_back(i);
+                }
+                Dir::Recv(_) => p.recvs[x.peer].push_back(i),
+            }
+        }
+        // Frames that arrived early satisfy receives first, in order.
+        for peer in 0..self.size {
+            if self.conns[peer].is_some() {
+                self.match_inbox(peer, xfers, &mut p)?;
+            }
+        }
+        Ok(p)
+    }
+
+    /// Hands frames that arrived early to the receives waiting for them.
+    fn match_inbox(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        while let Some(&i) = p.recvs[peer].front() {
+            let Some((header, payload)) = self.conn(peer).inbox.pop_front() else {
+                break;
+            };
+            self.accept_header(peer, &header, i, xfers)?;
+            if let Dir::Recv(buf) = &mut xfers[i].dir {
+                buf.copy_from_slice(&payload);
+            }
+            p.recvs[peer].pop_front();
+            p.remaining -= 1;
+        }
+        Ok(())
+    }
+
+    /// Checks an arriving frame against the receive it is matched with.
+    fn accept_header(
+        &self,
+        peer: usize,
+        header: &Header,
+        i: usize,
+        xfers: &[Xfer<'_>],
+    ) -> Result<()> {
+        let mine = &xfers[i].desc;
+        if header.desc != *mine {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "mismatched calls: rank {} called {} but rank {} called {}",
+                    self.rank, mine, peer, header.desc
+                ),
+            ));
+        }
+        let want = match &xfers[i].dir {
+            Dir::Recv(buf) => buf.len() as u64,
+            Dir::Send(_) => 0,
+        };
+        if header.payload != want {
+            return Err(Error::internal(format!(
+                "rank {peer} sent {} bytes for {mine}, rank {} expected {want}",
+                header.payload, self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes as much as the socket takes of the sends queued for `peer`.
+    fn pump_sends(&mut self, peer: usize, xfers: &[Xfer<'_>], p: &mut Progress) -> Result<()> {
+        while let Some(&i) = p.sends[peer].front() {
+            let Dir::Send(data) = &xfers[i].dir else {
+                unreachable!("send queue holds sends")
+            };
+            let total = HEADER_BYTES + data.len();
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            while p.written[i] < total {
+                match write_frame_part(&conn.stream, &p.headers[i], data, p.written[i]) {
+                    Ok(n) => p.written[i] += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        conn.unfinished_out = total - p.written[i];
+                        return Ok(());
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        conn.unfinished_out = total - p.written[i];
+                        let why = describe_io(&e);
+                        conn.gone = Some(Gone::Lost(why.clone()));
+                        return Err(self.lost(peer, &why, p.desc));
+                    }
+                }
+            }
+            conn.unfinished_out = 0;
+            p.sends[peer].pop_front();
+            p.remaining -= 1;
+        }
+        Ok(())
+    }
+
+    /// Reads everything `peer` has sent so far, completing posted receives
+    /// and keeping early frames in its inbox.
+    fn pump_reads(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        loop {
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            if conn.gone.is_some() {
+                return Ok(());
+            }
+            let result = match &mut conn.incoming {
+                Incoming::Header { buf, got } => (&conn.stream).read(&mut buf[*got..]),
+                Incoming::Payload { into, got, .. } => {
+                    let dest: &mut [u8] = match into {
+                        Target::Posted(i) => match &mut xfers[*i].dir {
+                            Dir::Recv(buf) => buf,
+                            Dir::Send(_) => unreachable!("posted target is a receive"),
+                        },
+                        Target::Early(v) | Target::Control(v) => v,
+                    };
+                    (&conn.stream).read(&mut dest[*got..])
+                }
+            };
+            let n = match result {
+                Ok(0) => {
+                    let conn = self.conn(peer);
+                    if conn.gone.is_none() {
+                        conn.gone = Some(Gone::Lost("connection closed".into()));
+                    }
+                    return match conn.gone {
+                        Some(Gone::Lost(_)) => Err(self.lost(peer, "connection closed", p.desc)),
+                        _ => Ok(()),
+                    };
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let why = describe_io(&e);
+                    self.conn(peer).gone = Some(Gone::Lost(why.clone()));
+                    return Err(self.lost(peer, &why, p.desc));
+                }
+            };
+            self.advance_incoming(peer, n, xfers, p)?;
+        }
+    }
+
+    /// Accounts for `n` bytes read from `peer` and acts on completed parts.
+    fn advance_incoming(
+        &mut self,
+        peer: usize,
+        n: usize,
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+    ) -> Result<()> {
+        let conn = self.conn(peer);
+        let header = match &mut conn.incoming {
+            Incoming::Header { buf, got } => {
+                *got += n;
+                if *got < HEADER_BYTES {
+                    return Ok(());
+                }
+                Header::decode(buf, peer)?
+            }
+            Incoming::Payload { header, got, .. } => {
+                *got += n;
+                if (*got as u64) < header.payload {
+                    return Ok(());
+                }
+                return self.finish_frame(peer, xfers, p);
+            }
+        };
+        // A new frame begins: decide where its payload goes.
+        let into = match header.kind {
+            FrameKind::Data => match p.recvs[peer].front() {
+                Some(&i) => {
+                    self.accept_header(peer, &header, i, xfers)?;
+                    Target::Posted(i)
+                }
+                None => Target::Early(vec![0; header.payload as usize]),
+            },
+            FrameKind::Bye => {
+                self.conn(peer).gone = Some(Gone::Bye);
+                self.conn(peer).incoming = Incoming::Header {
+                    buf: [0; HEADER_BYTES],
+                    got: 0,
+                };
+                return Ok(());
+            }
+            FrameKind::Failure => Target::Control(vec![0; header.payload.min(1 << 16) as usize]),
+        };
+        self.conn(peer).incoming = Incoming::Payload {
+            header,
+            into,
+            got: 0,
+        };
+        if header.payload == 0 {
+            return self.finish_frame(peer, xfers, p);
+        }
+        Ok(())
+    }
+
+    fn finish_frame(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        let conn = self.conn(peer);
+        let done = std::mem::replace(
+            &mut conn.incoming,
+            Incoming::Header {
+                buf: [0; HEADER_BYTES],
+                got: 0,
+            },
+        );
+        let Incoming::Payload { header, into, .. } = done else {
+            return Ok(());
+        };
+        match into {
+            Target::Posted(_) => {
+                p.recvs[peer].pop_front();
+                p.remaining -= 1;
+            }
+            Target::Early(payload) => {
+                // A receive may have been posted while this frame arrived.
+                conn.inbox.push_back((header, payload));
+                return self.match_inbox(peer, xfers, p);
+            }
+            Target::Control(payload) => {
+                // The reporting rank tells everyone itself; don't echo it.
+                self.notified = true;
+                let (kind, text) = frame::decode_failure(&payload);
+                let here = match p.desc {
+                    Some(d) => format!(" (rank {} was in {d})", self.rank),
+                    None => String::new(),
+                };
+                return Err(Error::new(kind, format!("{text}{here}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn lost(&self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
+        let age = self.conns[peer]
+            .as_ref()
+            .map(|c| c.connected_at.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
+        let during = desc.map(|d| format!(" during {d}")).unwrap_or_default();
+        Error::new(
+            ErrorKind::PeerLost,
+            format!(
+                "rank {} lost its connection to rank {peer} ({why}: it exited or crashed){during}, {age:.1} s after connecting",
+                self.rank
+            ),
+        )
+    }
+
+    /// A peer that left cleanly can't serve transfers still waiting for it.
+    fn check_departed(&self, p: &Progress) -> Result<()> {
+        for (peer, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if let Some(Gone::Bye) = conn.gone {
+                if !p.recvs[peer].is_empty() || !p.sends[peer].is_empty() {
+                    let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!(
+                            "rank {peer} destroyed its communicator while rank {} still needed it{during}",
+                            self.rank
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn timeout_error(&self, p: &Progress) -> Error {
+        let mut waiting = Vec::new();
+        for peer in 0..self.size {
+            let r = p.recvs[peer].len();
+            let s = p.sends[peer].len();
+            if r + s > 0 {
+                let what = match (r > 0, s > 0) {
+                    (true, true) => "to send and to receive",
+                    (true, false) => "to send",
+                    _ => "to receive",
+                };
+                waiting.push(format!("rank {peer} ({what})"));
+            }
+        }
+        let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?",
+                self.rank,
+                self.timeout.as_secs_f64(),
+                waiting.join(", ")
+            ),
+        )
+    }
+
+    fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
+        self.check_xfers(xfers)?;
+        for (peer, conn) in self.conns.iter().enumerate() {
+            if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
+                return Err(self.lost(peer, &why.clone(), xfers.first().map(|x| x.desc)));
+            }
+        }
+        let mut p = self.start(xfers)?;
+        let deadline = Instant::now() + self.timeout;
+        // First pass: push sends and try the receives we expect.
+        for peer in 0..self.size {
+            if !p.sends[peer].is_empty() {
+                self.pump_sends(peer, xfers, &mut p)?;
+            }
+            if !p.recvs[peer].is_empty() {
+                self.pump_reads(peer, xfers, &mut p)?;
+            }
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + 1);
+        let mut peers_of: Vec<usize> = Vec::with_capacity(self.size);
+        while p.remaining > 0 {
+            self.check_departed(&p)?;
+            if self.signal.is_aborted() {
+                return Err(Error::new(
+                    ErrorKind::Aborted,
+                    format!("rdist_comm_abort was called on rank {}", self.rank),
+                ));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timeout_error(&p));
+            }
+            fds.clear();
+            peers_of.clear();
+            fds.push(libc::pollfd {
+                fd: self.signal.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            for (peer, conn) in self.conns.iter().enumerate() {
+                let Some(conn) = conn else { continue };
+                let mut events = 0;
+                if conn.gone.is_none() {
+                    events |= libc::POLLIN | libc::POLLRDHUP;
+                    if !p.sends[peer].is_empty() {
+                        events |= libc::POLLOUT;
+                    }
+                }
+                if events != 0 {
+                    fds.push(libc::pollfd {
+                        fd: conn.stream.as_raw_fd(),
+                        events,
+                        revents: 0,
+                    });
+                    peers_of.push(peer);
+                }
+            }
+            let wait_ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: fds is a live, correctly sized array of pollfd.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::system("poll", &e));
+            }
+            for k in 1..fds.len() {
+                let revents = fds[k].revents;
+                if revents == 0 {
+                    continue;
+                }
+                let peer = peers_of[k - 1];
+                if revents & libc::POLLOUT != 0 {
+                    self.pump_sends(peer, xfers, &mut p)?;
+                }
+                if revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                    self.pump_reads(peer, xfers, &mut p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(Error::new(
+                e.kind(),
+                format!("the communicator is unusable after an earlier error: {}", e.message()),
+            ));
+        }
+        match self.run(xfers) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(e, true)),
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Conn {
+    /// Best-effort, bounded write of a control frame. An interrupted data
+    /// frame is first completed with zeros so the peer can parse what
+    /// follows; if that can't be done in time the connection is shut down.
+    fn send_control(&mut self, header: &[u8], payload: &[u8]) {
+        let deadline = Instant::now() + NOTIFY_BUDGET;
+        let pad = vec![0u8; self.unfinished_out];
+        let ok = write_all_by(&self.stream, &pad, deadline)
+            && write_all_by(&self.stream, header, deadline)
+            && write_all_by(&self.stream, payload, deadline);
+        self.unfinished_out = 0;
+        if !ok {
+            let _ = self.stream.shutdown(Shutdown::Both);
+            self.gone = Some(Gone::Lost("shut down".into()));
+        }
+    }
+
+    /// Reads and discards what is already queued, so that closing does not
+    /// turn into a reset that could destroy data still travelling to the peer.
+    fn drain(&mut self) {
+        let mut sink = [0u8; 4096];
+        for _ in 0..64 {
+            match (&self.stream).read(&mut sink) {
+                Ok(n) if n > 0 => continue,
+                _ => break,
+            }
+        }
+    }
+}
+
+/// One writev of the rest of a frame (header then payload) from `offset`.
+fn write_frame_part(
+    stream: &TcpStream,
+    header: &[u8; HEADER_BYTES],
+    payload: &[u8],
+    offset: usize,
+) -> io::Result<usize> {
+    let (h, d) = if offset < HEADER_BYTES {
+        (&header[offset..], payload)
+    } else {
+        (&header[..0], &payload[offset - HEADER_BYTES..])
+    };
+    let iov = [
+        libc::iovec {
+            iov_base: h.as_ptr() as *mut libc::c_void,
+            iov_len: h.len(),
+        },
+        libc::iovec {
+            iov_base: d.as_ptr() as *mut libc::c_void,
+            iov_len: d.len(),
+        },
+    ];
+    let (iov, cnt) = if h.is_empty() { (&iov[1..], 1) } else { (&iov[..], 2) };
+    // SAFETY: the iovecs point into live slices for the duration of the call;
+    // MSG_NOSIGNAL semantics come from SIGPIPE being ignored (see below).
+    let n = unsafe { libc::writev(stream.as_raw_fd(), iov.as_ptr(), cnt) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Writes all of `bytes` to a non-blocking stream, waiting in poll until
+/// `deadline`. False when it could not.
+fn write_all_by(stream: &TcpStream, mut bytes: &[u8], deadline: Instant) -> bool {
+    while !bytes.is_empty() {
+        // SAFETY: bytes is a live slice; MSG_NOSIGNAL avoids SIGPIPE.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n > 0 {
+            bytes = &bytes[n as usize..];
+            continue;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::Interrupted {
+            return false;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let mut fd = libc::pollfd {
+            fd: stream.as_raw_fd(),
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut fd, 1, left.as_millis().max(1) as i32) };
+    }
+    true
+}
+
+/// Broken connections must surface as EPIPE errors, not kill the process
+/// (writev has no MSG_NOSIGNAL flag). Called once when rdist creates its
+/// first connection; a program that installed its own SIGPIPE handler keeps it.
+pub fn ignore_sigpipe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: querying and, if default, replacing the SIGPIPE disposition.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGPIPE, std::ptr::null(), &mut old);
+            if old.sa_sigaction == libc::SIG_DFL {
+                libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            }
+        }
+    });
+}

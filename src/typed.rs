@@ -1,0 +1,146 @@
+//! The typed, safe Rust API on `Comm`: slices in, results in slices out.
+//! Lengths are checked here; everything then runs through `Call`.
+
+use crate::call::{Call, Data};
+use crate::comm::Comm;
+use crate::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::error::{Error, Result};
+use crate::group;
+use crate::op::OpKind;
+use crate::reduce::ReduceOp;
+
+fn need(what: &str, have: usize, want: usize) -> Result<()> {
+    if have != want {
+        return Err(Error::invalid_argument(format!(
+            "{what} has {have} elements, expected {want}"
+        )));
+    }
+    Ok(())
+}
+
+impl Comm {
+    fn typed<T: Element>(&self, kind: OpKind, send: &[T], recv: &mut [T], count: usize, op: ReduceOp, root: usize) -> Result<()> {
+        let (s, r) = (as_bytes(send).as_ptr(), as_bytes_mut(recv).as_mut_ptr());
+        self.typed_raw::<T>(kind, s, r, count, op, root)
+    }
+
+    /// `send`/`recv` point into slices the callers hold for the whole call
+    /// (equal for in-place calls), with lengths they checked.
+    fn typed_raw<T: Element>(&self, kind: OpKind, send: *const u8, recv: *mut u8, count: usize, op: ReduceOp, root: usize) -> Result<()> {
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "the safe Rust API cannot be used inside a group (its borrows end before the group does)",
+            ));
+        }
+        let data = Data { count, dtype: T::DTYPE };
+        let call = Call::new(kind, send, recv, data, op, root as i64, self.rank(), self.size())?;
+        // SAFETY: the buffers outlive this blocking call, and the lengths
+        // checked by the callers cover what `call` touches.
+        unsafe { self.run(call) }
+    }
+
+    /// In-place allreduce of `buf` across all ranks.
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let p = as_bytes_mut(buf).as_mut_ptr();
+        self.typed_raw::<T>(OpKind::AllReduce, p, p, buf.len(), op, 0)
+    }
+
+    /// Out-of-place allreduce: `recv` = reduction of every rank's `send`.
+    pub fn allreduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        need("recv", recv.len(), send.len())?;
+        self.typed(OpKind::AllReduce, send, recv, send.len(), op, 0)
+    }
+
+    /// `buf` on `root` is copied into `buf` on every rank.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let p = as_bytes_mut(buf).as_mut_ptr();
+        self.typed_raw::<T>(OpKind::Broadcast, p, p, buf.len(), ReduceOp::Sum, root)
+    }
+
+    /// `recv` on `root` = reduction of every rank's `send` (`recv` is
+    /// ignored elsewhere and may be empty).
+    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        if self.rank() == root {
+            need("recv", recv.len(), send.len())?;
+        }
+        self.typed(OpKind::Reduce, send, recv, send.len(), op, root)
+    }
+
+    /// `recv` (size × send.len()) = every rank's `send`, rank-major.
+    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        need("recv", recv.len(), send.len() * self.size())?;
+        self.typed(OpKind::AllGather, send, recv, send.len(), ReduceOp::Sum, 0)
+    }
+
+    /// `recv` = block `rank` of the reduction of every rank's `send`
+    /// (size × recv.len() elements).
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        need("send", send.len(), recv.len() * self.size())?;
+        let n = recv.len();
+        self.typed(OpKind::ReduceScatter, send, recv, n, op, 0)
+    }
+
+    /// `recv` on `root` (size × send.len()) = every rank's `send`.
+    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        if self.rank() == root {
+            need("recv", recv.len(), send.len() * self.size())?;
+        }
+        self.typed(OpKind::Gather, send, recv, send.len(), ReduceOp::Sum, root)
+    }
+
+    /// Block r of `send` on `root` (size × recv.len()) goes to rank r's `recv`.
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        if self.rank() == root {
+            need("send", send.len(), recv.len() * self.size())?;
+        }
+        let n = recv.len();
+        self.typed(OpKind::Scatter, send, recv, n, ReduceOp::Sum, root)
+    }
+
+    /// Block j of `send` goes to rank j; block i of `recv` comes from rank i.
+    pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        need("recv", recv.len(), send.len())?;
+        if send.len() % self.size() != 0 {
+            return Err(Error::invalid_argument(format!(
+                "alltoall buffers of {} elements do not split into {} blocks",
+                send.len(),
+                self.size()
+            )));
+        }
+        let n = send.len() / self.size();
+        self.typed(OpKind::AllToAll, send, recv, n, ReduceOp::Sum, 0)
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        self.typed::<u8>(OpKind::Barrier, &[], &mut [], 0, ReduceOp::Sum, 0)
+    }
+
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.typed(OpKind::Send, buf, &mut [], buf.len(), ReduceOp::Sum, peer)
+    }
+
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        if group::active() {
+            return Err(Error::invalid_usage("the safe Rust API cannot be used inside a group"));
+        }
+        let data = Data { count: buf.len(), dtype: T::DTYPE };
+        let call = Call::recv(as_bytes_mut(buf).as_mut_ptr(), data, peer as i64, self.size())?;
+        // SAFETY: `buf` outlives this blocking call.
+        unsafe { self.run(call) }
+    }
+
+    /// Sends `send` to `to` while receiving `recv` from `from` (one
+    /// exchange, so rings and swaps can't deadlock).
+    pub fn sendrecv<T: Element>(&self, send: &[T], to: usize, recv: &mut [T], from: usize) -> Result<()> {
+        let size = self.size();
+        let s = Call::new(OpKind::Send, as_bytes(send).as_ptr(), std::ptr::null_mut(), Data { count: send.len(), dtype: T::DTYPE }, ReduceOp::Sum, to as i64, self.rank(), size)?;
+        let r = Call::recv(as_bytes_mut(recv).as_mut_ptr(), Data { count: recv.len(), dtype: T::DTYPE }, from as i64, size)?;
+        group::start();
+        // SAFETY: both slices outlive the group, which ends below.
+        unsafe {
+            let queued = self.run(s).and_then(|_| self.run(r));
+            let ended = group::end();
+            queued.and(ended)
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! Every collective × dtype × op × world size 1..5 × count class, on real
+//! sockets, against references computed here independently.
+
+mod common;
+
+use half::{bf16, f16};
+use rdist::call::{Call, Data};
+use rdist::op::OpKind;
+use rdist::{Comm, DType, ReduceOp};
+use std::time::Duration;
+
+fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::Int8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
+            DType::Uint8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
+            DType::Int32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DType::Uint32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
+            DType::Int64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+            DType::Uint64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
+            DType::Float16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+            DType::Float32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::Float64 => out.extend_from_slice(&v.to_le_bytes()),
+            DType::Bfloat16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks(dtype.size())
+        .map(|b| match dtype {
+            DType::Int8 => b[0] as i8 as f64,
+            DType::Uint8 => b[0] as f64,
+            DType::Int32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::Uint32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::Int64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::Uint64 => u64::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::Float16 => f16::from_le_bytes([b[0], b[1]]).to_f64(),
+            DType::Float32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::Float64 => f64::from_le_bytes(b.try_into().unwrap()),
+            DType::Bfloat16 => bf16::from_le_bytes([b[0], b[1]]).to_f64(),
+        })
+        .collect()
+}
+
+/// Small integers, so every reduction order gives exact results in every
+/// type (products stay <= 2^5, sums <= 25).
+fn value(rank: usize, i: usize, op: ReduceOp, salt: usize) -> f64 {
+    match op {
+        ReduceOp::Prod => {
+            if (rank + i + salt) % 3 == 0 {
+                2.0
+            } else {
+                1.0
+            }
+        }
+        _ => ((rank * 7 + i * 3 + salt) % 5 + 1) as f64,
+    }
+}
+
+fn reference(n: usize, i: usize, op: ReduceOp, salt: usize, dtype: DType) -> f64 {
+    let vals: Vec<f64> = (0..n).map(|r| value(r, i, op, salt)).collect();
+    match op {
+        ReduceOp::Sum => vals.iter().sum(),
+        ReduceOp::Prod => vals.iter().product(),
+        ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min),
+        ReduceOp::Avg => {
+            let s: f64 = vals.iter().sum();
+            if dtype.is_float() {
+                s / n as f64
+            } else {
+                (s / n as f64).trunc()
+            }
+        }
+    }
+}
+
+fn close(dtype: DType, got: f64, want: f64) -> bool {
+    let tol = match dtype {
+        DType::Float16 | DType::Bfloat16 => 1e-2,
+        DType::Float32 => 1e-6,
+        _ => 0.0,
+    };
+    (got - want).abs() <= tol * want.abs().max(1.0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(comm: &Comm, kind: OpKind, send: *const u8, recv: *mut u8, count: usize, dtype: DType, op: ReduceOp, root: usize) {
+    let call = Call::new(kind, send, recv, Data { count, dtype }, op, root as i64, comm.rank(), comm.size())
+        .unwrap_or_else(|e| panic!("building {kind:?}: {e}"));
+    unsafe { comm.run(call) }.unwrap_or_else(|e| panic!("rank {}: {kind:?} {count} x {dtype} {op}: {e}", comm.rank()));
+}
+
+fn counts(n: usize) -> Vec<usize> {
+    let mut c = vec![0, 1, n.saturating_sub(1), 7, 1003];
+    c.dedup();
+    c
+}
+
+fn check(what: &str, dtype: DType, got: &[u8], want: &[f64]) {
+    let got = decode(dtype, got);
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(close(dtype, *g, *w), "{what}: element {i} is {g}, expected {w}");
+    }
+}
+
+fn reductions(comm: &Comm, large: usize) {
+    let (r, n) = (comm.rank(), comm.size());
+    let mut cs = counts(n);
+    cs.push(large);
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for &count in &cs {
+                let salt = count % 11;
+                let mine: Vec<f64> = (0..count).map(|i| value(r, i, op, salt)).collect();
+                let want: Vec<f64> = (0..count).map(|i| reference(n, i, op, salt, dtype)).collect();
+                let tag = format!("rank {r}/{n} {count} x {dtype} {op}");
+                // allreduce, out of place and in place
+                let send = encode(dtype, &mine);
+                let mut recv = vec![0u8; send.len()];
+                run(comm, OpKind::AllReduce, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, 0);
+                check(&format!("allreduce {tag}"), dtype, &recv, &want);
+                let mut buf = send.clone();
+                run(comm, OpKind::AllReduce, buf.as_ptr(), buf.as_mut_ptr(), count, dtype, op, 0);
+                check(&format!("allreduce in place {tag}"), dtype, &buf, &want);
+                // reduce to a root that moves with the count
+                let root = count % n;
+                let mut recv = vec![0u8; send.len()];
+                run(comm, OpKind::Reduce, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, root);
+                if r == root {
+                    check(&format!("reduce root {root} {tag}"), dtype, &recv, &want);
+                }
+                // reduce_scatter: count per rank
+                if count <= 1003 {
+                    let all: Vec<f64> = (0..count * n).map(|i| value(r, i, op, salt)).collect();
+                    let send = encode(dtype, &all);
+                    let mut recv = vec![0u8; count * dtype.size()];
+                    run(comm, OpKind::ReduceScatter, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, 0);
+                    let want: Vec<f64> = (r * count..(r + 1) * count).map(|i| reference(n, i, op, salt, dtype)).collect();
+                    check(&format!("reduce_scatter {tag}"), dtype, &recv, &want);
+                }
+            }
+        }
+    }
+}
+
+fn movement(comm: &Comm) {
+    let (r, n) = (comm.rank(), comm.size());
+    let dtype = DType::Float32;
+    for dtype2 in [dtype, DType::Uint8, DType::Float64, DType::Bfloat16] {
+        for count in counts(n).into_iter().chain([70_000]) {
+            let es = dtype2.size();
+            let own: Vec<f64> = (0..count).map(|i| ((r * 31 + i) % 100) as f64).collect();
+            let own_b = encode(dtype2, &own);
+            let block_of = |rank: usize| encode(dtype2, &(0..count).map(|i| ((rank * 31 + i) % 100) as f64).collect::<Vec<_>>());
+            let all_b: Vec<u8> = (0..n).flat_map(block_of).collect();
+            for root in [0, n - 1] {
+                // broadcast (in place)
+                let mut buf = if r == root { own_b.clone() } else { vec![0u8; count * es] };
+                run(comm, OpKind::Broadcast, buf.as_ptr(), buf.as_mut_ptr(), count, dtype2, ReduceOp::Sum, root);
+                assert_eq!(buf, block_of(root), "broadcast root {root} count {count} rank {r}");
+                // gather
+                let mut recv = vec![0u8; if r == root { count * es * n } else { 0 }];
+                let rp = if r == root { recv.as_mut_ptr() } else { std::ptr::null_mut() };
+                run(comm, OpKind::Gather, own_b.as_ptr(), rp, count, dtype2, ReduceOp::Sum, root);
+                if r == root {
+                    assert_eq!(recv, all_b, "gather root {root} count {count}");
+                }
+                // scatter: root sends block j = what rank j would own
+                let mut recv = vec![0u8; count * es];
+                let sp = if r == root { all_b.as_ptr() } else { std::ptr::null() };
+                run(comm, OpKind::Scatter, sp, recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, root);
+                assert_eq!(recv, own_b, "scatter root {root} count {count} rank {r}");
+            }
+            // allgather, out of place and in place
+            let mut recv = vec![0u8; count * es * n];
+            run(comm, OpKind::AllGather, own_b.as_ptr(), recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, 0);
+            assert_eq!(recv, all_b, "allgather count {count} rank {r}");
+            let mut buf = vec![0u8; count * es * n];
+            buf[r * count * es..(r + 1) * count * es].copy_from_slice(&own_b);
+            let p = buf.as_mut_ptr();
+            run(comm, OpKind::AllGather, unsafe { p.add(r * count * es) }, p, count, dtype2, ReduceOp::Sum, 0);
+            assert_eq!(buf, all_b, "allgather in place count {count} rank {r}");
+            // alltoall: block j from rank r carries (r, j)
+            let piece = |from: usize, to: usize| encode(dtype2, &(0..count).map(|i| ((from * 10 + to + i) % 100) as f64).collect::<Vec<_>>());
+            let send: Vec<u8> = (0..n).flat_map(|j| piece(r, j)).collect();
+            let want: Vec<u8> = (0..n).flat_map(|i| piece(i, r)).collect();
+            let mut recv = vec![0u8; send.len()];
+            run(comm, OpKind::AllToAll, send.as_ptr(), recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, 0);
+            assert_eq!(recv, want, "alltoall count {count} rank {r}");
+        }
+    }
+    comm.barrier().unwrap();
+}
+
+fn p2p(comm: &Comm) {
+    let (r, n) = (comm.rank(), comm.size());
+    // A ring shift with sendrecv, then a blocking pair exchange.
+    let send: Vec<i64> = (0..1000).map(|i| (r * 1000 + i) as i64).collect();
+    let mut recv = vec![0i64; 1000];
+    comm.sendrecv(&send, (r + 1) % n, &mut recv, (r + n - 1) % n).unwrap();
+    let from = (r + n - 1) % n;
+    assert_eq!(recv, (0..1000).map(|i| (from * 1000 + i) as i64).collect::<Vec<_>>());
+    if n >= 2 && r < 2 {
+        let peer = 1 - r;
+        let big = vec![r as u8; 3 << 20];
+        let mut got = vec![9u8; 3 << 20];
+        // Both send first: must not deadlock (the transport drains early data).
+        comm.send(&big, peer).unwrap();
+        comm.recv(&mut got, peer).unwrap();
+        assert!(got.iter().all(|b| *b == peer as u8));
+    }
+    comm.barrier().unwrap();
+}
+
+fn every_collective(n: usize, algo: Option<&str>) {
+    let mut o = common::opts(60_000);
+    if let Some(a) = algo {
+        o.set("algo", a).unwrap();
+    }
+    common::world(n, o, Duration::from_secs(240), move |comm| {
+        reductions(&comm, 70_000);
+        movement(&comm);
+        p2p(&comm);
+    });
+}
+
+#[test]
+fn world_of_1() {
+    every_collective(1, None);
+}
+
+#[test]
+fn world_of_2() {
+    every_collective(2, None);
+}
+
+#[test]
+fn world_of_3() {
+    every_collective(3, None);
+}
+
+#[test]
+fn world_of_4() {
+    every_collective(4, None);
+}
+
+#[test]
+fn world_of_5() {
+    every_collective(5, None);
+}
+
+#[test]
+fn every_allreduce_algorithm_forced() {
+    for algo in ["ring", "recursive_doubling"] {
+        for n in [3, 4] {
+            let mut o = common::opts(60_000);
+            o.set("algo", algo).unwrap();
+            common::world(n, o, Duration::from_secs(120), |comm| reductions(&comm, 5000));
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Shared helpers for the integration tests: start N ranks as threads with
+//! real sockets on loopback (the unique-id rendezvous, so ports come from
+//! the OS), bounded in time.
+
+#![allow(dead_code)]
+
+use rdist::{Comm, Options};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Options with a short timeout, so that a hang fails fast.
+pub fn opts(timeout_ms: u64) -> Options {
+    let mut o = Options::default();
+    o.set("timeout_ms", &timeout_ms.to_string()).unwrap();
+    o
+}
+
+/// Runs `body(comm)` on `n` ranks (threads) and returns their results in
+/// rank order. Panics if the whole job takes longer than `limit`.
+pub fn world<R: Send + 'static>(
+    n: usize,
+    options: Options,
+    limit: Duration,
+    body: impl Fn(Comm) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let id = Comm::unique_id().expect("unique id");
+    let body = std::sync::Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..n {
+        let (tx, body, options) = (tx.clone(), body.clone(), options.clone());
+        std::thread::Builder::new()
+            .name(format!("rank{rank}"))
+            .spawn(move || {
+                let comm = Comm::init_rank(&id, rank as i64, n as i64, &options)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init failed: {e}"));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(comm)));
+                let _ = tx.send((rank, r));
+            })
+            .unwrap();
+    }
+    drop(tx);
+    let deadline = std::time::Instant::now() + limit;
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((rank, Ok(r))) => out[rank] = Some(r),
+            Ok((rank, Err(p))) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("rank {rank} panicked: {msg}")
+            }
+            Err(_) => panic!("a {n}-rank job did not finish within {limit:?}"),
+        }
+    }
+    out.into_iter().map(|r| r.unwrap()).collect()
+}
