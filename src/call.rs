@@ -87,17 +87,64 @@ pub struct Data {
 
 #[derive(Clone, Copy, Debug)]
 pub enum Call {
-    AllReduce { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp },
-    Broadcast { send: RawBuf, recv: RawBuf, data: Data, root: usize },
-    Reduce { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp, root: usize },
-    AllGather { send: RawBuf, recv: RawBuf, data: Data },
-    ReduceScatter { send: RawBuf, recv: RawBuf, data: Data, op: ReduceOp },
-    Gather { send: RawBuf, recv: RawBuf, data: Data, root: usize },
-    Scatter { send: RawBuf, recv: RawBuf, data: Data, root: usize },
-    AllToAll { send: RawBuf, recv: RawBuf, data: Data },
+    AllReduce {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        op: ReduceOp,
+    },
+    Broadcast {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        root: usize,
+    },
+    Reduce {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        op: ReduceOp,
+        root: usize,
+    },
+    AllGather {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+    },
+    ReduceScatter {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        op: ReduceOp,
+    },
+    Gather {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        root: usize,
+    },
+    Scatter {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+        root: usize,
+    },
+    AllToAll {
+        send: RawBuf,
+        recv: RawBuf,
+        data: Data,
+    },
     Barrier,
-    Send { buf: RawBuf, data: Data, peer: usize },
-    Recv { buf: RawBuf, data: Data, peer: usize },
+    Send {
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+    },
+    Recv {
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+    },
 }
 
 /// Checks a rank argument against the group size.
@@ -121,7 +168,9 @@ fn buffer(name: &str, ptr: *const u8, data: Data, blocks: usize) -> Result<RawBu
     })?;
     let len = data.dtype.bytes(elems).map_err(|e| e.context(name))?;
     if len > isize::MAX as usize {
-        return Err(Error::invalid_argument(format!("{name}: {len} bytes is too large")));
+        return Err(Error::invalid_argument(format!(
+            "{name}: {len} bytes is too large"
+        )));
     }
     if ptr.is_null() && len > 0 {
         return Err(Error::invalid_argument(format!(
@@ -159,13 +208,32 @@ impl Call {
             },
             OpKind::Broadcast => {
                 let root = root_rank()?;
-                let send = if rank == root { one("sendbuf", send)? } else { RawBuf::EMPTY };
-                Call::Broadcast { send, recv: one("recvbuf", recv)?, data, root }
+                let send = if rank == root {
+                    one("sendbuf", send)?
+                } else {
+                    RawBuf::EMPTY
+                };
+                Call::Broadcast {
+                    send,
+                    recv: one("recvbuf", recv)?,
+                    data,
+                    root,
+                }
             }
             OpKind::Reduce => {
                 let root = root_rank()?;
-                let recv = if rank == root { one("recvbuf", recv)? } else { RawBuf::EMPTY };
-                Call::Reduce { send: one("sendbuf", send)?, recv, data, op, root }
+                let recv = if rank == root {
+                    one("recvbuf", recv)?
+                } else {
+                    RawBuf::EMPTY
+                };
+                Call::Reduce {
+                    send: one("sendbuf", send)?,
+                    recv,
+                    data,
+                    op,
+                    root,
+                }
             }
             OpKind::AllGather => Call::AllGather {
                 send: one("sendbuf", send)?,
@@ -180,13 +248,31 @@ impl Call {
             },
             OpKind::Gather => {
                 let root = root_rank()?;
-                let recv = if rank == root { all("recvbuf", recv)? } else { RawBuf::EMPTY };
-                Call::Gather { send: one("sendbuf", send)?, recv, data, root }
+                let recv = if rank == root {
+                    all("recvbuf", recv)?
+                } else {
+                    RawBuf::EMPTY
+                };
+                Call::Gather {
+                    send: one("sendbuf", send)?,
+                    recv,
+                    data,
+                    root,
+                }
             }
             OpKind::Scatter => {
                 let root = root_rank()?;
-                let send = if rank == root { all("sendbuf", send)? } else { RawBuf::EMPTY };
-                Call::Scatter { send, recv: one("recvbuf", recv)?, data, root }
+                let send = if rank == root {
+                    all("sendbuf", send)?
+                } else {
+                    RawBuf::EMPTY
+                };
+                Call::Scatter {
+                    send,
+                    recv: one("recvbuf", recv)?,
+                    data,
+                    root,
+                }
             }
             OpKind::AllToAll => Call::AllToAll {
                 send: all("sendbuf", send)?,

@@ -91,10 +91,18 @@ impl Request {
             if left.is_zero() {
                 return Err(Error::new(
                     ErrorKind::Timeout,
-                    format!("request did not complete within {:.1} s", limit.as_secs_f64()),
+                    format!(
+                        "request did not complete within {:.1} s",
+                        limit.as_secs_f64()
+                    ),
                 ));
             }
-            r = self.done.ready.wait_timeout(r, left).unwrap_or_else(|p| p.into_inner()).0;
+            r = self
+                .done
+                .ready
+                .wait_timeout(r, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -131,7 +139,10 @@ impl Shared {
         while i < calls.len() {
             if calls[i].is_p2p() {
                 // Consecutive sends/receives run as one exchange.
-                let end = calls[i..].iter().position(|c| !c.is_p2p()).map_or(calls.len(), |k| i + k);
+                let end = calls[i..]
+                    .iter()
+                    .position(|c| !c.is_p2p())
+                    .map_or(calls.len(), |k| i + k);
                 backend.run_p2p(&calls[i..end])?;
                 i = end;
             } else {
@@ -188,7 +199,10 @@ impl Shared {
                     if q.closing {
                         return;
                     }
-                    q = self.queue_changed.wait(q).unwrap_or_else(|p| p.into_inner());
+                    q = self
+                        .queue_changed
+                        .wait(q)
+                        .unwrap_or_else(|p| p.into_inner());
                 }
             };
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -226,10 +240,17 @@ impl Comm {
     }
 
     /// NCCL-style creation from a unique id made by `Comm::unique_id`.
-    pub fn init_rank(id: &[u8; rendezvous::unique_id::UNIQUE_ID_BYTES], rank: i64, size: i64, opts: &Options) -> Result<Comm> {
+    pub fn init_rank(
+        id: &[u8; rendezvous::unique_id::UNIQUE_ID_BYTES],
+        rank: i64,
+        size: i64,
+        opts: &Options,
+    ) -> Result<Comm> {
         let opts = opts.with_env()?;
         if size < 1 || size > i32::MAX as i64 {
-            return Err(Error::invalid_argument(format!("world size {size} must be at least 1")));
+            return Err(Error::invalid_argument(format!(
+                "world size {size} must be at least 1"
+            )));
         }
         let rank = crate::call::check_rank("rank", rank, size as usize)?;
         let id = UniqueId::from_bytes(id)?;
@@ -256,7 +277,14 @@ impl Comm {
         let forced = opts.algo.as_deref().map(Algo::parse).transpose()?;
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
-        let backend = SocketBackend::connect(rank, joined.roster.clone(), &joined.listener, signal.clone(), opts.timeout, forced)?;
+        let backend = SocketBackend::connect(
+            rank,
+            joined.roster.clone(),
+            &joined.listener,
+            signal.clone(),
+            opts.timeout,
+            forced,
+        )?;
         joined.finish();
         log::emit(
             LogLevel::Info,
@@ -268,7 +296,15 @@ impl Comm {
                 joined.roster.addrs[rank]
             ),
         );
-        Ok(Comm::from_parts(rank, size, joined.local_rank, opts.timeout, signal, backend, joined.server))
+        Ok(Comm::from_parts(
+            rank,
+            size,
+            joined.local_rank,
+            opts.timeout,
+            signal,
+            backend,
+            joined.server,
+        ))
     }
 
     fn from_parts(
@@ -287,7 +323,10 @@ impl Comm {
                 local_rank,
                 timeout,
                 signal,
-                engine: Mutex::new(Engine { backend, _server: server }),
+                engine: Mutex::new(Engine {
+                    backend,
+                    _server: server,
+                }),
                 queue: Mutex::new(Queue::default()),
                 queue_changed: Condvar::new(),
                 worker: Mutex::new(None),
@@ -347,13 +386,19 @@ impl Comm {
             )));
         }
         if group::active() {
-            return Err(Error::invalid_usage("rdist_comm_split cannot be called inside a group"));
+            return Err(Error::invalid_usage(
+                "rdist_comm_split cannot be called inside a group",
+            ));
         }
         // Wait for queued non-blocking calls: split comes after them.
         {
             let mut q = lock(&self.shared.queue);
             while q.unfinished > 0 {
-                q = self.shared.queue_changed.wait(q).unwrap_or_else(|p| p.into_inner());
+                q = self
+                    .shared
+                    .queue_changed
+                    .wait(q)
+                    .unwrap_or_else(|p| p.into_inner());
             }
         }
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
@@ -363,7 +408,15 @@ impl Comm {
         };
         let size = backend.roster().addrs.len();
         let local_rank = backend.roster().local_rank(rank);
-        Ok(Some(Comm::from_parts(rank, size, local_rank, self.shared.timeout, signal, backend, None)))
+        Ok(Some(Comm::from_parts(
+            rank,
+            size,
+            local_rank,
+            self.shared.timeout,
+            signal,
+            backend,
+            None,
+        )))
     }
 
     /// Makes pending and future calls fail with `Aborted` here and on every

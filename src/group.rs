@@ -46,7 +46,11 @@ pub unsafe fn end() -> Result<()> {
             ));
         }
         g.depth -= 1;
-        Ok(if g.depth == 0 { std::mem::take(&mut g.queued) } else { Vec::new() })
+        Ok(if g.depth == 0 {
+            std::mem::take(&mut g.queued)
+        } else {
+            Vec::new()
+        })
     })?;
     // Split by communicator, keeping each one's order.
     let mut per_comm: Vec<(Arc<Shared>, Vec<Call>)> = Vec::new();
@@ -74,7 +78,10 @@ pub unsafe fn end() -> Result<()> {
                 .collect();
             let results: Vec<Result<()>> = handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a group thread panicked"))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::internal("a group thread panicked")))
+                })
                 .collect();
             results.into_iter().collect::<Result<Vec<()>>>().map(|_| ())
         }),

@@ -11,20 +11,34 @@
 //! # Ok::<(), rdist::Error>(())
 //! ```
 
+/// cbindgen:ignore
 pub mod algorithms;
+/// cbindgen:ignore
 pub mod backend;
+/// cbindgen:ignore
 pub mod call;
+/// cbindgen:ignore
 pub mod comm;
+/// cbindgen:ignore
 pub mod dtype;
+/// cbindgen:ignore
 pub mod error;
 pub mod ffi;
+/// cbindgen:ignore
 pub mod group;
+/// cbindgen:ignore
 pub mod log;
+/// cbindgen:ignore
 pub mod op;
+/// cbindgen:ignore
 pub mod options;
+/// cbindgen:ignore
 pub mod reduce;
+/// cbindgen:ignore
 pub mod rendezvous;
+/// cbindgen:ignore
 pub mod transport;
+/// cbindgen:ignore
 mod typed;
 
 pub use comm::{AbortHandle, Comm, Request};
@@ -35,6 +49,9 @@ pub use reduce::ReduceOp;
 
 /// The version, as in Cargo.toml (the header's RDIST_VERSION_* macros
 /// are checked against these by a test).
+/// cbindgen:ignore
 pub const VERSION_MAJOR: u32 = 0;
+/// cbindgen:ignore
 pub const VERSION_MINOR: u32 = 1;
+/// cbindgen:ignore
 pub const VERSION_PATCH: u32 = 0;

@@ -131,7 +131,14 @@ impl fmt::Display for Desc {
             OpKind::Barrier => write!(f, "barrier #{}", self.seq),
             OpKind::Split => write!(f, "comm_split #{}", self.seq),
             kind => {
-                write!(f, "{} #{} ({} x {}", kind.name(), self.seq, self.count, self.dtype)?;
+                write!(
+                    f,
+                    "{} #{} ({} x {}",
+                    kind.name(),
+                    self.seq,
+                    self.count,
+                    self.dtype
+                )?;
                 if kind.has_reduction() {
                     write!(f, ", {}", self.redop)?;
                 }

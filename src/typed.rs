@@ -19,21 +19,49 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
 }
 
 impl Comm {
-    fn typed<T: Element>(&self, kind: OpKind, send: &[T], recv: &mut [T], count: usize, op: ReduceOp, root: usize) -> Result<()> {
+    fn typed<T: Element>(
+        &self,
+        kind: OpKind,
+        send: &[T],
+        recv: &mut [T],
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         let (s, r) = (as_bytes(send).as_ptr(), as_bytes_mut(recv).as_mut_ptr());
         self.typed_raw::<T>(kind, s, r, count, op, root)
     }
 
     /// `send`/`recv` point into slices the callers hold for the whole call
     /// (equal for in-place calls), with lengths they checked.
-    fn typed_raw<T: Element>(&self, kind: OpKind, send: *const u8, recv: *mut u8, count: usize, op: ReduceOp, root: usize) -> Result<()> {
+    fn typed_raw<T: Element>(
+        &self,
+        kind: OpKind,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         if group::active() {
             return Err(Error::invalid_usage(
                 "the safe Rust API cannot be used inside a group (its borrows end before the group does)",
             ));
         }
-        let data = Data { count, dtype: T::DTYPE };
-        let call = Call::new(kind, send, recv, data, op, root as i64, self.rank(), self.size())?;
+        let data = Data {
+            count,
+            dtype: T::DTYPE,
+        };
+        let call = Call::new(
+            kind,
+            send,
+            recv,
+            data,
+            op,
+            root as i64,
+            self.rank(),
+            self.size(),
+        )?;
         // SAFETY: the buffers outlive this blocking call, and the lengths
         // checked by the callers cover what `call` touches.
         unsafe { self.run(call) }
@@ -46,7 +74,12 @@ impl Comm {
     }
 
     /// Out-of-place allreduce: `recv` = reduction of every rank's `send`.
-    pub fn allreduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn allreduce_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         need("recv", recv.len(), send.len())?;
         self.typed(OpKind::AllReduce, send, recv, send.len(), op, 0)
     }
@@ -59,7 +92,13 @@ impl Comm {
 
     /// `recv` on `root` = reduction of every rank's `send` (`recv` is
     /// ignored elsewhere and may be empty).
-    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         if self.rank() == root {
             need("recv", recv.len(), send.len())?;
         }
@@ -74,7 +113,12 @@ impl Comm {
 
     /// `recv` = block `rank` of the reduction of every rank's `send`
     /// (size × recv.len() elements).
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         need("send", send.len(), recv.len() * self.size())?;
         let n = recv.len();
         self.typed(OpKind::ReduceScatter, send, recv, n, op, 0)
@@ -121,20 +165,56 @@ impl Comm {
 
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         if group::active() {
-            return Err(Error::invalid_usage("the safe Rust API cannot be used inside a group"));
+            return Err(Error::invalid_usage(
+                "the safe Rust API cannot be used inside a group",
+            ));
         }
-        let data = Data { count: buf.len(), dtype: T::DTYPE };
-        let call = Call::recv(as_bytes_mut(buf).as_mut_ptr(), data, peer as i64, self.size())?;
+        let data = Data {
+            count: buf.len(),
+            dtype: T::DTYPE,
+        };
+        let call = Call::recv(
+            as_bytes_mut(buf).as_mut_ptr(),
+            data,
+            peer as i64,
+            self.size(),
+        )?;
         // SAFETY: `buf` outlives this blocking call.
         unsafe { self.run(call) }
     }
 
     /// Sends `send` to `to` while receiving `recv` from `from` (one
     /// exchange, so rings and swaps can't deadlock).
-    pub fn sendrecv<T: Element>(&self, send: &[T], to: usize, recv: &mut [T], from: usize) -> Result<()> {
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
         let size = self.size();
-        let s = Call::new(OpKind::Send, as_bytes(send).as_ptr(), std::ptr::null_mut(), Data { count: send.len(), dtype: T::DTYPE }, ReduceOp::Sum, to as i64, self.rank(), size)?;
-        let r = Call::recv(as_bytes_mut(recv).as_mut_ptr(), Data { count: recv.len(), dtype: T::DTYPE }, from as i64, size)?;
+        let s = Call::new(
+            OpKind::Send,
+            as_bytes(send).as_ptr(),
+            std::ptr::null_mut(),
+            Data {
+                count: send.len(),
+                dtype: T::DTYPE,
+            },
+            ReduceOp::Sum,
+            to as i64,
+            self.rank(),
+            size,
+        )?;
+        let r = Call::recv(
+            as_bytes_mut(recv).as_mut_ptr(),
+            Data {
+                count: recv.len(),
+                dtype: T::DTYPE,
+            },
+            from as i64,
+            size,
+        )?;
         group::start();
         // SAFETY: both slices outlive the group, which ends below.
         unsafe {

@@ -89,10 +89,29 @@ fn close(dtype: DType, got: f64, want: f64) -> bool {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run(comm: &Comm, kind: OpKind, send: *const u8, recv: *mut u8, count: usize, dtype: DType, op: ReduceOp, root: usize) {
-    let call = Call::new(kind, send, recv, Data { count, dtype }, op, root as i64, comm.rank(), comm.size())
-        .unwrap_or_else(|e| panic!("building {kind:?}: {e}"));
-    unsafe { comm.run(call) }.unwrap_or_else(|e| panic!("rank {}: {kind:?} {count} x {dtype} {op}: {e}", comm.rank()));
+fn run(
+    comm: &Comm,
+    kind: OpKind,
+    send: *const u8,
+    recv: *mut u8,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+) {
+    let call = Call::new(
+        kind,
+        send,
+        recv,
+        Data { count, dtype },
+        op,
+        root as i64,
+        comm.rank(),
+        comm.size(),
+    )
+    .unwrap_or_else(|e| panic!("building {kind:?}: {e}"));
+    unsafe { comm.run(call) }
+        .unwrap_or_else(|e| panic!("rank {}: {kind:?} {count} x {dtype} {op}: {e}", comm.rank()));
 }
 
 fn counts(n: usize) -> Vec<usize> {
@@ -105,7 +124,10 @@ fn check(what: &str, dtype: DType, got: &[u8], want: &[f64]) {
     let got = decode(dtype, got);
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(close(dtype, *g, *w), "{what}: element {i} is {g}, expected {w}");
+        assert!(
+            close(dtype, *g, *w),
+            "{what}: element {i} is {g}, expected {w}"
+        );
     }
 }
 
@@ -118,20 +140,49 @@ fn reductions(comm: &Comm, large: usize) {
             for &count in &cs {
                 let salt = count % 11;
                 let mine: Vec<f64> = (0..count).map(|i| value(r, i, op, salt)).collect();
-                let want: Vec<f64> = (0..count).map(|i| reference(n, i, op, salt, dtype)).collect();
+                let want: Vec<f64> = (0..count)
+                    .map(|i| reference(n, i, op, salt, dtype))
+                    .collect();
                 let tag = format!("rank {r}/{n} {count} x {dtype} {op}");
                 // allreduce, out of place and in place
                 let send = encode(dtype, &mine);
                 let mut recv = vec![0u8; send.len()];
-                run(comm, OpKind::AllReduce, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, 0);
+                run(
+                    comm,
+                    OpKind::AllReduce,
+                    send.as_ptr(),
+                    recv.as_mut_ptr(),
+                    count,
+                    dtype,
+                    op,
+                    0,
+                );
                 check(&format!("allreduce {tag}"), dtype, &recv, &want);
                 let mut buf = send.clone();
-                run(comm, OpKind::AllReduce, buf.as_ptr(), buf.as_mut_ptr(), count, dtype, op, 0);
+                run(
+                    comm,
+                    OpKind::AllReduce,
+                    buf.as_ptr(),
+                    buf.as_mut_ptr(),
+                    count,
+                    dtype,
+                    op,
+                    0,
+                );
                 check(&format!("allreduce in place {tag}"), dtype, &buf, &want);
                 // reduce to a root that moves with the count
                 let root = count % n;
                 let mut recv = vec![0u8; send.len()];
-                run(comm, OpKind::Reduce, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, root);
+                run(
+                    comm,
+                    OpKind::Reduce,
+                    send.as_ptr(),
+                    recv.as_mut_ptr(),
+                    count,
+                    dtype,
+                    op,
+                    root,
+                );
                 if r == root {
                     check(&format!("reduce root {root} {tag}"), dtype, &recv, &want);
                 }
@@ -140,8 +191,19 @@ fn reductions(comm: &Comm, large: usize) {
                     let all: Vec<f64> = (0..count * n).map(|i| value(r, i, op, salt)).collect();
                     let send = encode(dtype, &all);
                     let mut recv = vec![0u8; count * dtype.size()];
-                    run(comm, OpKind::ReduceScatter, send.as_ptr(), recv.as_mut_ptr(), count, dtype, op, 0);
-                    let want: Vec<f64> = (r * count..(r + 1) * count).map(|i| reference(n, i, op, salt, dtype)).collect();
+                    run(
+                        comm,
+                        OpKind::ReduceScatter,
+                        send.as_ptr(),
+                        recv.as_mut_ptr(),
+                        count,
+                        dtype,
+                        op,
+                        0,
+                    );
+                    let want: Vec<f64> = (r * count..(r + 1) * count)
+                        .map(|i| reference(n, i, op, salt, dtype))
+                        .collect();
                     check(&format!("reduce_scatter {tag}"), dtype, &recv, &want);
                 }
             }
@@ -157,41 +219,125 @@ fn movement(comm: &Comm) {
             let es = dtype2.size();
             let own: Vec<f64> = (0..count).map(|i| ((r * 31 + i) % 100) as f64).collect();
             let own_b = encode(dtype2, &own);
-            let block_of = |rank: usize| encode(dtype2, &(0..count).map(|i| ((rank * 31 + i) % 100) as f64).collect::<Vec<_>>());
+            let block_of = |rank: usize| {
+                encode(
+                    dtype2,
+                    &(0..count)
+                        .map(|i| ((rank * 31 + i) % 100) as f64)
+                        .collect::<Vec<_>>(),
+                )
+            };
             let all_b: Vec<u8> = (0..n).flat_map(block_of).collect();
             for root in [0, n - 1] {
                 // broadcast (in place)
-                let mut buf = if r == root { own_b.clone() } else { vec![0u8; count * es] };
-                run(comm, OpKind::Broadcast, buf.as_ptr(), buf.as_mut_ptr(), count, dtype2, ReduceOp::Sum, root);
-                assert_eq!(buf, block_of(root), "broadcast root {root} count {count} rank {r}");
+                let mut buf = if r == root {
+                    own_b.clone()
+                } else {
+                    vec![0u8; count * es]
+                };
+                run(
+                    comm,
+                    OpKind::Broadcast,
+                    buf.as_ptr(),
+                    buf.as_mut_ptr(),
+                    count,
+                    dtype2,
+                    ReduceOp::Sum,
+                    root,
+                );
+                assert_eq!(
+                    buf,
+                    block_of(root),
+                    "broadcast root {root} count {count} rank {r}"
+                );
                 // gather
                 let mut recv = vec![0u8; if r == root { count * es * n } else { 0 }];
-                let rp = if r == root { recv.as_mut_ptr() } else { std::ptr::null_mut() };
-                run(comm, OpKind::Gather, own_b.as_ptr(), rp, count, dtype2, ReduceOp::Sum, root);
+                let rp = if r == root {
+                    recv.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                };
+                run(
+                    comm,
+                    OpKind::Gather,
+                    own_b.as_ptr(),
+                    rp,
+                    count,
+                    dtype2,
+                    ReduceOp::Sum,
+                    root,
+                );
                 if r == root {
                     assert_eq!(recv, all_b, "gather root {root} count {count}");
                 }
                 // scatter: root sends block j = what rank j would own
                 let mut recv = vec![0u8; count * es];
-                let sp = if r == root { all_b.as_ptr() } else { std::ptr::null() };
-                run(comm, OpKind::Scatter, sp, recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, root);
+                let sp = if r == root {
+                    all_b.as_ptr()
+                } else {
+                    std::ptr::null()
+                };
+                run(
+                    comm,
+                    OpKind::Scatter,
+                    sp,
+                    recv.as_mut_ptr(),
+                    count,
+                    dtype2,
+                    ReduceOp::Sum,
+                    root,
+                );
                 assert_eq!(recv, own_b, "scatter root {root} count {count} rank {r}");
             }
             // allgather, out of place and in place
             let mut recv = vec![0u8; count * es * n];
-            run(comm, OpKind::AllGather, own_b.as_ptr(), recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, 0);
+            run(
+                comm,
+                OpKind::AllGather,
+                own_b.as_ptr(),
+                recv.as_mut_ptr(),
+                count,
+                dtype2,
+                ReduceOp::Sum,
+                0,
+            );
             assert_eq!(recv, all_b, "allgather count {count} rank {r}");
             let mut buf = vec![0u8; count * es * n];
             buf[r * count * es..(r + 1) * count * es].copy_from_slice(&own_b);
             let p = buf.as_mut_ptr();
-            run(comm, OpKind::AllGather, unsafe { p.add(r * count * es) }, p, count, dtype2, ReduceOp::Sum, 0);
+            run(
+                comm,
+                OpKind::AllGather,
+                unsafe { p.add(r * count * es) },
+                p,
+                count,
+                dtype2,
+                ReduceOp::Sum,
+                0,
+            );
             assert_eq!(buf, all_b, "allgather in place count {count} rank {r}");
             // alltoall: block j from rank r carries (r, j)
-            let piece = |from: usize, to: usize| encode(dtype2, &(0..count).map(|i| ((from * 10 + to + i) % 100) as f64).collect::<Vec<_>>());
+            let piece = |from: usize, to: usize| {
+                encode(
+                    dtype2,
+                    &(0..count)
+                        .map(|i| ((from * 10 + to + i) % 100) as f64)
+                        .collect::<Vec<_>>(),
+                )
+            };
             let send: Vec<u8> = (0..n).flat_map(|j| piece(r, j)).collect();
             let want: Vec<u8> = (0..n).flat_map(|i| piece(i, r)).collect();
             let mut recv = vec![0u8; send.len()];
-            run(comm, OpKind::AllToAll, send.as_ptr(), recv.as_mut_ptr(), count, dtype2, ReduceOp::Sum, 0);
+            run(
+                comm,
+                OpKind::AllToAll,
+                send.as_ptr(),
+                recv.as_mut_ptr(),
+                count,
+                dtype2,
+                ReduceOp::Sum,
+                0,
+            );
             assert_eq!(recv, want, "alltoall count {count} rank {r}");
         }
     }
@@ -203,9 +349,15 @@ fn p2p(comm: &Comm) {
     // A ring shift with sendrecv, then a blocking pair exchange.
     let send: Vec<i64> = (0..1000).map(|i| (r * 1000 + i) as i64).collect();
     let mut recv = vec![0i64; 1000];
-    comm.sendrecv(&send, (r + 1) % n, &mut recv, (r + n - 1) % n).unwrap();
+    comm.sendrecv(&send, (r + 1) % n, &mut recv, (r + n - 1) % n)
+        .unwrap();
     let from = (r + n - 1) % n;
-    assert_eq!(recv, (0..1000).map(|i| (from * 1000 + i) as i64).collect::<Vec<_>>());
+    assert_eq!(
+        recv,
+        (0..1000)
+            .map(|i| (from * 1000 + i) as i64)
+            .collect::<Vec<_>>()
+    );
     if n >= 2 && r < 2 {
         let peer = 1 - r;
         let big = vec![r as u8; 3 << 20];
@@ -261,7 +413,9 @@ fn every_allreduce_algorithm_forced() {
         for n in [3, 4] {
             let mut o = common::opts(60_000);
             o.set("algo", algo).unwrap();
-            common::world(n, o, Duration::from_secs(120), |comm| reductions(&comm, 5000));
+            common::world(n, o, Duration::from_secs(120), |comm| {
+                reductions(&comm, 5000)
+            });
         }
     }
 }

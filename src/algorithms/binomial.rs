@@ -36,7 +36,13 @@ pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize) -> Result<()>
 
 /// `acc` holds this rank's contribution; at the root it ends up holding the
 /// reduction over all ranks (elsewhere it is scratch).
-pub fn reduce(link: &mut Link<'_>, acc: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+pub fn reduce(
+    link: &mut Link<'_>,
+    acc: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let (vr, n, real) = relative(link, root);
     let mut scratch = Vec::new();
     let mut mask = 1;

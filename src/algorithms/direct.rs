@@ -40,7 +40,12 @@ pub fn scatter_from_root(link: &mut Link<'_>, buf: &[u8], block_bytes: usize) ->
 }
 
 /// Block j of `send` goes to rank j; block i of `recv` comes from rank i.
-pub fn alltoall(link: &mut Link<'_>, send: &[u8], recv: &mut [u8], block_bytes: usize) -> Result<()> {
+pub fn alltoall(
+    link: &mut Link<'_>,
+    send: &[u8],
+    recv: &mut [u8],
+    block_bytes: usize,
+) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
     let block = |i: usize| &send[i * block_bytes..(i + 1) * block_bytes];
     let mut xfers = Vec::with_capacity(2 * n);

@@ -88,7 +88,10 @@ pub fn choose(kind: OpKind, bytes: usize, size: usize, forced: Option<Algo>) -> 
         return f;
     }
     match kind {
-        OpKind::AllReduce if bytes <= SMALL_ALLREDUCE_BYTES || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES => {
+        OpKind::AllReduce
+            if bytes <= SMALL_ALLREDUCE_BYTES
+                || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES =>
+        {
             Algo::RecursiveDoubling
         }
         _ => options[0],
@@ -161,7 +164,10 @@ pub fn block(count: usize, n: usize, i: usize, esize: usize) -> Range<usize> {
 
 /// Borrows two disjoint ranges of one buffer, one to read and one to write.
 pub fn split_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&[u8], &mut [u8]) {
-    assert!(read.end <= write.start || write.end <= read.start, "ranges overlap");
+    assert!(
+        read.end <= write.start || write.end <= read.start,
+        "ranges overlap"
+    );
     if read.start < write.start {
         let (lo, hi) = buf.split_at_mut(write.start);
         (&lo[read], &mut hi[..write.end - write.start])
@@ -192,10 +198,19 @@ mod tests {
 
     #[test]
     fn forced_algorithms_apply_only_where_they_can() {
-        assert_eq!(choose(OpKind::AllReduce, 8, 4, None), Algo::RecursiveDoubling);
+        assert_eq!(
+            choose(OpKind::AllReduce, 8, 4, None),
+            Algo::RecursiveDoubling
+        );
         assert_eq!(choose(OpKind::AllReduce, 64 << 20, 4, None), Algo::Ring);
-        assert_eq!(choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring)), Algo::Ring);
-        assert_eq!(choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring)), Algo::Binomial);
+        assert_eq!(
+            choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring)),
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring)),
+            Algo::Binomial
+        );
         assert_eq!(Algo::parse("RD").unwrap(), Algo::RecursiveDoubling);
         assert!(Algo::parse("bogus").unwrap_err().message().contains("ring"));
     }

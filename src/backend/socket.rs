@@ -1,7 +1,9 @@
 //! The socket backend: runs each call with the algorithm chosen for it over
 //! the TCP transport, and keeps the counters that label every frame.
 
-use crate::algorithms::{self, binomial, direct, dissemination, recursive_doubling, ring, Algo, Link};
+use crate::algorithms::{
+    self, binomial, direct, dissemination, recursive_doubling, ring, Algo, Link,
+};
 use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::op::{Desc, OpKind};
@@ -26,7 +28,10 @@ pub struct Roster {
 impl Roster {
     /// Rank within its host: how many lower ranks share its host name.
     pub fn local_rank(&self, rank: usize) -> usize {
-        self.hosts[..rank].iter().filter(|h| **h == self.hosts[rank]).count()
+        self.hosts[..rank]
+            .iter()
+            .filter(|h| **h == self.hosts[rank])
+            .count()
     }
 }
 
@@ -132,28 +137,55 @@ impl SocketBackend {
             return self.run_p2p(std::slice::from_ref(call));
         }
         match *call {
-            Call::AllReduce { send, recv, data, op } => {
-                let d = Desc::new(OpKind::AllReduce, self.seq).data(data.count, data.dtype).reduction(op);
+            Call::AllReduce {
+                send,
+                recv,
+                data,
+                op,
+            } => {
+                let d = Desc::new(OpKind::AllReduce, self.seq)
+                    .data(data.count, data.dtype)
+                    .reduction(op);
                 self.seq += 1;
                 let (desc, algo) = self.label(d, recv.len());
                 move_bytes(&send, recv.addr(), recv.len());
                 let buf = recv.bytes_mut();
                 let mut link = Link::new(&mut self.transport, desc);
                 match algo {
-                    Algo::RecursiveDoubling => recursive_doubling::allreduce(&mut link, buf, data.dtype, op),
+                    Algo::RecursiveDoubling => {
+                        recursive_doubling::allreduce(&mut link, buf, data.dtype, op)
+                    }
                     _ => ring::allreduce(&mut link, buf, data.dtype, op),
                 }
             }
-            Call::Broadcast { send, recv, data, root } => {
+            Call::Broadcast {
+                send,
+                recv,
+                data,
+                root,
+            } => {
                 let d = self.next_desc(OpKind::Broadcast, data).root(root);
                 let (desc, _) = self.label(d, recv.len());
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
                 }
-                binomial::broadcast(&mut Link::new(&mut self.transport, desc), recv.bytes_mut(), root)
+                binomial::broadcast(
+                    &mut Link::new(&mut self.transport, desc),
+                    recv.bytes_mut(),
+                    root,
+                )
             }
-            Call::Reduce { send, recv, data, op, root } => {
-                let d = self.next_desc(OpKind::Reduce, data).reduction(op).root(root);
+            Call::Reduce {
+                send,
+                recv,
+                data,
+                op,
+                root,
+            } => {
+                let d = self
+                    .next_desc(OpKind::Reduce, data)
+                    .reduction(op)
+                    .root(root);
                 let (desc, _) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc);
                 if self.rank == root {
@@ -169,9 +201,18 @@ impl SocketBackend {
                 let (desc, _) = self.label(d, recv.len());
                 let bb = send.len();
                 move_bytes(&send, recv.addr() + self.rank * bb, bb);
-                ring::allgather(&mut Link::new(&mut self.transport, desc), recv.bytes_mut(), bb)
+                ring::allgather(
+                    &mut Link::new(&mut self.transport, desc),
+                    recv.bytes_mut(),
+                    bb,
+                )
             }
-            Call::ReduceScatter { send, recv, data, op } => {
+            Call::ReduceScatter {
+                send,
+                recv,
+                data,
+                op,
+            } => {
                 let d = self.next_desc(OpKind::ReduceScatter, data).reduction(op);
                 let (desc, _) = self.label(d, send.len());
                 let copy;
@@ -184,7 +225,12 @@ impl SocketBackend {
                 let mut link = Link::new(&mut self.transport, desc);
                 ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op)
             }
-            Call::Gather { send, recv, data, root } => {
+            Call::Gather {
+                send,
+                recv,
+                data,
+                root,
+            } => {
                 let d = self.next_desc(OpKind::Gather, data).root(root);
                 let (desc, _) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc);
@@ -196,7 +242,12 @@ impl SocketBackend {
                     link.send(root, send.bytes())
                 }
             }
-            Call::Scatter { send, recv, data, root } => {
+            Call::Scatter {
+                send,
+                recv,
+                data,
+                root,
+            } => {
                 let d = self.next_desc(OpKind::Scatter, data).root(root);
                 let (desc, _) = self.label(d, recv.len());
                 let mut link = Link::new(&mut self.transport, desc);
@@ -208,7 +259,11 @@ impl SocketBackend {
                         // moved over them.
                         let copy = send.bytes().to_vec();
                         direct::scatter_from_root(&mut link, &copy, bb)?;
-                        move_bytes(&RawBuf::of(&copy[root * bb..(root + 1) * bb]), recv.addr(), bb);
+                        move_bytes(
+                            &RawBuf::of(&copy[root * bb..(root + 1) * bb]),
+                            recv.addr(),
+                            bb,
+                        );
                         return Ok(());
                     }
                     let sent = direct::scatter_from_root(&mut link, send.bytes(), bb);
@@ -229,10 +284,21 @@ impl SocketBackend {
                     send.bytes()
                 };
                 let bb = recv.len() / self.size;
-                direct::alltoall(&mut Link::new(&mut self.transport, desc), input, recv.bytes_mut(), bb)
+                direct::alltoall(
+                    &mut Link::new(&mut self.transport, desc),
+                    input,
+                    recv.bytes_mut(),
+                    bb,
+                )
             }
             Call::Barrier => {
-                let d = self.next_desc(OpKind::Barrier, Data { count: 0, dtype: crate::dtype::DType::Uint8 });
+                let d = self.next_desc(
+                    OpKind::Barrier,
+                    Data {
+                        count: 0,
+                        dtype: crate::dtype::DType::Uint8,
+                    },
+                );
                 let (desc, _) = self.label(d, 0);
                 dissemination::barrier(&mut Link::new(&mut self.transport, desc))
             }
@@ -258,12 +324,16 @@ impl SocketBackend {
         for c in calls {
             match *c {
                 Call::Send { buf, data, peer } if peer != self.rank => {
-                    let desc = Desc::new(OpKind::Send, self.sent[peer]).data(data.count, data.dtype).root(self.rank);
+                    let desc = Desc::new(OpKind::Send, self.sent[peer])
+                        .data(data.count, data.dtype)
+                        .root(self.rank);
                     self.sent[peer] += 1;
                     xfers.push(Xfer::send(peer, buf.bytes(), desc));
                 }
                 Call::Recv { buf, data, peer } if peer != self.rank => {
-                    let desc = Desc::new(OpKind::Send, self.received[peer]).data(data.count, data.dtype).root(peer);
+                    let desc = Desc::new(OpKind::Send, self.received[peer])
+                        .data(data.count, data.dtype)
+                        .root(peer);
                     self.received[peer] += 1;
                     xfers.push(Xfer::recv(peer, buf.bytes_mut(), desc));
                 }
@@ -301,9 +371,20 @@ impl SocketBackend {
     /// Collective split: ranks with equal `color` form a new communicator
     /// ordered by (key, rank). Returns the new rank and backend, or None for
     /// `color < 0` (no color).
-    pub fn split(&mut self, color: i32, key: i32, signal: Arc<AbortSignal>) -> Result<Option<(usize, SocketBackend)>> {
+    pub fn split(
+        &mut self,
+        color: i32,
+        key: i32,
+        signal: Arc<AbortSignal>,
+    ) -> Result<Option<(usize, SocketBackend)>> {
         let seq = self.seq;
-        let d = self.next_desc(OpKind::Split, Data { count: 0, dtype: crate::dtype::DType::Uint8 });
+        let d = self.next_desc(
+            OpKind::Split,
+            Data {
+                count: 0,
+                dtype: crate::dtype::DType::Uint8,
+            },
+        );
         let (desc, _) = self.label(d, 0);
         let ip = self.roster.addrs[self.rank].ip();
         let listener = TcpListener::bind((ip, 0))
@@ -322,10 +403,19 @@ impl SocketBackend {
         if color < 0 {
             return Ok(None);
         }
-        let field = |r: usize, at: usize| i32::from_le_bytes(all[r * REC + at..r * REC + at + 4].try_into().expect("4 bytes"));
+        let field = |r: usize, at: usize| {
+            i32::from_le_bytes(
+                all[r * REC + at..r * REC + at + 4]
+                    .try_into()
+                    .expect("4 bytes"),
+            )
+        };
         let mut members: Vec<usize> = (0..self.size).filter(|r| field(*r, 0) == color).collect();
         members.sort_by_key(|r| (field(*r, 4), *r));
-        let new_rank = members.iter().position(|r| *r == self.rank).expect("own color");
+        let new_rank = members
+            .iter()
+            .position(|r| *r == self.rank)
+            .expect("own color");
         let addrs = members
             .iter()
             .map(|r| {
@@ -335,11 +425,25 @@ impl SocketBackend {
             .collect();
         let roster = Roster {
             job: self.roster.job,
-            comm_id: fnv1a(&[&self.roster.comm_id.to_le_bytes()[..], &seq.to_le_bytes(), &color.to_le_bytes()]),
+            comm_id: fnv1a(&[
+                &self.roster.comm_id.to_le_bytes()[..],
+                &seq.to_le_bytes(),
+                &color.to_le_bytes(),
+            ]),
             addrs,
-            hosts: members.iter().map(|r| self.roster.hosts[*r].clone()).collect(),
+            hosts: members
+                .iter()
+                .map(|r| self.roster.hosts[*r].clone())
+                .collect(),
         };
-        let child = SocketBackend::connect(new_rank, roster, &listener, signal, self.timeout, self.forced)?;
+        let child = SocketBackend::connect(
+            new_rank,
+            roster,
+            &listener,
+            signal,
+            self.timeout,
+            self.forced,
+        )?;
         Ok(Some((new_rank, child)))
     }
 }

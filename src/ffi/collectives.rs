@@ -34,7 +34,11 @@ pub(crate) fn issue(
             Some(r) => {
                 // SAFETY: the C contract: buffers valid until the request completes.
                 let request = unsafe { c.submit(call) }?;
-                write_out(r, "req", Box::into_raw(Box::new(rdist_request_t { req: request })))
+                write_out(
+                    r,
+                    "req",
+                    Box::into_raw(Box::new(rdist_request_t { req: request })),
+                )
             }
         }
     })
@@ -53,97 +57,371 @@ pub(crate) fn data_call(
     root: c_int,
 ) -> Result<Call> {
     let dtype = DType::try_from(dtype)?;
-    let op = op.map(ReduceOp::try_from).transpose()?.unwrap_or(ReduceOp::Sum);
-    Call::new(kind, send.cast(), recv.cast(), Data { count, dtype }, op, root.into(), c.rank(), c.size())
+    let op = op
+        .map(ReduceOp::try_from)
+        .transpose()?
+        .unwrap_or(ReduceOp::Sum);
+    Call::new(
+        kind,
+        send.cast(),
+        recv.cast(),
+        Data { count, dtype },
+        op,
+        root.into(),
+        c.rank(),
+        c.size(),
+    )
 }
 
-macro_rules! reduction_pair {
-    ($(#[$doc:meta])* $name:ident, $iname:ident, $kind:expr) => {
-        $(#[$doc])*
-        #[no_mangle]
-        pub extern "C" fn $name(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, op: RawOp, comm: *mut rdist_comm_t, _stream: *mut c_void) -> rdist_result_t {
-            issue(stringify!($name), comm, None, |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, Some(op), 0))
-        }
-
-        /// Non-blocking twin: same arguments, the request handle last.
-        /// Buffers must stay valid and untouched until the request completes.
-        #[no_mangle]
-        pub extern "C" fn $iname(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, op: RawOp, comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
-            issue(stringify!($iname), comm, Some(req), |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, Some(op), 0))
-        }
-    };
+/// recvbuf = element-wise `op` over every rank's sendbuf (count elements).
+/// sendbuf == recvbuf is in place.
+#[no_mangle]
+pub extern "C" fn rdist_allreduce(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    op: RawOp,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_allreduce", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::AllReduce,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            0,
+        )
+    })
 }
 
-macro_rules! rooted_pair {
-    ($(#[$doc:meta])* $name:ident, $iname:ident, $kind:expr) => {
-        $(#[$doc])*
-        #[no_mangle]
-        pub extern "C" fn $name(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, root: c_int, comm: *mut rdist_comm_t, _stream: *mut c_void) -> rdist_result_t {
-            issue(stringify!($name), comm, None, |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, None, root))
-        }
-
-        /// Non-blocking twin: same arguments, the request handle last.
-        /// Buffers must stay valid and untouched until the request completes.
-        #[no_mangle]
-        pub extern "C" fn $iname(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, root: c_int, comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
-            issue(stringify!($iname), comm, Some(req), |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, None, root))
-        }
-    };
+/// Non-blocking twin of rdist_allreduce: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_iallreduce(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    op: RawOp,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_iallreduce", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::AllReduce,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            0,
+        )
+    })
 }
 
-macro_rules! plain_pair {
-    ($(#[$doc:meta])* $name:ident, $iname:ident, $kind:expr) => {
-        $(#[$doc])*
-        #[no_mangle]
-        pub extern "C" fn $name(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, comm: *mut rdist_comm_t, _stream: *mut c_void) -> rdist_result_t {
-            issue(stringify!($name), comm, None, |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, None, 0))
-        }
-
-        /// Non-blocking twin: same arguments, the request handle last.
-        /// Buffers must stay valid and untouched until the request completes.
-        #[no_mangle]
-        pub extern "C" fn $iname(sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dtype: RawDType, comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
-            issue(stringify!($iname), comm, Some(req), |c| data_call(c, $kind, sendbuf, recvbuf, count, dtype, None, 0))
-        }
-    };
+/// recvbuf on every rank = sendbuf of `root` (sendbuf is read on the root
+/// only; sendbuf == recvbuf is in place).
+#[no_mangle]
+pub extern "C" fn rdist_broadcast(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_broadcast", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::Broadcast,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
 }
 
-reduction_pair!(
-    /// recvbuf = element-wise `op` over every rank's sendbuf (count
-    /// elements). sendbuf == recvbuf is in place.
-    rdist_allreduce, rdist_iallreduce, OpKind::AllReduce
-);
-reduction_pair!(
-    /// recvbuf (count elements) = block `rank` of the reduction of every
-    /// rank's sendbuf (size*count elements).
-    rdist_reduce_scatter, rdist_ireduce_scatter, OpKind::ReduceScatter
-);
-rooted_pair!(
-    /// recvbuf on every rank = sendbuf of `root` (sendbuf is read on the
-    /// root only; sendbuf == recvbuf is in place).
-    rdist_broadcast, rdist_ibroadcast, OpKind::Broadcast
-);
-rooted_pair!(
-    /// recvbuf (root only; may be NULL elsewhere) holds size*sendcount
-    /// elements: every rank's sendbuf, rank-major.
-    rdist_gather, rdist_igather, OpKind::Gather
-);
-rooted_pair!(
-    /// sendbuf (root only; may be NULL elsewhere) holds size*recvcount
-    /// elements; rank r receives block r into recvbuf.
-    rdist_scatter, rdist_iscatter, OpKind::Scatter
-);
-plain_pair!(
-    /// recvbuf holds size*sendcount elements: every rank's sendbuf,
-    /// rank-major. sendbuf == recvbuf, or sendbuf == recvbuf + rank*sendcount
-    /// elements, is in place.
-    rdist_allgather, rdist_iallgather, OpKind::AllGather
-);
-plain_pair!(
-    /// Block j (count elements) of sendbuf goes to rank j; block i of
-    /// recvbuf comes from rank i. Both hold size*count elements.
-    rdist_alltoall, rdist_ialltoall, OpKind::AllToAll
-);
+/// Non-blocking twin of rdist_broadcast: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_ibroadcast(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_ibroadcast", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::Broadcast,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
+}
+
+/// recvbuf holds size*count elements: every rank's sendbuf (count
+/// elements), rank-major. sendbuf == recvbuf, or sendbuf == recvbuf +
+/// rank*count elements, is in place.
+#[no_mangle]
+pub extern "C" fn rdist_allgather(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_allgather", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::AllGather,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            0,
+        )
+    })
+}
+
+/// Non-blocking twin of rdist_allgather: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_iallgather(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_iallgather", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::AllGather,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            0,
+        )
+    })
+}
+
+/// recvbuf (count elements) = block `rank` of the element-wise `op` over
+/// every rank's sendbuf (size*count elements).
+#[no_mangle]
+pub extern "C" fn rdist_reduce_scatter(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    op: RawOp,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_reduce_scatter", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::ReduceScatter,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            0,
+        )
+    })
+}
+
+/// Non-blocking twin of rdist_reduce_scatter: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_ireduce_scatter(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    op: RawOp,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_ireduce_scatter", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::ReduceScatter,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            0,
+        )
+    })
+}
+
+/// recvbuf (root only; may be NULL elsewhere) receives size*count
+/// elements: every rank's sendbuf, rank-major.
+#[no_mangle]
+pub extern "C" fn rdist_gather(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_gather", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::Gather,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
+}
+
+/// Non-blocking twin of rdist_gather: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_igather(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_igather", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::Gather,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
+}
+
+/// sendbuf (root only; may be NULL elsewhere) holds size*count elements;
+/// rank r receives block r into recvbuf (count elements).
+#[no_mangle]
+pub extern "C" fn rdist_scatter(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_scatter", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::Scatter,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
+}
+
+/// Non-blocking twin of rdist_scatter: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_iscatter(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    root: c_int,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_iscatter", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::Scatter,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            None,
+            root,
+        )
+    })
+}
+
+/// Block j (count elements) of sendbuf goes to rank j; block i of recvbuf
+/// comes from rank i. Both hold size*count elements.
+#[no_mangle]
+pub extern "C" fn rdist_alltoall(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_alltoall", comm, None, |c| {
+        data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0)
+    })
+}
+
+/// Non-blocking twin of rdist_alltoall: the request handle replaces the stream.
+/// Buffers must stay valid and untouched until the request completes.
+#[no_mangle]
+pub extern "C" fn rdist_ialltoall(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_ialltoall", comm, Some(req), |c| {
+        data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0)
+    })
+}
 
 /// recvbuf on `root` (may be NULL elsewhere) = element-wise `op` over every
 /// rank's sendbuf.
@@ -156,10 +434,20 @@ pub extern "C" fn rdist_reduce(
     op: RawOp,
     root: c_int,
     comm: *mut rdist_comm_t,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
     issue("rdist_reduce", comm, None, |c| {
-        data_call(c, OpKind::Reduce, sendbuf, recvbuf, count, dtype, Some(op), root)
+        data_call(
+            c,
+            OpKind::Reduce,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            root,
+        )
     })
 }
 
@@ -176,7 +464,16 @@ pub extern "C" fn rdist_ireduce(
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
     issue("rdist_ireduce", comm, Some(req), |c| {
-        data_call(c, OpKind::Reduce, sendbuf, recvbuf, count, dtype, Some(op), root)
+        data_call(
+            c,
+            OpKind::Reduce,
+            sendbuf,
+            recvbuf,
+            count,
+            dtype,
+            Some(op),
+            root,
+        )
     })
 }
 
@@ -188,6 +485,9 @@ pub extern "C" fn rdist_barrier(comm: *mut rdist_comm_t) -> rdist_result_t {
 
 /// Non-blocking barrier: the request completes when every rank entered it.
 #[no_mangle]
-pub extern "C" fn rdist_ibarrier(comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
+pub extern "C" fn rdist_ibarrier(
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
     issue("rdist_ibarrier", comm, Some(req), |_| Ok(Call::Barrier))
 }

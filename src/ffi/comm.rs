@@ -10,7 +10,9 @@ use std::ffi::c_int;
 
 fn options_of(opts: *const rdist_options_t) -> Options {
     // SAFETY: NULL or a live handle from rdist_options_create.
-    unsafe { opts.as_ref() }.map(|o| o.opts.clone()).unwrap_or_default()
+    unsafe { opts.as_ref() }
+        .map(|o| o.opts.clone())
+        .unwrap_or_default()
 }
 
 fn publish(out: *mut *mut rdist_comm_t, comm: Comm) -> Result<()> {
@@ -84,7 +86,12 @@ pub extern "C" fn rdist_comm_init_rank(
     })
 }
 
-fn query(func: &str, comm: *const rdist_comm_t, out: *mut c_int, get: impl FnOnce(&Comm) -> usize) -> rdist_result_t {
+fn query(
+    func: &str,
+    comm: *const rdist_comm_t,
+    out: *mut c_int,
+    get: impl FnOnce(&Comm) -> usize,
+) -> rdist_result_t {
     boundary(func, None, || {
         let c = handle(comm, "comm")?;
         write_out(out, "out", get(&c.comm) as c_int)
@@ -105,13 +112,19 @@ pub extern "C" fn rdist_comm_size(comm: *const rdist_comm_t, size: *mut c_int) -
 
 /// This process's rank among the ranks of `comm` on the same host.
 #[no_mangle]
-pub extern "C" fn rdist_comm_local_rank(comm: *const rdist_comm_t, local_rank: *mut c_int) -> rdist_result_t {
+pub extern "C" fn rdist_comm_local_rank(
+    comm: *const rdist_comm_t,
+    local_rank: *mut c_int,
+) -> rdist_result_t {
     query("rdist_comm_local_rank", comm, local_rank, Comm::local_rank)
 }
 
 /// The backend `comm` runs on (never RDIST_BACKEND_AUTO).
 #[no_mangle]
-pub extern "C" fn rdist_comm_backend(comm: *const rdist_comm_t, backend: *mut rdist_backend_t) -> rdist_result_t {
+pub extern "C" fn rdist_comm_backend(
+    comm: *const rdist_comm_t,
+    backend: *mut rdist_backend_t,
+) -> rdist_result_t {
     boundary("rdist_comm_backend", None, || {
         let c = handle(comm, "comm")?;
         check_out(backend, "backend")?;
@@ -127,7 +140,12 @@ pub extern "C" fn rdist_comm_backend(comm: *const rdist_comm_t, backend: *mut rd
 /// communicator, ordered by (key, old rank). `color` RDIST_SPLIT_NOCOLOR
 /// yields *out = NULL. On failure *out is left unchanged.
 #[no_mangle]
-pub extern "C" fn rdist_comm_split(comm: *mut rdist_comm_t, color: c_int, key: c_int, out: *mut *mut rdist_comm_t) -> rdist_result_t {
+pub extern "C" fn rdist_comm_split(
+    comm: *mut rdist_comm_t,
+    color: c_int,
+    key: c_int,
+    out: *mut *mut rdist_comm_t,
+) -> rdist_result_t {
     let rank = rank_of(comm);
     boundary("rdist_comm_split", rank, || {
         let c = handle(comm, "comm")?;

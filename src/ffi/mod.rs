@@ -36,7 +36,11 @@ pub(crate) fn last_error_ptr() -> *const c_char {
 /// The panic boundary every export goes through: runs `body`, maps its
 /// error to a result code and a message "FUNC: rank R: cause", and turns
 /// a panic into RDIST_ERR_INTERNAL.
-pub(crate) fn boundary(func: &str, rank: Option<usize>, body: impl FnOnce() -> Result<()>) -> rdist_result_t {
+pub(crate) fn boundary(
+    func: &str,
+    rank: Option<usize>,
+    body: impl FnOnce() -> Result<()>,
+) -> rdist_result_t {
     set_last_error(String::new());
     let who = match rank {
         Some(r) => format!("{func}: rank {r}"),
@@ -54,7 +58,9 @@ pub(crate) fn boundary(func: &str, rank: Option<usize>, body: impl FnOnce() -> R
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            set_last_error(format!("{who}: internal error (a bug in rdist, please report it): {what}"));
+            set_last_error(format!(
+                "{who}: internal error (a bug in rdist, please report it): {what}"
+            ));
             rdist_result_t::RDIST_ERR_INTERNAL
         }
     }
@@ -71,7 +77,9 @@ pub(crate) fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
 /// Writes an out-parameter (only ever on success), refusing NULL.
 pub(crate) fn write_out<T>(p: *mut T, name: &str, value: T) -> Result<()> {
     if p.is_null() {
-        return Err(Error::invalid_argument(format!("{name} (an out-pointer) is NULL")));
+        return Err(Error::invalid_argument(format!(
+            "{name} (an out-pointer) is NULL"
+        )));
     }
     // SAFETY: non-NULL and, per the contract, pointing at a writable T.
     unsafe { p.write(value) };
@@ -81,7 +89,9 @@ pub(crate) fn write_out<T>(p: *mut T, name: &str, value: T) -> Result<()> {
 /// Checks an out-pointer before any work is done.
 pub(crate) fn check_out<T>(p: *mut T, name: &str) -> Result<()> {
     if p.is_null() {
-        return Err(Error::invalid_argument(format!("{name} (an out-pointer) is NULL")));
+        return Err(Error::invalid_argument(format!(
+            "{name} (an out-pointer) is NULL"
+        )));
     }
     Ok(())
 }

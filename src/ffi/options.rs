@@ -22,7 +22,9 @@ pub(crate) fn c_str<'a>(p: *const c_char, name: &str) -> Result<&'a str> {
 #[no_mangle]
 pub extern "C" fn rdist_options_create(out: *mut *mut rdist_options_t) -> rdist_result_t {
     boundary("rdist_options_create", None, || {
-        let boxed = Box::new(rdist_options_t { opts: Options::default() });
+        let boxed = Box::new(rdist_options_t {
+            opts: Options::default(),
+        });
         write_out(out, "out", Box::into_raw(boxed))
     })
 }
@@ -33,7 +35,11 @@ pub extern "C" fn rdist_options_create(out: *mut *mut rdist_options_t) -> rdist_
 /// RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
 /// option wins over its environment variable.
 #[no_mangle]
-pub extern "C" fn rdist_options_set(opts: *mut rdist_options_t, key: *const c_char, value: *const c_char) -> rdist_result_t {
+pub extern "C" fn rdist_options_set(
+    opts: *mut rdist_options_t,
+    key: *const c_char,
+    value: *const c_char,
+) -> rdist_result_t {
     boundary("rdist_options_set", None, || {
         let o = handle(opts, "opts")?;
         let (k, v) = (c_str(key, "key")?, c_str(value, "value")?);

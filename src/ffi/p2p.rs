@@ -1,8 +1,8 @@
 //! Point-to-point calls and groups.
 
+use super::boundary;
 use super::collectives::{data_call, issue};
 use super::types::*;
-use super::boundary;
 use crate::call::{Call, Data};
 use crate::dtype::DType;
 use crate::group;
@@ -12,29 +12,97 @@ use std::ffi::{c_int, c_void};
 /// Sends count elements to `peer`; returns when buf may be reused.
 /// A matching rdist_recv on `peer` must use the same count and dtype.
 #[no_mangle]
-pub extern "C" fn rdist_send(buf: *const c_void, count: usize, dtype: RawDType, peer: c_int, comm: *mut rdist_comm_t, _stream: *mut c_void) -> rdist_result_t {
-    issue("rdist_send", comm, None, |c| data_call(c, OpKind::Send, buf, std::ptr::null_mut(), count, dtype, None, peer))
+pub extern "C" fn rdist_send(
+    buf: *const c_void,
+    count: usize,
+    dtype: RawDType,
+    peer: c_int,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
+    issue("rdist_send", comm, None, |c| {
+        data_call(
+            c,
+            OpKind::Send,
+            buf,
+            std::ptr::null_mut(),
+            count,
+            dtype,
+            None,
+            peer,
+        )
+    })
 }
 
 /// Receives count elements from `peer` into buf.
 #[no_mangle]
-pub extern "C" fn rdist_recv(buf: *mut c_void, count: usize, dtype: RawDType, peer: c_int, comm: *mut rdist_comm_t, _stream: *mut c_void) -> rdist_result_t {
+pub extern "C" fn rdist_recv(
+    buf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    peer: c_int,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    let _ = stream; // host buffers: no stream
     issue("rdist_recv", comm, None, |c| {
-        Call::recv(buf.cast(), Data { count, dtype: DType::try_from(dtype)? }, peer.into(), c.size())
+        Call::recv(
+            buf.cast(),
+            Data {
+                count,
+                dtype: DType::try_from(dtype)?,
+            },
+            peer.into(),
+            c.size(),
+        )
     })
 }
 
 /// Non-blocking send; buf must stay valid until the request completes.
 #[no_mangle]
-pub extern "C" fn rdist_isend(buf: *const c_void, count: usize, dtype: RawDType, peer: c_int, comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
-    issue("rdist_isend", comm, Some(req), |c| data_call(c, OpKind::Send, buf, std::ptr::null_mut(), count, dtype, None, peer))
+pub extern "C" fn rdist_isend(
+    buf: *const c_void,
+    count: usize,
+    dtype: RawDType,
+    peer: c_int,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    issue("rdist_isend", comm, Some(req), |c| {
+        data_call(
+            c,
+            OpKind::Send,
+            buf,
+            std::ptr::null_mut(),
+            count,
+            dtype,
+            None,
+            peer,
+        )
+    })
 }
 
 /// Non-blocking receive; buf must stay untouched until the request completes.
 #[no_mangle]
-pub extern "C" fn rdist_irecv(buf: *mut c_void, count: usize, dtype: RawDType, peer: c_int, comm: *mut rdist_comm_t, req: *mut *mut rdist_request_t) -> rdist_result_t {
+pub extern "C" fn rdist_irecv(
+    buf: *mut c_void,
+    count: usize,
+    dtype: RawDType,
+    peer: c_int,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
     issue("rdist_irecv", comm, Some(req), |c| {
-        Call::recv(buf.cast(), Data { count, dtype: DType::try_from(dtype)? }, peer.into(), c.size())
+        Call::recv(
+            buf.cast(),
+            Data {
+                count,
+                dtype: DType::try_from(dtype)?,
+            },
+            peer.into(),
+            c.size(),
+        )
     })
 }
 

@@ -15,18 +15,24 @@ pub enum Method {
 
 /// The variables that can supply rank, world size and local rank, in order.
 const RANK_VARS: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
-const SIZE_VARS: [&str; 4] = ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
-pub const LOCAL_RANK_VARS: [&str; 3] = ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
+const SIZE_VARS: [&str; 4] = [
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+];
+pub const LOCAL_RANK_VARS: [&str; 3] =
+    ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
 
 /// Reads the first of `vars` that is set, as an integer.
 pub fn first_int(vars: &[&str], lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<i64>> {
     for var in vars {
         if let Some(v) = lookup(var).filter(|v| !v.trim().is_empty()) {
-            return v
-                .trim()
-                .parse()
-                .map(Some)
-                .map_err(|_| Error::invalid_argument(format!("environment variable {var}='{v}' is not an integer")));
+            return v.trim().parse().map(Some).map_err(|_| {
+                Error::invalid_argument(format!(
+                    "environment variable {var}='{v}' is not an integer"
+                ))
+            });
         }
     }
     Ok(None)
@@ -43,17 +49,27 @@ pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Resu
         })?;
         let port = lookup("MASTER_PORT")
             .ok_or_else(|| Error::invalid_argument("init method env:// needs MASTER_PORT"))?;
-        return Ok(Method::Tcp { host, port: parse_port(&port, "MASTER_PORT")? });
+        return Ok(Method::Tcp {
+            host,
+            port: parse_port(&port, "MASTER_PORT")?,
+        });
     }
     if let Some(rest) = m.strip_prefix("tcp://") {
         let (host, port) = rest.rsplit_once(':').ok_or_else(|| {
-            Error::invalid_argument(format!("init method '{m}' has no port (expected tcp://HOST:PORT)"))
+            Error::invalid_argument(format!(
+                "init method '{m}' has no port (expected tcp://HOST:PORT)"
+            ))
         })?;
         if host.is_empty() {
-            return Err(Error::invalid_argument(format!("init method '{m}' has no host")));
+            return Err(Error::invalid_argument(format!(
+                "init method '{m}' has no host"
+            )));
         }
         return Ok(Method::Tcp {
-            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             port: parse_port(port.trim_end_matches('/'), "the port")?,
         });
     }
@@ -75,11 +91,17 @@ fn parse_port(s: &str, what: &str) -> Result<u16> {
         .parse::<u16>()
         .ok()
         .filter(|p| *p != 0)
-        .ok_or_else(|| Error::invalid_argument(format!("{what} '{s}' is not a port number (1..65535)")))
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("{what} '{s}' is not a port number (1..65535)"))
+        })
 }
 
 /// Rank and world size from the arguments, -1 meaning "from the environment".
-pub fn rank_and_size(rank: i64, size: i64, lookup: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize)> {
+pub fn rank_and_size(
+    rank: i64,
+    size: i64,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<(usize, usize)> {
     let size = if size == -1 {
         first_int(&SIZE_VARS, lookup)?.ok_or_else(|| {
             Error::invalid_argument("world_size is -1 but none of WORLD_SIZE, SLURM_NTASKS, OMPI_COMM_WORLD_SIZE is set")
@@ -88,11 +110,15 @@ pub fn rank_and_size(rank: i64, size: i64, lookup: &dyn Fn(&str) -> Option<Strin
         size
     };
     if size < 1 || size > i32::MAX as i64 {
-        return Err(Error::invalid_argument(format!("world size {size} must be at least 1")));
+        return Err(Error::invalid_argument(format!(
+            "world size {size} must be at least 1"
+        )));
     }
     let rank = if rank == -1 {
         first_int(&RANK_VARS, lookup)?.ok_or_else(|| {
-            Error::invalid_argument("rank is -1 but none of RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK is set")
+            Error::invalid_argument(
+                "rank is -1 but none of RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK is set",
+            )
         })?
     } else {
         rank
@@ -110,7 +136,12 @@ mod tests {
     use super::*;
 
     fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
     }
 
     #[test]
@@ -118,18 +149,39 @@ mod tests {
         let none = env(&[]);
         assert_eq!(
             parse("tcp://10.0.0.1:29500", &none).unwrap(),
-            Method::Tcp { host: "10.0.0.1".into(), port: 29500 }
+            Method::Tcp {
+                host: "10.0.0.1".into(),
+                port: 29500
+            }
         );
         assert_eq!(
             parse("tcp://[::1]:80", &none).unwrap(),
-            Method::Tcp { host: "::1".into(), port: 80 }
+            Method::Tcp {
+                host: "::1".into(),
+                port: 80
+            }
         );
-        assert_eq!(parse("file:///tmp/x", &none).unwrap(), Method::File("/tmp/x".into()));
+        assert_eq!(
+            parse("file:///tmp/x", &none).unwrap(),
+            Method::File("/tmp/x".into())
+        );
         let e = parse("env://", &none).unwrap_err();
         assert!(e.message().contains("MASTER_ADDR"), "{e}");
         let with = env(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "123")]);
-        assert_eq!(parse("env://", &with).unwrap(), Method::Tcp { host: "h".into(), port: 123 });
-        for bad in ["tcp://host", "tcp://:1", "tcp://h:70000", "file://rel", "mpi://x"] {
+        assert_eq!(
+            parse("env://", &with).unwrap(),
+            Method::Tcp {
+                host: "h".into(),
+                port: 123
+            }
+        );
+        for bad in [
+            "tcp://host",
+            "tcp://:1",
+            "tcp://h:70000",
+            "file://rel",
+            "mpi://x",
+        ] {
             assert!(parse(bad, &none).is_err(), "{bad}");
         }
     }
@@ -142,7 +194,10 @@ mod tests {
         assert_eq!(rank_and_size(-1, -1, &ompi).unwrap(), (1, 2));
         assert_eq!(rank_and_size(0, 1, &env(&[])).unwrap(), (0, 1));
         assert!(rank_and_size(4, 4, &env(&[])).is_err());
-        assert!(rank_and_size(-1, 4, &env(&[])).unwrap_err().message().contains("RANK"));
+        assert!(rank_and_size(-1, 4, &env(&[]))
+            .unwrap_err()
+            .message()
+            .contains("RANK"));
         assert!(rank_and_size(0, 0, &env(&[])).is_err());
     }
 }

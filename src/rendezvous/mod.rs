@@ -78,14 +78,24 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
     let deadline = Instant::now() + opts.timeout;
     let mut server = None;
     let mut file_store = None;
-    let (store, master, job, place): (Arc<dyn Store>, Option<SocketAddr>, Option<[u8; 16]>, String) = match meeting {
+    let (store, master, job, place): (
+        Arc<dyn Store>,
+        Option<SocketAddr>,
+        Option<[u8; 16]>,
+        String,
+    ) = match meeting {
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
             if rank == 0 {
                 server = Some(TcpStoreServer::bind(wildcard(master.ip(), *port))?);
             }
             let client = TcpStoreClient::connect(&format!("{host}:{port}"), deadline)?;
-            (Arc::new(client), Some(master), None, format!("the store at {host}:{port}"))
+            (
+                Arc::new(client),
+                Some(master),
+                None,
+                format!("the store at {host}:{port}"),
+            )
         }
         Meeting::Method(Method::File(path)) => {
             let f = Arc::new(FileStore::new(path)?);
@@ -94,7 +104,12 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
         }
         Meeting::UniqueId(id) => {
             let client = TcpStoreClient::connect(&id.addr.to_string(), deadline)?;
-            (Arc::new(client), Some(id.addr), Some(id.job), format!("the unique id's store at {}", id.addr))
+            (
+                Arc::new(client),
+                Some(id.addr),
+                Some(id.job),
+                format!("the unique id's store at {}", id.addr),
+            )
         }
     };
     let job = match job {
@@ -106,8 +121,12 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
             j
         }
         None => {
-            let v = store.get("job", left(deadline)).map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
-            v.as_slice().try_into().map_err(|_| Error::internal("job id in the store has the wrong length"))?
+            let v = store
+                .get("job", left(deadline))
+                .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+            v.as_slice()
+                .try_into()
+                .map_err(|_| Error::internal("job id in the store has the wrong length"))?
         }
     };
     if store.add(&format!("claim/{rank}"), 1)? > 1 {
@@ -123,7 +142,9 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
     };
     let listener = TcpListener::bind((ip, 0))
         .map_err(|e| Error::system(format!("binding a listener on {ip}"), &e))?;
-    let addr = listener.local_addr().map_err(|e| Error::system("local_addr", &e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::system("local_addr", &e))?;
     let host = hostname();
     let me = format!("{size} {addr} {host} {}", std::process::id());
     store.set(&format!("rank/{rank}"), me.as_bytes())?;
@@ -136,7 +157,9 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
     for (r, key) in keys.iter().enumerate() {
-        let v = String::from_utf8_lossy(&store.get(key, left(deadline).max(Duration::from_millis(1)))?).into_owned();
+        let v =
+            String::from_utf8_lossy(&store.get(key, left(deadline).max(Duration::from_millis(1)))?)
+                .into_owned();
         let mut parts = v.split(' ');
         let (their_size, their_addr, their_host) = (parts.next(), parts.next(), parts.next());
         if their_size != Some(&size.to_string()) {
@@ -149,9 +172,9 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
             ));
         }
         addrs.push(
-            their_addr
-                .and_then(|a| a.parse().ok())
-                .ok_or_else(|| Error::internal(format!("rank {r} published a bad address '{v}'")))?,
+            their_addr.and_then(|a| a.parse().ok()).ok_or_else(|| {
+                Error::internal(format!("rank {r} published a bad address '{v}'"))
+            })?,
         );
         hosts.push(their_host.unwrap_or("?").to_string());
     }
@@ -163,7 +186,8 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,
-        None => match method::first_int(&method::LOCAL_RANK_VARS[1..], &|k| std::env::var(k).ok())? {
+        None => match method::first_int(&method::LOCAL_RANK_VARS[1..], &|k| std::env::var(k).ok())?
+        {
             Some(l) if l >= 0 => l as usize,
             _ => roster.local_rank(rank),
         },
@@ -189,7 +213,11 @@ fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &O
         .filter(|r| !store.check(&[&format!("rank/{r}")]).unwrap_or(false))
         .collect();
     let shown: Vec<String> = missing.iter().take(16).map(|r| r.to_string()).collect();
-    let more = if missing.len() > 16 { format!(" and {} more", missing.len() - 16) } else { String::new() };
+    let more = if missing.len() > 16 {
+        format!(" and {} more", missing.len() - 16)
+    } else {
+        String::new()
+    };
     Error::new(
         ErrorKind::Timeout,
         format!(

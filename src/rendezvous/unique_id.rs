@@ -44,7 +44,11 @@ impl UniqueId {
         let ip = match b[5] {
             4 => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::LOCALHOST)),
             6 => IpAddr::V6(v6),
-            f => return Err(Error::invalid_argument(format!("the unique id has unknown address family {f}"))),
+            f => {
+                return Err(Error::invalid_argument(format!(
+                    "the unique id has unknown address family {f}"
+                )))
+            }
         };
         Ok(UniqueId {
             addr: SocketAddr::new(ip, u16::from_le_bytes([b[6], b[7]])),
@@ -58,7 +62,8 @@ pub fn random_bytes(out: &mut [u8]) {
     let mut filled = 0;
     while filled < out.len() {
         // SAFETY: writes at most the remaining length into our slice.
-        let n = unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
+        let n =
+            unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
         if n <= 0 {
             // No entropy source: fall back to time and pid, still unique enough
             // to tell jobs apart.
@@ -107,8 +112,14 @@ fn host_until_joined(server: TcpStoreServer, local: &str, deadline: Instant) {
     };
     while Instant::now() < deadline {
         let done = client.check(&["world_size"]).unwrap_or(false)
-            && match (client.get("world_size", Duration::from_secs(1)), client.add("connected", 0)) {
-                (Ok(size), Ok(n)) => String::from_utf8_lossy(&size).parse::<i64>().map(|s| n >= s).unwrap_or(false),
+            && match (
+                client.get("world_size", Duration::from_secs(1)),
+                client.add("connected", 0),
+            ) {
+                (Ok(size), Ok(n)) => String::from_utf8_lossy(&size)
+                    .parse::<i64>()
+                    .map(|s| n >= s)
+                    .unwrap_or(false),
                 _ => false,
             };
         if done {

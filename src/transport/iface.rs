@@ -127,7 +127,10 @@ pub fn listen_address(ifname: Option<&str>, master: SocketAddr) -> Result<IpAddr
         };
     }
     route_to(master.ip()).map_err(|e| {
-        Error::system(format!("finding the local address that routes to {master}"), &e)
+        Error::system(
+            format!("finding the local address that routes to {master}"),
+            &e,
+        )
     })
 }
 

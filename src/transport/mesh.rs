@@ -52,7 +52,11 @@ fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, V
     }
     let comm = u64::from_le_bytes(b[20..28].try_into().expect("8 bytes"));
     let rank = u32_at(28) as usize;
-    if comm != spec.comm_id || u32_at(32) as usize != spec.size || rank <= spec.rank || rank >= spec.size {
+    if comm != spec.comm_id
+        || u32_at(32) as usize != spec.size
+        || rank <= spec.rank
+        || rank >= spec.size
+    {
         return Err(Verdict::OtherWorld);
     }
     Ok(rank)
@@ -94,7 +98,9 @@ fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
         match TcpStream::connect_timeout(&addr, left(deadline)) {
             Ok(s) => return Ok(s),
             Err(e) if Instant::now() + pause < deadline => {
-                if e.kind() != io::ErrorKind::ConnectionRefused && e.kind() != io::ErrorKind::TimedOut {
+                if e.kind() != io::ErrorKind::ConnectionRefused
+                    && e.kind() != io::ErrorKind::TimedOut
+                {
                     return Err(e);
                 }
                 std::thread::sleep(pause);
@@ -112,7 +118,10 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
     let timed_out = |what: String| {
         Error::new(
             ErrorKind::Timeout,
-            format!("rank {} timed out connecting to its peers: {what}", spec.rank),
+            format!(
+                "rank {} timed out connecting to its peers: {what}",
+                spec.rank
+            ),
         )
     };
     for peer in 0..spec.rank {
@@ -140,13 +149,18 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
         let mut verdict = [0u8; 1];
         match s.read_exact(&mut verdict) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut => {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut =>
+            {
                 return Err(timed_out(format!("rank {peer} never answered the hello")));
             }
             Err(e) => {
                 return Err(Error::new(
                     ErrorKind::PeerLost,
-                    format!("rank {peer} closed the connection during the handshake ({})", describe_io(&e)),
+                    format!(
+                        "rank {peer} closed the connection during the handshake ({})",
+                        describe_io(&e)
+                    ),
                 ))
             }
         }

@@ -52,8 +52,15 @@ struct Conn {
 }
 
 enum Incoming {
-    Header { buf: [u8; HEADER_BYTES], got: usize },
-    Payload { header: Header, into: Target, got: usize },
+    Header {
+        buf: [u8; HEADER_BYTES],
+        got: usize,
+    },
+    Payload {
+        header: Header,
+        into: Target,
+        got: usize,
+    },
 }
 
 enum Target {
@@ -386,7 +393,12 @@ impl TcpTransport {
         Ok(())
     }
 
-    fn finish_frame(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+    fn finish_frame(
+        &mut self,
+        peer: usize,
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+    ) -> Result<()> {
         let conn = self.conn(peer);
         let done = std::mem::replace(
             &mut conn.incoming,
@@ -581,7 +593,10 @@ impl Transport for TcpTransport {
         if let Some(e) = &self.failed {
             return Err(Error::new(
                 e.kind(),
-                format!("the communicator is unusable after an earlier error: {}", e.message()),
+                format!(
+                    "the communicator is unusable after an earlier error: {}",
+                    e.message()
+                ),
             ));
         }
         match self.run(xfers) {
@@ -649,7 +664,11 @@ fn write_frame_part(
             iov_len: d.len(),
         },
     ];
-    let (iov, cnt) = if h.is_empty() { (&iov[1..], 1) } else { (&iov[..], 2) };
+    let (iov, cnt) = if h.is_empty() {
+        (&iov[1..], 1)
+    } else {
+        (&iov[..], 2)
+    };
     // SAFETY: the iovecs point into live slices for the duration of the call;
     // MSG_NOSIGNAL semantics come from SIGPIPE being ignored (see below).
     let n = unsafe { libc::writev(stream.as_raw_fd(), iov.as_ptr(), cnt) };
