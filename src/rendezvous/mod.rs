@@ -75,8 +75,32 @@ fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
 /// Meets the other ranks; blocks until all `size` have joined or the
 /// timeout passes.
 pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Joined> {
-    let deadline = Instant::now() + opts.timeout;
     let mut server = None;
+    let joined = join_hosting(meeting, rank, size, opts, &mut server);
+    if joined.is_err() {
+        if let Some(s) = server.take() {
+            // Keep serving a little longer, so the other ranks can still ask
+            // the store who is missing and report it, instead of only
+            // seeing the host vanish.
+            let _ = std::thread::Builder::new()
+                .name("rdist-store-linger".into())
+                .spawn(move || {
+                    std::thread::sleep(Duration::from_secs(3));
+                    drop(s);
+                });
+        }
+    }
+    joined
+}
+
+fn join_hosting(
+    meeting: &Meeting,
+    rank: usize,
+    size: usize,
+    opts: &Options,
+    server: &mut Option<TcpStoreServer>,
+) -> Result<Joined> {
+    let deadline = Instant::now() + opts.timeout;
     let mut file_store = None;
     let (store, master, job, place): (
         Arc<dyn Store>,
@@ -87,7 +111,7 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
             if rank == 0 {
-                server = Some(TcpStoreServer::bind(wildcard(master.ip(), *port))?);
+                *server = Some(TcpStoreServer::bind(wildcard(master.ip(), *port))?);
             }
             let client = TcpStoreClient::connect(&format!("{host}:{port}"), deadline)?;
             (
@@ -199,7 +223,7 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
         roster,
         listener,
         store,
-        server,
+        server: server.take(),
         file_store,
     })
 }
@@ -209,9 +233,14 @@ fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &O
     if e.kind() != ErrorKind::Timeout {
         return e;
     }
-    let missing: Vec<usize> = (0..size)
-        .filter(|r| !store.check(&[&format!("rank/{r}")]).unwrap_or(false))
-        .collect();
+    let mut missing = Vec::new();
+    for r in 0..size {
+        match store.check(&[&format!("rank/{r}")]) {
+            Ok(true) => {}
+            Ok(false) => missing.push(r),
+            Err(why) => return e.context(format!("rendezvous through {place} failed, and the store could not say who is missing ({why})")),
+        }
+    }
     let shown: Vec<String> = missing.iter().take(16).map(|r| r.to_string()).collect();
     let more = if missing.len() > 16 {
         format!(" and {} more", missing.len() - 16)

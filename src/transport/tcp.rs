@@ -156,13 +156,28 @@ impl TcpTransport {
         err
     }
 
-    /// Clean goodbye: tells peers this rank is leaving, lets the kernel
-    /// deliver what was already sent, and closes every connection.
+    /// Goodbye: tells peers this rank is leaving (cleanly, or after which
+    /// error), lets the kernel deliver what was already sent, and closes
+    /// every connection.
     pub fn close(&mut self) {
-        let header = Header::control(FrameKind::Bye, 0).encode();
+        let (header, payload) = match &self.failed {
+            None => (Header::control(FrameKind::Bye, 0).encode(), Vec::new()),
+            Some(e) => {
+                // Peers still waiting learn why, not just that the line went dead.
+                let report = Error::new(
+                    e.kind(),
+                    format!("rank {} left after an error: {}", self.rank, e.message()),
+                );
+                let payload = frame::encode_failure(&report);
+                (
+                    Header::control(FrameKind::Failure, payload.len()).encode(),
+                    payload,
+                )
+            }
+        };
         for conn in self.conns.iter_mut().flatten() {
-            if conn.gone.is_none() && self.failed.is_none() {
-                conn.send_control(&header, &[]);
+            if conn.gone.is_none() {
+                conn.send_control(&header, &payload);
             }
             let _ = conn.stream.shutdown(Shutdown::Write);
             conn.drain();

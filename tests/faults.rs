@@ -1,0 +1,400 @@
+//! Failure behaviour: peer loss (a real process dying), abort from another
+//! thread, timeouts, mismatched calls, ports in use, late and missing
+//! ranks, duplicate ranks, and no leaked descriptors. Each test is bounded.
+
+mod common;
+
+use rdist::{Comm, ErrorKind, Options, ReduceOp};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Re-runs this test binary as a worker process (see `worker_process`).
+fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "worker_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("RDIST_TEST_ROLE", role)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", size.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("RDIST_TIMEOUT_MS", "60000")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Not a test of its own: the body of worker processes started by other
+/// tests (does nothing without RDIST_TEST_ROLE).
+#[test]
+fn worker_process() {
+    let Ok(role) = std::env::var("RDIST_TEST_ROLE") else {
+        return;
+    };
+    let comm = Comm::init("env://", -1, -1, &Options::default()).unwrap();
+    let mut buf = vec![1.0f32; 4096];
+    for i in 0.. {
+        if role == "crash" && comm.rank() == 2 && i == 20 {
+            // SAFETY: a deliberate crash, no cleanup, as a segfault would.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let t = Instant::now();
+        if let Err(e) = comm.allreduce(&mut buf, ReduceOp::Sum) {
+            println!(
+                "RESULT kind={:?} after={:.3} msg={}",
+                e.kind(),
+                t.elapsed().as_secs_f64(),
+                e
+            );
+            return;
+        }
+        if i > 100_000 {
+            println!("RESULT never failed");
+            return;
+        }
+    }
+}
+
+#[test]
+fn a_crashed_rank_fails_every_other_rank_quickly() {
+    let port = free_port();
+    let workers: Vec<_> = (0..3).map(|r| spawn_worker("crash", r, 3, port)).collect();
+    let start = Instant::now();
+    let mut outputs = Vec::new();
+    for mut w in workers {
+        while w.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < Duration::from_secs(30), "a worker hung");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        outputs.push(w.wait_with_output().unwrap());
+    }
+    for (rank, out) in outputs.iter().enumerate().take(2) {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .find_map(|l| l.split_once("RESULT").map(|x| x.1))
+            .unwrap_or_else(|| {
+                panic!(
+                    "rank {rank} printed no result:\n{text}\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            });
+        assert!(line.contains("kind=PeerLost"), "rank {rank}: {line}");
+        assert!(
+            line.contains("rank 2"),
+            "rank {rank} must name rank 2: {line}"
+        );
+        let after: f64 = line
+            .split("after=")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(after < 5.0, "rank {rank} took {after} s to notice: {line}");
+    }
+}
+
+#[test]
+fn abort_from_another_thread_releases_a_blocked_call_on_every_rank() {
+    let results = common::world(2, common::opts(60_000), Duration::from_secs(20), |comm| {
+        // Both ranks block receiving from each other; nobody ever sends.
+        let mut buf = vec![0u8; 16];
+        let peer = 1 - comm.rank();
+        let aborter = (comm.rank() == 0).then(|| {
+            let handle = comm.abort_handle();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                handle.abort();
+            })
+        });
+        let t = Instant::now();
+        let e = comm.recv(&mut buf, peer).unwrap_err();
+        let took = t.elapsed();
+        if let Some(a) = aborter {
+            a.join().unwrap();
+        }
+        let again = comm.barrier().unwrap_err();
+        assert_eq!(again.kind(), ErrorKind::Aborted, "{again}");
+        (e.kind(), took, e.to_string())
+    });
+    for (rank, (kind, took, msg)) in results.iter().enumerate() {
+        assert_eq!(*kind, ErrorKind::Aborted, "rank {rank}: {msg}");
+        assert!(*took < Duration::from_secs(3), "rank {rank} took {took:?}");
+    }
+    assert!(results[1].2.contains("rank 0 aborted"), "{}", results[1].2);
+}
+
+#[test]
+fn an_unanswered_wait_times_out_near_the_timeout_naming_the_rank() {
+    let results = common::world(3, common::opts(800), Duration::from_secs(20), |comm| {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(2500));
+            return None;
+        }
+        let t = Instant::now();
+        let e = comm.allreduce(&mut [1i32; 8], ReduceOp::Sum).unwrap_err();
+        Some((e.kind(), t.elapsed(), e.to_string()))
+    });
+    for (kind, took, msg) in results.into_iter().flatten() {
+        assert!(kind == ErrorKind::Timeout, "{msg}");
+        assert!(
+            took >= Duration::from_millis(700) && took < Duration::from_secs(3),
+            "{took:?}: {msg}"
+        );
+        assert!(msg.contains("rank 2") || msg.contains("timed out"), "{msg}");
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_on_both_sides_naming_both_calls() {
+    let results = common::world(2, common::opts(10_000), Duration::from_secs(20), |comm| {
+        let mut buf = vec![0f32; 10];
+        let e = if comm.rank() == 0 {
+            comm.allreduce(&mut buf, ReduceOp::Sum).unwrap_err()
+        } else {
+            comm.broadcast(&mut buf, 0).unwrap_err()
+        };
+        (e.kind(), e.to_string())
+    });
+    for (rank, (kind, msg)) in results.iter().enumerate() {
+        assert_eq!(*kind, ErrorKind::Mismatch, "rank {rank}: {msg}");
+        assert!(
+            msg.contains("allreduce") && msg.contains("broadcast"),
+            "rank {rank}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn mismatched_counts_and_dtypes_are_mismatches_too() {
+    let results = common::world(3, common::opts(10_000), Duration::from_secs(20), |comm| {
+        let e = match comm.rank() {
+            0 => comm.allreduce(&mut [0f32; 10], ReduceOp::Sum).unwrap_err(),
+            1 => comm.allreduce(&mut [0f32; 20], ReduceOp::Sum).unwrap_err(),
+            _ => comm.allreduce(&mut [0f64; 10], ReduceOp::Sum).unwrap_err(),
+        };
+        (e.kind(), e.to_string())
+    });
+    for (kind, msg) in results {
+        assert_eq!(kind, ErrorKind::Mismatch, "{msg}");
+    }
+}
+
+#[test]
+fn a_port_in_use_is_a_clear_error_naming_the_address() {
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let e = Comm::init(
+        &format!("tcp://127.0.0.1:{port}"),
+        0,
+        2,
+        &common::opts(2000),
+    )
+    .err()
+    .unwrap();
+    assert_eq!(e.kind(), ErrorKind::System, "{e}");
+    assert!(
+        e.to_string().contains(&port.to_string()) && e.to_string().contains("in use"),
+        "{e}"
+    );
+}
+
+#[test]
+fn late_ranks_still_meet_even_when_rank_0_is_last() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                // Rank 0 (the store host) arrives 1.5 s late: the others
+                // retry their refused connects.
+                std::thread::sleep(Duration::from_millis(if r == 0 {
+                    1500
+                } else {
+                    100 * r as u64
+                }));
+                let comm = Comm::init(&url, r, 3, &common::opts(20_000)).unwrap();
+                let mut v = [comm.rank() as u64 + 1];
+                comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                v[0]
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 6);
+    }
+}
+
+#[test]
+fn a_missing_rank_is_named_when_rendezvous_times_out() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || Comm::init(&url, r, 3, &common::opts(1000)).err().unwrap())
+        })
+        .collect();
+    for h in handles {
+        let e = h.join().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(
+            e.to_string()
+                .contains("2 of 3 ranks joined; missing: rank 2"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn two_processes_claiming_one_rank_are_refused() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let handles: Vec<_> = [0, 1, 1]
+        .into_iter()
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || Comm::init(&url, r, 3, &common::opts(1500)).err())
+        })
+        .collect();
+    let errors: Vec<String> = handles
+        .into_iter()
+        .filter_map(|h| h.join().unwrap())
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors.iter().any(|e| e.contains("rank 1 joined twice")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn world_size_disagreement_is_reported() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let handles: Vec<_> = [(0, 2), (1, 3)]
+        .into_iter()
+        .map(|(r, n)| {
+            let url = url.clone();
+            std::thread::spawn(move || Comm::init(&url, r, n, &common::opts(1500)).err())
+        })
+        .collect();
+    let errors: Vec<String> = handles
+        .into_iter()
+        .filter_map(|h| h.join().unwrap())
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors.iter().any(|e| e.contains("world size")),
+        "{errors:?}"
+    );
+}
+
+fn open_fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+/// Not a test of its own: runs alone in a child process (descriptor counts
+/// are per process, and other tests open sockets concurrently).
+#[test]
+fn fd_probe_process() {
+    if std::env::var("RDIST_TEST_ROLE").as_deref() != Ok("fds") {
+        return;
+    }
+    // Warm up once (lazy statics, the harness's own descriptors).
+    common::world(2, common::opts(10_000), Duration::from_secs(20), |c| {
+        c.barrier().unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (fds, threads) = (open_fd_count(), thread_count());
+    common::world(3, common::opts(10_000), Duration::from_secs(20), |comm| {
+        let mut v = vec![1u32; 1000];
+        comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+        let req = unsafe { comm.submit(rdist::call::Call::Barrier).unwrap() };
+        req.wait().unwrap();
+        let sub = comm.split((comm.rank() % 2) as i32, 0).unwrap().unwrap();
+        sub.barrier().unwrap();
+    });
+    // The unique id's store thread leaves within ~100 ms of the last join.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while (open_fd_count() > fds || thread_count() > threads) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "FDS before={fds} after={} THREADS before={threads} after={}",
+        open_fd_count(),
+        thread_count()
+    );
+}
+
+#[test]
+fn destroy_closes_every_socket_and_joins_every_thread() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "fd_probe_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("RDIST_TEST_ROLE", "fds")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once("FDS ").map(|x| x.1.to_string()))
+        .unwrap_or_else(|| {
+            panic!(
+                "probe printed nothing:\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let nums: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(nums[0], nums[1], "descriptors leaked: {line}");
+    assert_eq!(nums[2], nums[3], "threads leaked: {line}");
+}
+
+#[test]
+fn a_peer_that_destroyed_its_comm_is_reported_not_waited_for() {
+    let results = common::world(2, common::opts(30_000), Duration::from_secs(20), |comm| {
+        if comm.rank() == 1 {
+            drop(comm);
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let e = comm.allreduce(&mut [1u8; 4], ReduceOp::Sum).unwrap_err();
+        Some((e.kind(), t.elapsed(), e.to_string()))
+    });
+    let (kind, took, msg) = results[0].clone().unwrap();
+    assert_eq!(kind, ErrorKind::PeerLost, "{msg}");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(msg.contains("rank 1"), "{msg}");
+}
