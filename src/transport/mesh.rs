@@ -124,7 +124,7 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
             ),
         )
     };
-    for peer in 0..spec.rank {
+    for (peer, slot) in streams.iter_mut().enumerate().take(spec.rank) {
         let addr = spec.addrs[peer];
         let mut s = dial(addr, spec.deadline).map_err(|e| {
             Error::new(
@@ -139,11 +139,11 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
         configure(&s);
         s.write_all(&me)
             .map_err(|e| Error::system(format!("sending hello to rank {peer} at {addr}"), &e))?;
-        streams[peer] = Some(s);
+        *slot = Some(s);
     }
     accept_higher(listener, spec, &mut streams, &timed_out)?;
-    for peer in 0..spec.rank {
-        let s = streams[peer].as_mut().expect("dialed above");
+    for (peer, slot) in streams.iter_mut().enumerate().take(spec.rank) {
+        let s = slot.as_mut().expect("dialed above");
         s.set_read_timeout(Some(left(spec.deadline)))
             .map_err(|e| Error::system("set_read_timeout", &e))?;
         let mut verdict = [0u8; 1];

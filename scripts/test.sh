@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs every test of rdist: formatting, lints, the Rust unit and
+# integration tests (real ranks on loopback, fault injection, the C program
+# through rdistrun, header freshness), then the native (ctest) and Python
+# (pytest) suites when present. Sets up what it needs first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export CARGO_TERM_COLOR=never
+start=$(date +%s)
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy -q --all-targets -- -D warnings
+echo "== cargo test"
+cargo test 2>&1 | tee target/cargo-test.log | grep -E "^(test result|running|     Running)|FAILED|panicked" || true
+if grep -q -E "FAILED|error: test failed|could not compile" target/cargo-test.log || ! grep -q "^test result" target/cargo-test.log; then
+  echo "cargo test failed; see target/cargo-test.log" >&2
+  tail -50 target/cargo-test.log >&2
+  exit 1
+fi
+passed=$(grep -E '^test result' target/cargo-test.log | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s}')
+echo "cargo test: $passed passed in $(( $(date +%s) - start )) s"
+
+for extra in scripts/test-native.sh scripts/test-python.sh; do
+  if [ -f "$extra" ]; then
+    echo "== $extra"
+    bash "$extra"
+  fi
+done
+echo "all tests passed in $(( $(date +%s) - start )) s"
