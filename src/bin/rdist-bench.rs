@@ -1,0 +1,387 @@
+//! rdist-bench: nccl-tests-style benchmark, one process per rank.
+//!
+//!   rdistrun --nproc-per-node 4 rdist-bench [--op allreduce,broadcast|all]
+//!       [--min-bytes 8] [--max-bytes 64M] [--factor 4] [--dtype float32]
+//!       [--redop sum] [--root 0] [--seconds 0.2] [--reps 5] [--no-check]
+//!       [--json FILE]
+//!
+//! Each size is warmed up, then timed in `--reps` batches of about
+//! `--seconds`; a batch's time is the maximum over ranks and the reported
+//! time the median batch. algbw = bytes / time; busbw applies nccl-tests'
+//! factor per collective (allreduce 2(n-1)/n; allgather, reduce_scatter,
+//! alltoall (n-1)/n; broadcast, reduce 1). #wrong counts elements that
+//! differ from an independently computed reference on a checked run.
+
+use rdist::{Comm, Options, ReduceOp};
+use std::fmt::Write as _;
+use std::time::Instant;
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Coll {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Barrier,
+}
+
+const ALL: [Coll; 7] = [
+    Coll::AllReduce,
+    Coll::Broadcast,
+    Coll::Reduce,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::AllToAll,
+    Coll::Barrier,
+];
+
+impl Coll {
+    fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "allreduce",
+            Coll::Broadcast => "broadcast",
+            Coll::Reduce => "reduce",
+            Coll::AllGather => "allgather",
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::AllToAll => "alltoall",
+            Coll::Barrier => "barrier",
+        }
+    }
+
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            _ => 1.0,
+        }
+    }
+}
+
+struct Args {
+    ops: Vec<Coll>,
+    min_bytes: usize,
+    max_bytes: usize,
+    factor: usize,
+    seconds: f64,
+    reps: usize,
+    root: usize,
+    redop: ReduceOp,
+    check: bool,
+    json: Option<String>,
+}
+
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K') | Some('k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M') | Some('m') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') | Some('g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|v| v * mul)
+        .map_err(|_| format!("'{s}' is not a size (e.g. 8, 64K, 16M)"))
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        ops: vec![Coll::AllReduce],
+        min_bytes: 8,
+        max_bytes: 64 << 20,
+        factor: 4,
+        seconds: 0.2,
+        reps: 5,
+        root: 0,
+        redop: ReduceOp::Sum,
+        check: true,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let (flag, inline) = match flag.split_once('=') {
+            Some((f, v)) => (f.to_string(), Some(v.to_string())),
+            None => (flag, None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or(format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "--op" | "-o" => {
+                let v = value()?;
+                a.ops = if v == "all" {
+                    ALL.to_vec()
+                } else {
+                    v.split(',')
+                        .map(|n| {
+                            ALL.iter()
+                                .copied()
+                                .find(|c| c.name() == n)
+                                .ok_or(format!("unknown op '{n}'"))
+                        })
+                        .collect::<Result<_, _>>()?
+                };
+            }
+            "--min-bytes" | "-b" => a.min_bytes = parse_bytes(&value()?)?,
+            "--max-bytes" | "-e" => a.max_bytes = parse_bytes(&value()?)?,
+            "--factor" | "-f" => a.factor = value()?.parse().map_err(|_| "bad --factor")?,
+            "--seconds" => a.seconds = value()?.parse().map_err(|_| "bad --seconds")?,
+            "--reps" => a.reps = value()?.parse().map_err(|_| "bad --reps")?,
+            "--root" => a.root = value()?.parse().map_err(|_| "bad --root")?,
+            "--redop" => {
+                let v = value()?;
+                a.redop = ReduceOp::ALL
+                    .into_iter()
+                    .find(|o| o.name() == v)
+                    .ok_or(format!("unknown redop '{v}'"))?;
+            }
+            "--no-check" => a.check = false,
+            "--json" => a.json = Some(value()?),
+            "-h" | "--help" => {
+                println!(
+                    "{}",
+                    include_str!("rdist-bench.rs")
+                        .lines()
+                        .take_while(|l| l.starts_with("//!"))
+                        .map(|l| l.trim_start_matches("//!").trim_start_matches(' '))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown option '{other}' (see --help)")),
+        }
+    }
+    if a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.reps == 0 {
+        return Err("need --factor >= 2, 0 < --min-bytes <= --max-bytes, --reps >= 1".into());
+    }
+    Ok(a)
+}
+
+/// Buffers for one collective at one size (float32 elements).
+struct Bufs {
+    send: Vec<f32>,
+    recv: Vec<f32>,
+}
+
+fn setup(c: Coll, count: usize, comm: &Comm) -> Bufs {
+    let (r, n) = (comm.rank(), comm.size());
+    let fill = |len: usize, rank: usize| {
+        (0..len)
+            .map(|i| ((rank * 7 + i) % 13) as f32)
+            .collect::<Vec<_>>()
+    };
+    match c {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => Bufs {
+            send: fill(count, r),
+            recv: vec![0.0; count],
+        },
+        Coll::AllGather => Bufs {
+            send: fill(count, r),
+            recv: vec![0.0; count * n],
+        },
+        Coll::ReduceScatter | Coll::AllToAll => Bufs {
+            send: fill(count * n, r),
+            recv: vec![0.0; count * n],
+        },
+        Coll::Barrier => Bufs {
+            send: vec![],
+            recv: vec![],
+        },
+    }
+}
+
+fn run_once(c: Coll, b: &mut Bufs, count: usize, a: &Args, comm: &Comm) -> rdist::Result<()> {
+    match c {
+        Coll::AllReduce => comm.allreduce_into(&b.send, &mut b.recv, a.redop),
+        Coll::Broadcast => comm.broadcast(&mut b.recv, a.root),
+        Coll::Reduce => comm.reduce(&b.send, &mut b.recv, a.redop, a.root),
+        Coll::AllGather => comm.allgather(&b.send, &mut b.recv),
+        Coll::ReduceScatter => comm.reduce_scatter(&b.send, &mut b.recv[..count], a.redop),
+        Coll::AllToAll => comm.alltoall(&b.send, &mut b.recv),
+        Coll::Barrier => comm.barrier(),
+    }
+}
+
+/// Elements of a checked run that differ from the reference (sum only).
+fn count_wrong(c: Coll, count: usize, a: &Args, comm: &Comm) -> rdist::Result<u64> {
+    if a.redop != ReduceOp::Sum || c == Coll::Barrier {
+        return Ok(0);
+    }
+    let (r, n) = (comm.rank(), comm.size());
+    let v = |rank: usize, i: usize| ((rank * 7 + i) % 13) as f32;
+    let sum = |i: usize| (0..n).map(|k| v(k, i)).sum::<f32>();
+    let mut b = setup(c, count, comm);
+    if c == Coll::Broadcast {
+        b.recv = (0..count)
+            .map(|i| if r == a.root { v(r, i) } else { -1.0 })
+            .collect();
+    }
+    run_once(c, &mut b, count, a, comm)?;
+    let want: Vec<f32> = match c {
+        Coll::AllReduce => (0..count).map(sum).collect(),
+        Coll::Reduce if r == a.root => (0..count).map(sum).collect(),
+        Coll::Reduce => return Ok(0),
+        Coll::Broadcast => (0..count).map(|i| v(a.root, i)).collect(),
+        Coll::AllGather => (0..n * count)
+            .map(|j| v(j / count.max(1), j % count.max(1)))
+            .collect(),
+        Coll::ReduceScatter => (r * count..(r + 1) * count).map(sum).collect(),
+        Coll::AllToAll => (0..n * count)
+            .map(|j| v(j / count.max(1), r * count + j % count.max(1)))
+            .collect(),
+        Coll::Barrier => return Ok(0),
+    };
+    let got = &b.recv[..want.len()];
+    Ok(got.iter().zip(&want).filter(|(g, w)| g != w).count() as u64)
+}
+
+/// Median over batches of the slowest rank's time per op.
+fn measure(c: Coll, count: usize, a: &Args, comm: &Comm) -> rdist::Result<f64> {
+    let mut b = setup(c, count, comm);
+    for _ in 0..3 {
+        run_once(c, &mut b, count, a, comm)?;
+    }
+    // Estimate, agreed on by all ranks, so every rank runs the same count.
+    let t = Instant::now();
+    let probe = 5;
+    for _ in 0..probe {
+        run_once(c, &mut b, count, a, comm)?;
+    }
+    let mut est = [t.elapsed().as_secs_f64() / probe as f64];
+    comm.allreduce(&mut est, ReduceOp::Max)?;
+    let iters = ((a.seconds / est[0].max(1e-7)) as usize).clamp(1, 200_000);
+    let mut batches = vec![0f64; a.reps];
+    for batch in batches.iter_mut() {
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            run_once(c, &mut b, count, a, comm)?;
+        }
+        *batch = t.elapsed().as_secs_f64() / iters as f64;
+    }
+    comm.allreduce(&mut batches, ReduceOp::Max)?;
+    batches.sort_by(|x, y| x.total_cmp(y));
+    Ok(batches[batches.len() / 2])
+}
+
+fn main() {
+    let a = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("rdist-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let comm = match Comm::init("env://", -1, -1, &Options::default()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("rdist-bench: cannot join the job: {e} (run it under rdistrun)");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = bench(&a, &comm) {
+        eprintln!("rdist-bench: rank {}: {e}", comm.rank());
+        std::process::exit(1);
+    }
+}
+
+fn bench(a: &Args, comm: &Comm) -> rdist::Result<()> {
+    let (rank, n) = (comm.rank(), comm.size());
+    let transport = std::env::var("RDIST_TRANSPORT").unwrap_or_else(|_| "auto".into());
+    let mut json = String::from("[");
+    let mut wrong_total = 0u64;
+    if rank == 0 {
+        println!("# rdist-bench: {n} ranks, socket backend, transport {transport}, float32, redop {}, root {}", a.redop, a.root);
+        println!(
+            "# {:>12} {:>12} {:>8} {:>6} {:>5} {:>11} {:>9} {:>9} {:>7}",
+            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"
+        );
+        println!(
+            "# {:>12} {:>12} {:>8} {:>6} {:>5} {:>11} {:>9} {:>9} {:>7}",
+            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+    }
+    for &c in &a.ops {
+        if rank == 0 {
+            println!("# {}", c.name());
+        }
+        let sizes: Vec<usize> = if c == Coll::Barrier {
+            vec![0]
+        } else {
+            std::iter::successors(Some(a.min_bytes), |s| s.checked_mul(a.factor))
+                .take_while(|s| *s <= a.max_bytes)
+                .collect()
+        };
+        for bytes in sizes {
+            // Per-rank element count: the size is the whole buffer, as in nccl-tests.
+            let count = match c {
+                Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => {
+                    (bytes / 4 / n).max(usize::from(bytes > 0))
+                }
+                _ => bytes / 4,
+            };
+            let wrong = if a.check {
+                count_wrong(c, count, a, comm)?
+            } else {
+                0
+            };
+            let mut w = [wrong];
+            comm.allreduce(&mut w, ReduceOp::Sum)?;
+            wrong_total += w[0];
+            let t = measure(c, count, a, comm)?;
+            let algbw = bytes as f64 / t / 1e9;
+            let busbw = algbw * c.bus_factor(n);
+            if rank == 0 {
+                let (redop, root) = match c {
+                    Coll::AllReduce | Coll::ReduceScatter => (a.redop.name(), "-1".to_string()),
+                    Coll::Reduce => (a.redop.name(), a.root.to_string()),
+                    Coll::Broadcast => ("none", a.root.to_string()),
+                    _ => ("none", "-1".to_string()),
+                };
+                println!(
+                    "  {:>12} {:>12} {:>8} {:>6} {:>5} {:>11.2} {:>9.3} {:>9.3} {:>7}",
+                    bytes,
+                    count,
+                    "float",
+                    redop,
+                    root,
+                    t * 1e6,
+                    algbw,
+                    busbw,
+                    w[0]
+                );
+                let _ = write!(
+                    json,
+                    "{}{{\"op\":\"{}\",\"bytes\":{bytes},\"count\":{count},\"ranks\":{n},\"transport\":\"{transport}\",\"time_us\":{:.3},\"algbw_GBps\":{algbw:.5},\"busbw_GBps\":{busbw:.5},\"wrong\":{}}}",
+                    if json.len() > 1 { "," } else { "" },
+                    c.name(),
+                    t * 1e6,
+                    w[0]
+                );
+            }
+        }
+    }
+    if rank == 0 {
+        println!(
+            "# out of bounds values : {wrong_total} {}",
+            if wrong_total == 0 { "OK" } else { "FAILED" }
+        );
+        if let Some(path) = &a.json {
+            json.push_str("]\n");
+            if let Err(e) = std::fs::write(path, json) {
+                eprintln!("rdist-bench: cannot write {path}: {e}");
+            }
+        }
+    }
+    comm.barrier()?;
+    if wrong_total > 0 {
+        std::process::exit(3);
+    }
+    Ok(())
+}
