@@ -302,6 +302,21 @@ impl Call {
         matches!(self, Call::Send { .. } | Call::Recv { .. })
     }
 
+    /// Bytes this rank hands to the call (its send side; receive for recv).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Call::AllReduce { send, .. }
+            | Call::Reduce { send, .. }
+            | Call::AllGather { send, .. }
+            | Call::ReduceScatter { send, .. }
+            | Call::Gather { send, .. }
+            | Call::AllToAll { send, .. } => send.len(),
+            Call::Broadcast { recv, .. } | Call::Scatter { recv, .. } => recv.len(),
+            Call::Barrier => 0,
+            Call::Send { buf, .. } | Call::Recv { buf, .. } => buf.len(),
+        }
+    }
+
     /// The C function name, for messages.
     pub fn name(&self) -> &'static str {
         match self {

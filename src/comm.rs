@@ -12,6 +12,7 @@ use crate::log;
 use crate::options::{Backend, LogLevel, Options};
 use crate::rendezvous::store::TcpStoreServer;
 use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
+use crate::trace::Trace;
 use crate::transport::signal::AbortSignal;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -39,6 +40,7 @@ pub(crate) struct Shared {
 
 struct Engine {
     backend: SocketBackend,
+    trace: Option<Trace>,
     /// The rendezvous store this rank hosts, if any (lives with the comm).
     _server: Option<TcpStoreServer>,
 }
@@ -134,21 +136,30 @@ impl Shared {
             ));
         }
         let mut engine = lock(&self.engine);
-        let backend = &mut engine.backend;
+        let Engine { backend, trace, .. } = &mut *engine;
         let mut i = 0;
         while i < calls.len() {
-            if calls[i].is_p2p() {
-                // Consecutive sends/receives run as one exchange.
-                let end = calls[i..]
+            // Consecutive sends/receives run as one exchange.
+            let p2p = calls[i].is_p2p();
+            let end = match p2p {
+                true => calls[i..]
                     .iter()
                     .position(|c| !c.is_p2p())
-                    .map_or(calls.len(), |k| i + k);
-                backend.run_p2p(&calls[i..end])?;
-                i = end;
-            } else {
-                backend.run(&calls[i])?;
-                i += 1;
+                    .map_or(calls.len(), |k| i + k),
+                false => i + 1,
+            };
+            let started = Instant::now();
+            let result = match p2p {
+                true => backend.run_p2p(&calls[i..end]),
+                false => backend.run(&calls[i]),
+            };
+            if let Some(t) = trace {
+                for c in &calls[i..end] {
+                    t.record(c, started, result.is_ok());
+                }
             }
+            result?;
+            i = end;
         }
         Ok(())
     }
@@ -218,6 +229,12 @@ impl Shared {
         }
     }
 
+    fn abort(&self) {
+        self.signal.abort();
+        // The running call (if any) notices at once and lets go of the engine.
+        lock(&self.engine).backend.abort();
+    }
+
     fn stop_worker(&self) {
         lock(&self.queue).closing = true;
         self.queue_changed.notify_all();
@@ -274,6 +291,14 @@ impl Comm {
                 "backend 'nccl' is not available in this build of rdist (host memory runs on the socket backend; use backend=auto or socket)",
             ));
         }
+        if opts.auth_token.is_some() {
+            // Refuse rather than run unauthenticated while the user asked
+            // for authentication.
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "auth_token is set, but this version of rdist cannot authenticate connections yet; unset it (or RDIST_AUTH_TOKEN) to run without authentication",
+            ));
+        }
         let forced = opts.algo.as_deref().map(Algo::parse).transpose()?;
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
@@ -296,14 +321,21 @@ impl Comm {
                 joined.roster.addrs[rank]
             ),
         );
+        let engine = Engine {
+            backend,
+            trace: opts
+                .trace_file
+                .as_deref()
+                .map(|p| Trace::new(p, rank, size)),
+            _server: joined.server,
+        };
         Ok(Comm::from_parts(
             rank,
             size,
             joined.local_rank,
             opts.timeout,
             signal,
-            backend,
-            joined.server,
+            engine,
         ))
     }
 
@@ -313,8 +345,7 @@ impl Comm {
         local_rank: usize,
         timeout: Duration,
         signal: Arc<AbortSignal>,
-        backend: SocketBackend,
-        server: Option<TcpStoreServer>,
+        engine: Engine,
     ) -> Comm {
         Comm {
             shared: Arc::new(Shared {
@@ -323,10 +354,7 @@ impl Comm {
                 local_rank,
                 timeout,
                 signal,
-                engine: Mutex::new(Engine {
-                    backend,
-                    _server: server,
-                }),
+                engine: Mutex::new(engine),
                 queue: Mutex::new(Queue::default()),
                 queue_changed: Condvar::new(),
                 worker: Mutex::new(None),
@@ -408,23 +436,25 @@ impl Comm {
         };
         let size = backend.roster().addrs.len();
         let local_rank = backend.roster().local_rank(rank);
+        let engine = Engine {
+            backend,
+            trace: None,
+            _server: None,
+        };
         Ok(Some(Comm::from_parts(
             rank,
             size,
             local_rank,
             self.shared.timeout,
             signal,
-            backend,
-            None,
+            engine,
         )))
     }
 
     /// Makes pending and future calls fail with `Aborted` here and on every
     /// rank that can still be reached. Callable from any thread.
     pub fn abort(&self) {
-        self.shared.signal.abort();
-        // The running call (if any) notices at once and lets go of the engine.
-        lock(&self.shared.engine).backend.abort();
+        self.shared.abort();
     }
 
     /// A handle that can abort this communicator from another thread.
@@ -443,8 +473,7 @@ pub struct AbortHandle {
 
 impl AbortHandle {
     pub fn abort(&self) {
-        self.shared.signal.abort();
-        lock(&self.shared.engine).backend.abort();
+        self.shared.abort();
     }
 }
 
@@ -453,6 +482,10 @@ impl Drop for Comm {
     /// every connection and joins every thread.
     fn drop(&mut self) {
         self.shared.stop_worker();
-        lock(&self.shared.engine).backend.close();
+        let mut engine = lock(&self.shared.engine);
+        engine.backend.close();
+        if let Some(t) = &engine.trace {
+            t.write();
+        }
     }
 }

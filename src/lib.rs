@@ -37,6 +37,8 @@ pub mod reduce;
 /// cbindgen:ignore
 pub mod rendezvous;
 /// cbindgen:ignore
+pub mod trace;
+/// cbindgen:ignore
 pub mod transport;
 /// cbindgen:ignore
 mod typed;

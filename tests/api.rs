@@ -356,3 +356,42 @@ fn env_rendezvous_reads_torchrun_variables() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     assert!(e.message().contains("MASTER_ADDR"));
 }
+
+#[test]
+fn trace_file_records_every_operation_per_rank() {
+    let dir = std::env::temp_dir().join(format!("rdist-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut o = common::opts(20_000);
+    o.set(
+        "trace_file",
+        &format!("{}/trace-{{rank}}.json", dir.display()),
+    )
+    .unwrap();
+    common::world(2, o, LIMIT, |comm| {
+        comm.allreduce(&mut [1.0f64; 100], ReduceOp::Sum).unwrap();
+        comm.barrier().unwrap();
+    });
+    for r in 0..2 {
+        let text = std::fs::read_to_string(dir.join(format!("trace-{r}.json"))).unwrap();
+        assert!(text.starts_with("{\"traceEvents\":["), "{text}");
+        assert!(
+            text.contains("\"name\":\"allreduce\"") && text.contains("\"bytes\":800"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\"name\":\"barrier\"") && text.contains(&format!("\"pid\":{r}")),
+            "{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_auth_token_is_refused_rather_than_ignored() {
+    let mut o = common::opts(2000);
+    o.set("auth_token", "secret").unwrap();
+    let id = Comm::unique_id().unwrap();
+    let e = Comm::init_rank(&id, 0, 1, &o).err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("auth_token"), "{e}");
+}
