@@ -4,7 +4,7 @@
 //! keeps every call in issue order).
 
 use crate::algorithms::Algo;
-use crate::backend::socket::SocketBackend;
+use crate::backend::socket::{Settings, SocketBackend};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::group;
@@ -302,21 +302,22 @@ impl Comm {
         let forced = opts.algo.as_deref().map(Algo::parse).transpose()?;
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
+        let settings = Settings::new(opts.timeout, forced, opts.transport);
         let backend = SocketBackend::connect(
             rank,
             joined.roster.clone(),
             &joined.listener,
             signal.clone(),
-            opts.timeout,
-            forced,
+            settings,
         )?;
         joined.finish();
         log::emit(
             LogLevel::Info,
             Some(rank),
             &format!(
-                "joined {size} ranks in {:.3} s: socket backend, tcp transport, local rank {}, listening on {}",
+                "joined {size} ranks in {:.3} s: socket backend over {}, local rank {}, listening on {}",
                 started.elapsed().as_secs_f64(),
+                backend.transport_name(),
                 joined.local_rank,
                 joined.roster.addrs[rank]
             ),

@@ -371,7 +371,12 @@ fn p2p(comm: &Comm) {
 }
 
 fn every_collective(n: usize, algo: Option<&str>) {
+    every_collective_over(n, algo, "auto");
+}
+
+fn every_collective_over(n: usize, algo: Option<&str>, transport: &str) {
     let mut o = common::opts(60_000);
+    o.set("transport", transport).unwrap();
     if let Some(a) = algo {
         o.set("algo", a).unwrap();
     }
@@ -418,4 +423,21 @@ fn every_allreduce_algorithm_forced() {
             });
         }
     }
+}
+
+// The cross-host path (TCP everywhere), as forced with RDIST_TRANSPORT=tcp.
+
+#[test]
+fn tcp_world_of_2() {
+    every_collective_over(2, None, "tcp");
+}
+
+#[test]
+fn tcp_world_of_3() {
+    every_collective_over(3, None, "tcp");
+}
+
+#[test]
+fn tcp_world_of_5() {
+    every_collective_over(5, None, "tcp");
 }

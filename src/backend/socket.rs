@@ -7,9 +7,11 @@ use crate::algorithms::{
 use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::op::{Desc, OpKind};
+use crate::options::TransportKind;
 use crate::transport::mesh::{self, MeshSpec};
+use crate::transport::shm;
 use crate::transport::signal::AbortSignal;
-use crate::transport::tcp::TcpTransport;
+use crate::transport::stream::StreamTransport;
 use crate::transport::{Transport, Xfer};
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener};
@@ -35,13 +37,48 @@ impl Roster {
     }
 }
 
+/// How a communicator's backend behaves (inherited by splits).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub timeout: Duration,
+    pub forced: Option<Algo>,
+    pub transport: TransportKind,
+    /// Busy-wait before sleeping (RDIST_SPIN_US).
+    pub spin: Duration,
+}
+
+impl Settings {
+    pub fn new(timeout: Duration, forced: Option<Algo>, transport: TransportKind) -> Settings {
+        let spin_us = std::env::var("RDIST_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_SPIN_US);
+        Settings {
+            timeout,
+            forced,
+            transport,
+            spin: Duration::from_micros(spin_us),
+        }
+    }
+}
+
+/// Long enough to cover a peer's step in a collective, short enough not to
+/// burn a core while a rank computes between collectives.
+const DEFAULT_SPIN_US: u64 = 500;
+
+fn online_cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
 pub struct SocketBackend {
-    transport: TcpTransport,
+    transport: StreamTransport,
+    transport_name: &'static str,
     rank: usize,
     size: usize,
     roster: Roster,
-    timeout: Duration,
-    forced: Option<Algo>,
+    settings: Settings,
     /// Collectives started so far (the label every rank must agree on).
     seq: u64,
     /// Messages sent to / received from each peer so far.
@@ -68,10 +105,10 @@ impl SocketBackend {
         roster: Roster,
         listener: &TcpListener,
         signal: Arc<AbortSignal>,
-        timeout: Duration,
-        forced: Option<Algo>,
+        settings: Settings,
     ) -> Result<SocketBackend> {
-        crate::transport::tcp::ignore_sigpipe();
+        crate::transport::stream::ignore_sigpipe();
+        let timeout = settings.timeout;
         let size = roster.addrs.len();
         let spec = MeshSpec {
             rank,
@@ -82,18 +119,40 @@ impl SocketBackend {
             deadline: Instant::now() + timeout,
         };
         let streams = mesh::connect(listener, &spec)?;
+        let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
+        let want_shm = same_host && settings.transport == TransportKind::Auto;
+        let attached = shm::attach(rank, streams, &roster.job, roster.comm_id, want_shm)?;
+        let local_ranks = roster
+            .hosts
+            .iter()
+            .filter(|h| **h == roster.hosts[rank])
+            .count();
+        let oversubscribed = local_ranks > online_cores();
         Ok(SocketBackend {
-            transport: TcpTransport::new(rank, streams, signal, timeout)?,
+            transport_name: attached.name,
+            transport: StreamTransport::new(
+                rank,
+                attached.channels,
+                attached.doorbell,
+                signal,
+                timeout,
+                settings.spin,
+                oversubscribed,
+            ),
             rank,
             size,
             roster,
-            timeout,
-            forced,
+            settings,
             seq: 0,
             sent: vec![0; size],
             received: vec![0; size],
             to_self: VecDeque::new(),
         })
+    }
+
+    /// "shared memory" or "tcp".
+    pub fn transport_name(&self) -> &'static str {
+        self.transport_name
     }
 
     pub fn roster(&self) -> &Roster {
@@ -122,7 +181,7 @@ impl SocketBackend {
     }
 
     fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
-        let algo = algorithms::choose(desc.kind, bytes, self.size, self.forced);
+        let algo = algorithms::choose(desc.kind, bytes, self.size, self.settings.forced);
         desc.algo = algo as u8;
         (desc, algo)
     }
@@ -436,14 +495,8 @@ impl SocketBackend {
                 .map(|r| self.roster.hosts[*r].clone())
                 .collect(),
         };
-        let child = SocketBackend::connect(
-            new_rank,
-            roster,
-            &listener,
-            signal,
-            self.timeout,
-            self.forced,
-        )?;
+        let child =
+            SocketBackend::connect(new_rank, roster, &listener, signal, self.settings.clone())?;
         Ok(Some((new_rank, child)))
     }
 }

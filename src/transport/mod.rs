@@ -1,11 +1,13 @@
 //! How bytes move between ranks. Algorithms see only the `Transport` trait:
 //! a set of sends and receives that run concurrently until all complete.
 
+pub mod channel;
 pub mod frame;
 pub mod iface;
 pub mod mesh;
+pub mod shm;
 pub mod signal;
-pub mod tcp;
+pub mod stream;
 
 use crate::error::Result;
 use crate::op::Desc;

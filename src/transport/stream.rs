@@ -1,18 +1,24 @@
-//! The TCP transport: one non-blocking connection per peer and a poll()
-//! progress loop run by the calling thread. Every exchange also drains
-//! frames arriving early from any peer (into a per-peer inbox), so that
-//! symmetric sends never deadlock and a failure report from any rank, or a
-//! dead connection, is noticed while waiting for something else.
+//! The stream transport: one non-blocking channel per peer (TCP, or
+//! shared-memory rings) carrying framed messages, and a progress loop run
+//! by the calling thread. Every exchange also drains frames arriving early
+//! from any peer (into a per-peer inbox), so that symmetric sends never
+//! deadlock and a failure report from any rank, or a dead connection, is
+//! noticed while waiting for something else.
+//!
+//! Waiting: over TCP, poll(); over shared memory, spinning (yielding the
+//! core between checks) for up to `spin` before sleeping in poll() on the
+//! sockets with short, growing timeouts.
 
+use super::channel::Channel;
 use super::frame::{self, FrameKind, Header, HEADER_BYTES};
+use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::op::Desc;
 use std::collections::VecDeque;
-use std::io::{self, Read};
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::io;
+use std::net::Shutdown;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,12 +26,20 @@ use std::time::{Duration, Instant};
 /// effort and must never hold up an error.
 const NOTIFY_BUDGET: Duration = Duration::from_millis(200);
 
-pub struct TcpTransport {
+pub struct StreamTransport {
     rank: usize,
     size: usize,
     conns: Vec<Option<Conn>>,
     signal: Arc<AbortSignal>,
     timeout: Duration,
+    /// How long to spin before sleeping (zero: sleep in poll() at once).
+    spin: Duration,
+    /// What this rank sleeps on when its peers are in shared memory.
+    doorbell: Option<Doorbell>,
+    /// Yield the core between spins (when ranks outnumber cores).
+    yield_when_idle: bool,
+    /// Counts reads and writes that moved bytes (progress detection).
+    moved: u64,
     /// Set by the first error; every later exchange fails with it.
     failed: Option<Error>,
     /// Whether the peers were told about `failed`.
@@ -42,7 +56,7 @@ enum Gone {
 }
 
 struct Conn {
-    stream: TcpStream,
+    chan: Box<dyn Channel>,
     inbox: VecDeque<(Header, Vec<u8>)>,
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
@@ -86,46 +100,48 @@ struct Progress {
     desc: Option<Desc>,
 }
 
-impl TcpTransport {
-    /// Takes over connected streams (index = peer rank; `None` for this rank).
+impl StreamTransport {
+    /// Takes over connected channels (index = peer rank; `None` for this
+    /// rank). `spin` is how long to busy-wait before sleeping.
     pub fn new(
         rank: usize,
-        streams: Vec<Option<TcpStream>>,
+        channels: Vec<Option<Box<dyn Channel>>>,
+        doorbell: Option<Doorbell>,
         signal: Arc<AbortSignal>,
         timeout: Duration,
-    ) -> Result<TcpTransport> {
-        let size = streams.len();
-        let mut conns = Vec::with_capacity(size);
-        for s in streams {
-            conns.push(match s {
-                None => None,
-                Some(stream) => {
-                    stream
-                        .set_nonblocking(true)
-                        .map_err(|e| Error::system("set_nonblocking", &e))?;
-                    Some(Conn {
-                        stream,
-                        inbox: VecDeque::new(),
-                        incoming: Incoming::Header {
-                            buf: [0; HEADER_BYTES],
-                            got: 0,
-                        },
-                        unfinished_out: 0,
-                        gone: None,
-                        connected_at: Instant::now(),
-                    })
-                }
-            });
-        }
-        Ok(TcpTransport {
+        spin: Duration,
+        yield_when_idle: bool,
+    ) -> StreamTransport {
+        let size = channels.len();
+        let conns = channels
+            .into_iter()
+            .map(|c| {
+                c.map(|chan| Conn {
+                    chan,
+                    inbox: VecDeque::new(),
+                    incoming: Incoming::Header {
+                        buf: [0; HEADER_BYTES],
+                        got: 0,
+                    },
+                    unfinished_out: 0,
+                    gone: None,
+                    connected_at: Instant::now(),
+                })
+            })
+            .collect();
+        StreamTransport {
             rank,
             size,
             conns,
             signal,
             timeout,
+            spin,
+            doorbell,
+            yield_when_idle,
+            moved: 0,
             failed: None,
             notified: false,
-        })
+        }
     }
 
     /// The error this transport failed with, if any.
@@ -179,7 +195,7 @@ impl TcpTransport {
             if conn.gone.is_none() {
                 conn.send_control(&header, &payload);
             }
-            let _ = conn.stream.shutdown(Shutdown::Write);
+            conn.chan.shutdown(Shutdown::Write);
             conn.drain();
         }
         self.conns.clear();
@@ -286,8 +302,11 @@ impl TcpTransport {
             let total = HEADER_BYTES + data.len();
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
             while p.written[i] < total {
-                match write_frame_part(&conn.stream, &p.headers[i], data, p.written[i]) {
-                    Ok(n) => p.written[i] += n,
+                match write_frame_part(&mut *conn.chan, &p.headers[i], data, p.written[i]) {
+                    Ok(n) => {
+                        p.written[i] += n;
+                        self.moved = self.moved.wrapping_add(1);
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         conn.unfinished_out = total - p.written[i];
                         return Ok(());
@@ -317,7 +336,7 @@ impl TcpTransport {
                 return Ok(());
             }
             let result = match &mut conn.incoming {
-                Incoming::Header { buf, got } => (&conn.stream).read(&mut buf[*got..]),
+                Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
                 Incoming::Payload { into, got, .. } => {
                     let dest: &mut [u8] = match into {
                         Target::Posted(i) => match &mut xfers[*i].dir {
@@ -326,7 +345,7 @@ impl TcpTransport {
                         },
                         Target::Early(v) | Target::Control(v) => v,
                     };
-                    (&conn.stream).read(&mut dest[*got..])
+                    conn.chan.read(&mut dest[*got..])
                 }
             };
             let n = match result {
@@ -340,7 +359,10 @@ impl TcpTransport {
                         _ => Ok(()),
                     };
                 }
-                Ok(n) => n,
+                Ok(n) => {
+                    self.moved = self.moved.wrapping_add(1);
+                    n
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -530,6 +552,10 @@ impl TcpTransport {
         }
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + 1);
         let mut peers_of: Vec<usize> = Vec::with_capacity(self.size);
+        let mut last_moved = self.moved;
+        let mut idle_since = Instant::now();
+        let mut passes = 0u32;
+        let mut nap_ms = 1;
         while p.remaining > 0 {
             self.check_departed(&p)?;
             if self.signal.is_aborted() {
@@ -541,6 +567,31 @@ impl TcpTransport {
             let now = Instant::now();
             if now >= deadline {
                 return Err(self.timeout_error(&p));
+            }
+            if !self.spin.is_zero() {
+                // Busy pass: small messages live or die on wake-up latency.
+                passes = passes.wrapping_add(1);
+                self.busy_pass(xfers, &mut p, passes % 64 == 0)?;
+                if p.remaining == 0 {
+                    break;
+                }
+                if self.moved != last_moved {
+                    last_moved = self.moved;
+                    idle_since = Instant::now();
+                    nap_ms = 1;
+                }
+                if idle_since.elapsed() < self.spin {
+                    if self.yield_when_idle {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                    continue;
+                }
+                if self.doorbell.is_some() {
+                    self.doze(xfers, &mut p, deadline)?;
+                    continue;
+                }
             }
             fds.clear();
             peers_of.clear();
@@ -560,14 +611,20 @@ impl TcpTransport {
                 }
                 if events != 0 {
                     fds.push(libc::pollfd {
-                        fd: conn.stream.as_raw_fd(),
+                        fd: conn.chan.fd(),
                         events,
                         revents: 0,
                     });
                     peers_of.push(peer);
                 }
             }
-            let wait_ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            // Spinning transports sleep in short naps: shared memory has no
+            // descriptor that wakes poll() when data arrives.
+            let mut wait_ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            if !self.spin.is_zero() {
+                wait_ms = wait_ms.min(nap_ms);
+                nap_ms = (nap_ms * 2).min(8);
+            }
             // SAFETY: fds is a live, correctly sized array of pollfd.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
             if rc < 0 {
@@ -595,7 +652,51 @@ impl TcpTransport {
     }
 }
 
-impl Transport for TcpTransport {
+impl StreamTransport {
+    /// Sleeps on the doorbell until a peer moves data (or a short timeout,
+    /// after which the caller re-checks abort, peers' deaths and the deadline).
+    fn doze(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, deadline: Instant) -> Result<()> {
+        let bell = self.doorbell.as_ref().expect("doze needs a doorbell");
+        let seen = bell.prepare();
+        let before = self.moved;
+        // Re-check after announcing the sleep: a ring sent just before is
+        // either seen here or makes the futex return at once.
+        let checked = self.busy_pass(xfers, p, true);
+        let bell = self.doorbell.as_ref().expect("doze needs a doorbell");
+        if checked.is_err() || p.remaining == 0 || self.moved != before {
+            bell.done();
+            return checked;
+        }
+        let nap = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(20));
+        bell.sleep(seen, nap);
+        Ok(())
+    }
+
+    /// One pass over every peer: push pending sends, read what is there
+    /// (everything when `all`, which is how a silent peer's death shows).
+    fn busy_pass(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, all: bool) -> Result<()> {
+        for peer in 0..self.size {
+            let Some(conn) = &self.conns[peer] else {
+                continue;
+            };
+            if conn.gone.is_some() {
+                continue;
+            }
+            let readable = all || conn.chan.has_data();
+            if !p.sends[peer].is_empty() {
+                self.pump_sends(peer, xfers, p)?;
+            }
+            if readable {
+                self.pump_reads(peer, xfers, p)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for StreamTransport {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -621,7 +722,7 @@ impl Transport for TcpTransport {
     }
 }
 
-impl Drop for TcpTransport {
+impl Drop for StreamTransport {
     fn drop(&mut self) {
         self.close();
     }
@@ -634,12 +735,12 @@ impl Conn {
     fn send_control(&mut self, header: &[u8], payload: &[u8]) {
         let deadline = Instant::now() + NOTIFY_BUDGET;
         let pad = vec![0u8; self.unfinished_out];
-        let ok = write_all_by(&self.stream, &pad, deadline)
-            && write_all_by(&self.stream, header, deadline)
-            && write_all_by(&self.stream, payload, deadline);
+        let ok = write_all_by(&mut *self.chan, &pad, deadline)
+            && write_all_by(&mut *self.chan, header, deadline)
+            && write_all_by(&mut *self.chan, payload, deadline);
         self.unfinished_out = 0;
         if !ok {
-            let _ = self.stream.shutdown(Shutdown::Both);
+            self.chan.shutdown(Shutdown::Both);
             self.gone = Some(Gone::Lost("shut down".into()));
         }
     }
@@ -649,7 +750,7 @@ impl Conn {
     fn drain(&mut self) {
         let mut sink = [0u8; 4096];
         for _ in 0..64 {
-            match (&self.stream).read(&mut sink) {
+            match self.chan.read(&mut sink) {
                 Ok(n) if n > 0 => continue,
                 _ => break,
             }
@@ -657,75 +758,52 @@ impl Conn {
     }
 }
 
-/// One writev of the rest of a frame (header then payload) from `offset`.
+/// One write of the rest of a frame (header then payload) from `offset`.
 fn write_frame_part(
-    stream: &TcpStream,
+    chan: &mut dyn Channel,
     header: &[u8; HEADER_BYTES],
     payload: &[u8],
     offset: usize,
 ) -> io::Result<usize> {
-    let (h, d) = if offset < HEADER_BYTES {
-        (&header[offset..], payload)
+    if offset < HEADER_BYTES {
+        chan.write2(&header[offset..], payload)
     } else {
-        (&header[..0], &payload[offset - HEADER_BYTES..])
-    };
-    let iov = [
-        libc::iovec {
-            iov_base: h.as_ptr() as *mut libc::c_void,
-            iov_len: h.len(),
-        },
-        libc::iovec {
-            iov_base: d.as_ptr() as *mut libc::c_void,
-            iov_len: d.len(),
-        },
-    ];
-    let (iov, cnt) = if h.is_empty() {
-        (&iov[1..], 1)
-    } else {
-        (&iov[..], 2)
-    };
-    // SAFETY: the iovecs point into live slices for the duration of the call;
-    // MSG_NOSIGNAL semantics come from SIGPIPE being ignored (see below).
-    let n = unsafe { libc::writev(stream.as_raw_fd(), iov.as_ptr(), cnt) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
+        chan.write2(&[], &payload[offset - HEADER_BYTES..])
     }
 }
 
-/// Writes all of `bytes` to a non-blocking stream, waiting in poll until
-/// `deadline`. False when it could not.
-fn write_all_by(stream: &TcpStream, mut bytes: &[u8], deadline: Instant) -> bool {
+/// Writes all of `bytes`, waiting (poll on the socket, or a short sleep
+/// for shared memory) until `deadline`. False when it could not.
+fn write_all_by(chan: &mut dyn Channel, mut bytes: &[u8], deadline: Instant) -> bool {
     while !bytes.is_empty() {
-        // SAFETY: bytes is a live slice; MSG_NOSIGNAL avoids SIGPIPE.
-        let n = unsafe {
-            libc::send(
-                stream.as_raw_fd(),
-                bytes.as_ptr().cast(),
-                bytes.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n > 0 {
-            bytes = &bytes[n as usize..];
-            continue;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::Interrupted {
-            return false;
+        match chan.write2(&[], bytes) {
+            Ok(n) if n > 0 => {
+                bytes = &bytes[n..];
+                continue;
+            }
+            Err(e)
+                if e.kind() != io::ErrorKind::WouldBlock
+                    && e.kind() != io::ErrorKind::Interrupted =>
+            {
+                return false
+            }
+            _ => {}
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return false;
         }
         let mut fd = libc::pollfd {
-            fd: stream.as_raw_fd(),
+            fd: chan.fd(),
             events: libc::POLLOUT,
             revents: 0,
         };
-        // SAFETY: one live pollfd.
-        unsafe { libc::poll(&mut fd, 1, left.as_millis().max(1) as i32) };
+        // SAFETY: one live pollfd. For shared memory the socket is always
+        // writable, so this returns at once; sleep briefly instead.
+        unsafe { libc::poll(&mut fd, 1, left.as_millis().clamp(1, 10) as i32) };
+        if chan.has_data() || fd.revents & libc::POLLOUT != 0 {
+            std::thread::yield_now();
+        }
     }
     true
 }

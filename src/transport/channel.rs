@@ -1,0 +1,86 @@
+//! A byte stream between two ranks, non-blocking in both directions: a TCP
+//! connection, or a pair of shared-memory rings (see shm.rs). The stream
+//! transport frames messages on top and does not care which.
+
+use std::io;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+
+pub trait Channel: Send {
+    /// Reads what is available; `WouldBlock` when nothing is, `Ok(0)` at
+    /// end of stream (the peer closed or died).
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Writes as much of `a` then `b` as fits; `WouldBlock` when nothing does.
+    fn write2(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize>;
+    /// The socket whose readiness poll() watches (for shared memory: the
+    /// TCP connection kept to notice the peer's death).
+    fn fd(&self) -> RawFd;
+    /// True when data (or end of stream) is waiting, checked without
+    /// blocking (cheaply for shared memory, with a peek for TCP).
+    fn has_data(&self) -> bool;
+    fn shutdown(&self, how: Shutdown);
+}
+
+/// A connected, non-blocking TCP stream.
+pub struct TcpChannel(pub TcpStream);
+
+impl Channel for TcpChannel {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        io::Read::read(&mut self.0, buf)
+    }
+
+    fn write2(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        writev(self.0.as_raw_fd(), a, b)
+    }
+
+    fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    fn has_data(&self) -> bool {
+        // Only asked while spinning: one non-blocking peek.
+        let mut b = [0u8; 1];
+        // SAFETY: peeks at most one byte into a live buffer.
+        let n = unsafe {
+            libc::recv(
+                self.0.as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n != -1 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock
+    }
+
+    fn shutdown(&self, how: Shutdown) {
+        let _ = self.0.shutdown(how);
+    }
+}
+
+/// One writev of `a` then `b` (either may be empty).
+pub fn writev(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<usize> {
+    let iov = [
+        libc::iovec {
+            iov_base: a.as_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        },
+    ];
+    let (iov, cnt) = if a.is_empty() {
+        (&iov[1..], 1)
+    } else {
+        (&iov[..], 2)
+    };
+    // SAFETY: the iovecs point into live slices for the duration of the
+    // call. SIGPIPE is ignored (see stream::ignore_sigpipe), so a broken
+    // connection is an EPIPE error, not a signal.
+    let n = unsafe { libc::writev(fd, iov.as_ptr(), cnt) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}

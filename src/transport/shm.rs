@@ -1,0 +1,491 @@
+//! Shared memory between ranks on one host: every rank owns a segment
+//! holding one single-producer/single-consumer byte ring per peer (the
+//! peer writes, the owner reads). A `ShmChannel` pairs the ring from a peer
+//! with the ring to it, and keeps the TCP connection to that peer only to
+//! notice its death (shared memory has no end-of-stream).
+//!
+//! Segments are created under /dev/shm with names from the job id and are
+//! unlinked as soon as every peer has mapped them, so nothing is left
+//! behind even when a rank crashes later.
+
+use super::channel::Channel;
+use crate::error::{Error, Result};
+use std::ffi::CString;
+use std::io;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bytes of one ring's data area.
+pub const RING_BYTES: usize = 1 << 20;
+/// Control block: head and tail on separate cache lines.
+const CTL_BYTES: usize = 128;
+const SLOT_BYTES: usize = CTL_BYTES + RING_BYTES;
+
+/// A mapped segment; unmapped on drop.
+pub struct Segment {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics and
+// the ring protocol (one writer, one reader per ring).
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly what mmap returned.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// The /dev/shm name of `rank`'s segment in a communicator.
+pub fn segment_name(job: &[u8; 16], comm_id: u64, rank: usize) -> String {
+    let hex: String = job[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("/rdist-{hex}-{comm_id:016x}-{rank}")
+}
+
+impl Segment {
+    /// Creates (or, with `create == false`, opens) a segment of `slots` rings.
+    pub fn map(name: &str, slots: usize, create: bool) -> Result<Segment> {
+        let len = slots * SLOT_BYTES;
+        let cname = CString::new(name).map_err(|_| Error::internal("segment name has a NUL"))?;
+        let flags = if create {
+            libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
+        } else {
+            libc::O_RDWR
+        };
+        // SAFETY: plain libc calls on a valid C string; every result checked.
+        unsafe {
+            let fd = libc::shm_open(cname.as_ptr(), flags | libc::O_CLOEXEC, 0o600);
+            if fd < 0 {
+                return Err(Error::system(
+                    format!("shm_open {name}"),
+                    &io::Error::last_os_error(),
+                ));
+            }
+            if create && libc::ftruncate(fd, len as libc::off_t) != 0 {
+                let e = io::Error::last_os_error();
+                libc::close(fd);
+                libc::shm_unlink(cname.as_ptr());
+                return Err(Error::system(
+                    format!("sizing shared memory {name} ({len} bytes)"),
+                    &e,
+                ));
+            }
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            if base == libc::MAP_FAILED {
+                return Err(Error::system(
+                    format!("mapping shared memory {name}"),
+                    &io::Error::last_os_error(),
+                ));
+            }
+            Ok(Segment {
+                base: base.cast(),
+                len,
+            })
+        }
+    }
+
+    pub fn unlink(name: &str) {
+        if let Ok(c) = CString::new(name) {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+
+    /// The doorbell of the rank that owns this segment (in its own slot).
+    pub fn doorbell(self: &Arc<Self>, owner: usize) -> Doorbell {
+        assert!(
+            (owner + 1) * SLOT_BYTES <= self.len,
+            "doorbell slot out of the segment"
+        );
+        // SAFETY: inside the mapping; the two words sit on separate lines.
+        let ctl = unsafe { self.base.add(owner * SLOT_BYTES) };
+        Doorbell {
+            _segment: self.clone(),
+            bell: ctl.cast(),
+            // SAFETY: 64 bytes in, inside the control block.
+            sleeping: unsafe { ctl.add(64) }.cast(),
+        }
+    }
+
+    fn ring(self: &Arc<Self>, slot: usize) -> Ring {
+        assert!(
+            (slot + 1) * SLOT_BYTES <= self.len,
+            "ring slot out of the segment"
+        );
+        // SAFETY: inside the mapping (checked above).
+        let ctl = unsafe { self.base.add(slot * SLOT_BYTES) };
+        Ring {
+            _segment: self.clone(),
+            head: ctl.cast(),
+            // SAFETY: the tail word sits 64 bytes in, inside the control block.
+            tail: unsafe { ctl.add(64) }.cast(),
+            // SAFETY: the data area follows the control block.
+            data: unsafe { ctl.add(CTL_BYTES) },
+        }
+    }
+}
+
+/// A rank's doorbell: a counter that every peer bumps after writing to or
+/// reading from a ring shared with this rank, plus a flag saying whether
+/// this rank sleeps on it (futex), so a bump wakes it only then. It lives
+/// in the otherwise unused slot of the rank's own segment.
+pub struct Doorbell {
+    _segment: Arc<Segment>,
+    bell: *const AtomicU32,
+    sleeping: *const AtomicU32,
+}
+
+// SAFETY: see Segment.
+unsafe impl Send for Doorbell {}
+
+impl Doorbell {
+    fn bell(&self) -> &AtomicU32 {
+        // SAFETY: an aligned word of the live mapping.
+        unsafe { &*self.bell }
+    }
+
+    fn sleeping(&self) -> &AtomicU32 {
+        // SAFETY: as bell.
+        unsafe { &*self.sleeping }
+    }
+
+    /// Wakes the owner if it sleeps.
+    pub fn ring(&self) {
+        self.bell().fetch_add(1, Ordering::SeqCst);
+        if self.sleeping().load(Ordering::SeqCst) != 0 {
+            // SAFETY: futex wake on a shared (not private) word.
+            unsafe { libc::syscall(libc::SYS_futex, self.bell, libc::FUTEX_WAKE, i32::MAX) };
+        }
+    }
+
+    /// Announces that the owner is about to sleep; returns the counter to
+    /// pass to `sleep`. The owner must re-check for work after this.
+    pub fn prepare(&self) -> u32 {
+        let seen = self.bell().load(Ordering::SeqCst);
+        self.sleeping().store(1, Ordering::SeqCst);
+        seen
+    }
+
+    /// Sleeps until a peer rings (since `prepare`) or `timeout` passes.
+    pub fn sleep(&self, seen: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: futex wait on a shared word with a live timespec; returns
+        // at once if the counter already moved on.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.bell,
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+            )
+        };
+        self.done();
+    }
+
+    pub fn done(&self) {
+        self.sleeping().store(0, Ordering::SeqCst);
+    }
+}
+
+/// One SPSC byte ring: `head` counts bytes ever written, `tail` bytes ever
+/// read; the writer owns head, the reader owns tail.
+struct Ring {
+    _segment: Arc<Segment>,
+    head: *const AtomicU64,
+    tail: *const AtomicU64,
+    data: *mut u8,
+}
+
+// SAFETY: see Segment; each Ring is used by one side only.
+unsafe impl Send for Ring {}
+
+impl Ring {
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: points at an 8-aligned word of the live mapping.
+        unsafe { &*self.head }
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: as head.
+        unsafe { &*self.tail }
+    }
+
+    fn readable(&self) -> usize {
+        (self.head().load(Ordering::Acquire) - self.tail().load(Ordering::Relaxed)) as usize
+    }
+
+    /// Copies up to `buf.len()` bytes out; returns how many.
+    fn read(&self, buf: &mut [u8]) -> usize {
+        let tail = self.tail().load(Ordering::Relaxed);
+        let n = buf
+            .len()
+            .min((self.head().load(Ordering::Acquire) - tail) as usize);
+        let at = (tail % RING_BYTES as u64) as usize;
+        let first = n.min(RING_BYTES - at);
+        // SAFETY: both ranges lie inside the data area, and the writer does
+        // not touch bytes between tail and head until tail moves past them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr().add(first), n - first);
+        }
+        self.tail().store(tail + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Copies as much of `a` then `b` in as fits; returns how many bytes.
+    fn write2(&self, a: &[u8], b: &[u8]) -> usize {
+        let head = self.head().load(Ordering::Relaxed);
+        let free = RING_BYTES - (head - self.tail().load(Ordering::Acquire)) as usize;
+        let mut done = 0;
+        for part in [a, b] {
+            let n = part.len().min(free - done);
+            let at = ((head + done as u64) % RING_BYTES as u64) as usize;
+            let first = n.min(RING_BYTES - at);
+            // SAFETY: the free region between head and tail+RING is ours
+            // until head is published below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), self.data.add(at), first);
+                std::ptr::copy_nonoverlapping(part.as_ptr().add(first), self.data, n - first);
+            }
+            done += n;
+            if n < part.len() {
+                break;
+            }
+        }
+        self.head().store(head + done as u64, Ordering::Release);
+        done
+    }
+}
+
+/// A channel to one peer on the same host.
+pub struct ShmChannel {
+    from_peer: Ring,
+    to_peer: Ring,
+    /// Rung after every transfer, so a sleeping peer wakes.
+    peer_bell: Doorbell,
+    /// Kept open only so the peer's exit shows as end-of-stream.
+    liveness: TcpStream,
+    peer_closed: bool,
+}
+
+impl ShmChannel {
+    /// `mine` is this rank's segment (slot = peer), `theirs` the peer's
+    /// (slot = this rank).
+    pub fn new(
+        mine: &Arc<Segment>,
+        theirs: &Arc<Segment>,
+        rank: usize,
+        peer: usize,
+        liveness: TcpStream,
+    ) -> ShmChannel {
+        let _ = liveness.set_nonblocking(true);
+        ShmChannel {
+            from_peer: mine.ring(peer),
+            to_peer: theirs.ring(rank),
+            peer_bell: theirs.doorbell(peer),
+            liveness,
+            peer_closed: false,
+        }
+    }
+
+    /// Whether the peer's end of the liveness connection closed (checked
+    /// with a peek, so rarely).
+    fn peer_gone(&mut self) -> bool {
+        if !self.peer_closed {
+            let mut b = [0u8; 1];
+            // SAFETY: peeks one byte into a live buffer, never blocking.
+            let n = unsafe {
+                libc::recv(
+                    self.liveness.as_raw_fd(),
+                    b.as_mut_ptr().cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            let err = io::Error::last_os_error().kind();
+            self.peer_closed = n == 0
+                || (n < 0 && err != io::ErrorKind::WouldBlock && err != io::ErrorKind::Interrupted);
+        }
+        self.peer_closed
+    }
+}
+
+impl Channel for ShmChannel {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let n = self.from_peer.read(buf);
+        if n > 0 {
+            // Space freed: a peer waiting to write may go on.
+            self.peer_bell.ring();
+            return Ok(n);
+        }
+        // Empty: end of stream only once the peer is gone and everything
+        // it wrote has been read.
+        if self.peer_gone() && self.from_peer.readable() == 0 {
+            return Ok(0);
+        }
+        Err(io::ErrorKind::WouldBlock.into())
+    }
+
+    fn write2(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        match self.to_peer.write2(a, b) {
+            0 if self.peer_gone() => Err(io::ErrorKind::BrokenPipe.into()),
+            0 => Err(io::ErrorKind::WouldBlock.into()),
+            n => {
+                self.peer_bell.ring();
+                Ok(n)
+            }
+        }
+    }
+
+    fn fd(&self) -> RawFd {
+        self.liveness.as_raw_fd()
+    }
+
+    fn has_data(&self) -> bool {
+        self.from_peer.readable() > 0
+    }
+
+    fn shutdown(&self, how: Shutdown) {
+        let _ = self.liveness.shutdown(how);
+    }
+}
+
+/// Exchanges one status byte with every peer over the (still blocking)
+/// mesh streams; true when every rank, this one included, said ok.
+fn everyone_ok(streams: &mut [Option<TcpStream>], ok: bool) -> io::Result<bool> {
+    use std::io::{Read, Write};
+    for s in streams.iter_mut().flatten() {
+        s.write_all(&[u8::from(ok)])?;
+    }
+    let mut all = ok;
+    for s in streams.iter_mut().flatten() {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b)?;
+        all &= b[0] == 1;
+    }
+    Ok(all)
+}
+
+/// Channels to every peer, and what this rank sleeps on while waiting.
+pub struct Attached {
+    pub channels: Vec<Option<Box<dyn Channel>>>,
+    /// "shared memory" or "tcp".
+    pub name: &'static str,
+    /// This rank's doorbell (shared memory only).
+    pub doorbell: Option<Doorbell>,
+}
+
+/// Turns the mesh's TCP streams into channels: shared-memory rings when
+/// `use_shm` (every rank on this host) and every rank manages to map the
+/// segments, TCP otherwise.
+pub fn attach(
+    rank: usize,
+    mut streams: Vec<Option<TcpStream>>,
+    job: &[u8; 16],
+    comm_id: u64,
+    use_shm: bool,
+) -> Result<Attached> {
+    let size = streams.len();
+    let io_err = |e: io::Error| Error::system("agreeing on shared memory with the peers", &e);
+    if use_shm && size > 1 {
+        let mine_name = segment_name(job, comm_id, rank);
+        let mine = Segment::map(&mine_name, size, true);
+        let created = everyone_ok(&mut streams, mine.is_ok()).map_err(io_err)?;
+        let mut theirs: Vec<Option<Arc<Segment>>> = (0..size).map(|_| None).collect();
+        let mut opened = created;
+        if created {
+            for (peer, slot) in theirs.iter_mut().enumerate() {
+                if peer != rank {
+                    match Segment::map(&segment_name(job, comm_id, peer), size, false) {
+                        Ok(seg) => *slot = Some(Arc::new(seg)),
+                        Err(_) => opened = false,
+                    }
+                }
+            }
+        }
+        let all_opened = everyone_ok(&mut streams, opened).map_err(io_err)?;
+        // Everyone has mapped it (or given up): the name is no longer needed.
+        Segment::unlink(&mine_name);
+        if let (true, Ok(mine)) = (all_opened, mine) {
+            let mine = Arc::new(mine);
+            let channels = streams
+                .into_iter()
+                .enumerate()
+                .map(|(peer, s)| {
+                    s.map(|stream| {
+                        let theirs = theirs[peer].as_ref().expect("mapped above");
+                        Box::new(ShmChannel::new(&mine, theirs, rank, peer, stream))
+                            as Box<dyn Channel>
+                    })
+                })
+                .collect();
+            return Ok(Attached {
+                channels,
+                name: "shared memory",
+                doorbell: Some(mine.doorbell(rank)),
+            });
+        }
+    }
+    let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
+    for s in streams {
+        channels.push(match s {
+            Some(stream) => {
+                stream
+                    .set_nonblocking(true)
+                    .map_err(|e| Error::system("set_nonblocking", &e))?;
+                Some(Box::new(super::channel::TcpChannel(stream)))
+            }
+            None => None,
+        });
+    }
+    Ok(Attached {
+        channels,
+        name: "tcp",
+        doorbell: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rings_carry_bytes_across_wraparound() {
+        let name = format!("/rdist-test-{}", std::process::id());
+        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
+        Segment::unlink(&name);
+        let ring = seg.ring(1);
+        let pattern: Vec<u8> = (0..4 * RING_BYTES).map(|i| (i % 251) as u8).collect();
+        let (mut sent, mut got) = (0usize, 0usize);
+        let mut out = vec![0u8; 200_000];
+        while got < 3 * RING_BYTES {
+            let rest = &pattern[sent..];
+            sent += ring.write2(&rest[..7.min(rest.len())], &rest[7.min(rest.len())..]);
+            let m = ring.read(&mut out);
+            assert_eq!(&out[..m], &pattern[got..got + m]);
+            got += m;
+        }
+        assert!(sent > RING_BYTES && got > 0);
+    }
+}
