@@ -103,11 +103,33 @@ pub fn choose(kind: OpKind, bytes: usize, size: usize, forced: Option<Algo>) -> 
 pub struct Link<'t> {
     transport: &'t mut dyn Transport,
     desc: Desc,
+    /// Kept by the backend between calls, so large scratch buffers are
+    /// allocated (and page-faulted) once, not per call.
+    scratch: &'t mut Vec<u8>,
 }
 
 impl<'t> Link<'t> {
-    pub fn new(transport: &'t mut dyn Transport, desc: Desc) -> Link<'t> {
-        Link { transport, desc }
+    pub fn new(transport: &'t mut dyn Transport, desc: Desc, scratch: &'t mut Vec<u8>) -> Link<'t> {
+        Link {
+            transport,
+            desc,
+            scratch,
+        }
+    }
+
+    /// Borrows the scratch buffer with at least `len` bytes; hand it back
+    /// with `return_scratch` (if an error intervenes it is simply
+    /// allocated again next time).
+    pub fn take_scratch(&mut self, len: usize) -> Vec<u8> {
+        let mut v = std::mem::take(self.scratch);
+        if v.len() < len {
+            v.resize(len, 0);
+        }
+        v
+    }
+
+    pub fn return_scratch(&mut self, v: Vec<u8>) {
+        *self.scratch = v;
     }
 
     pub fn rank(&self) -> usize {

@@ -20,7 +20,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     }
     let es = dtype.size();
     let count = buf.len() / es;
-    let mut scratch = vec![0u8; block(count, n, 0, es).len()];
+    let mut scratch = link.take_scratch(block(count, n, 0, es).len());
     // Reduce-scatter: after n-1 steps rank r holds block r+1 fully reduced.
     for s in 0..n - 1 {
         let sb = block(count, n, (r + n - s) % n, es);
@@ -39,6 +39,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
         let (out, into) = split_pair(buf, sb, rb);
         link.send_recv(right, out, left, into)?;
     }
+    link.return_scratch(scratch);
     Ok(())
 }
 

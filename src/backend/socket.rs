@@ -84,6 +84,8 @@ pub struct SocketBackend {
     /// Messages sent to / received from each peer so far.
     sent: Vec<u64>,
     received: Vec<u64>,
+    /// Reused by the algorithms (see Link::take_scratch).
+    scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
     to_self: VecDeque<Vec<u8>>,
 }
@@ -147,6 +149,7 @@ impl SocketBackend {
             sent: vec![0; size],
             received: vec![0; size],
             to_self: VecDeque::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -209,7 +212,7 @@ impl SocketBackend {
                 let (desc, algo) = self.label(d, recv.len());
                 move_bytes(&send, recv.addr(), recv.len());
                 let buf = recv.bytes_mut();
-                let mut link = Link::new(&mut self.transport, desc);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 match algo {
                     Algo::RecursiveDoubling => {
                         recursive_doubling::allreduce(&mut link, buf, data.dtype, op)
@@ -229,7 +232,7 @@ impl SocketBackend {
                     move_bytes(&send, recv.addr(), recv.len());
                 }
                 binomial::broadcast(
-                    &mut Link::new(&mut self.transport, desc),
+                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
                     recv.bytes_mut(),
                     root,
                 )
@@ -246,7 +249,7 @@ impl SocketBackend {
                     .reduction(op)
                     .root(root);
                 let (desc, _) = self.label(d, send.len());
-                let mut link = Link::new(&mut self.transport, desc);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
                     binomial::reduce(&mut link, recv.bytes_mut(), data.dtype, op, root)
@@ -261,7 +264,7 @@ impl SocketBackend {
                 let bb = send.len();
                 move_bytes(&send, recv.addr() + self.rank * bb, bb);
                 ring::allgather(
-                    &mut Link::new(&mut self.transport, desc),
+                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
                     recv.bytes_mut(),
                     bb,
                 )
@@ -281,7 +284,7 @@ impl SocketBackend {
                 } else {
                     send.bytes()
                 };
-                let mut link = Link::new(&mut self.transport, desc);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op)
             }
             Call::Gather {
@@ -292,7 +295,7 @@ impl SocketBackend {
             } => {
                 let d = self.next_desc(OpKind::Gather, data).root(root);
                 let (desc, _) = self.label(d, send.len());
-                let mut link = Link::new(&mut self.transport, desc);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 let bb = send.len();
                 if self.rank == root {
                     move_bytes(&send, recv.addr() + root * bb, bb);
@@ -309,7 +312,7 @@ impl SocketBackend {
             } => {
                 let d = self.next_desc(OpKind::Scatter, data).root(root);
                 let (desc, _) = self.label(d, recv.len());
-                let mut link = Link::new(&mut self.transport, desc);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 let bb = recv.len();
                 if self.rank == root {
                     let own = RawBuf::new((send.addr() + root * bb) as *const u8, bb);
@@ -344,7 +347,7 @@ impl SocketBackend {
                 };
                 let bb = recv.len() / self.size;
                 direct::alltoall(
-                    &mut Link::new(&mut self.transport, desc),
+                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
                     input,
                     recv.bytes_mut(),
                     bb,
@@ -359,7 +362,7 @@ impl SocketBackend {
                     },
                 );
                 let (desc, _) = self.label(d, 0);
-                dissemination::barrier(&mut Link::new(&mut self.transport, desc))
+                dissemination::barrier(&mut Link::new(&mut self.transport, desc, &mut self.scratch))
             }
             Call::Send { .. } | Call::Recv { .. } => unreachable!("handled above"),
         }
@@ -458,7 +461,11 @@ impl SocketBackend {
         mine[0..4].copy_from_slice(&color.to_le_bytes());
         mine[4..8].copy_from_slice(&key.to_le_bytes());
         mine[8..10].copy_from_slice(&port.to_le_bytes());
-        ring::allgather(&mut Link::new(&mut self.transport, desc), &mut all, REC)?;
+        ring::allgather(
+            &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+            &mut all,
+            REC,
+        )?;
         if color < 0 {
             return Ok(None);
         }

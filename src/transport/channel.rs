@@ -19,6 +19,38 @@ pub trait Channel: Send {
     /// blocking (cheaply for shared memory, with a peek for TCP).
     fn has_data(&self) -> bool;
     fn shutdown(&self, how: Shutdown);
+    /// The peer's pid when its memory can be read directly
+    /// (process_vm_readv), for single-copy transfers of large payloads.
+    fn peer_pid(&self) -> Option<i32> {
+        None
+    }
+}
+
+/// Copies `dest.len()` bytes at `addr` in process `pid` into `dest`.
+pub fn read_remote(pid: i32, addr: u64, dest: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < dest.len() {
+        let local = libc::iovec {
+            iov_base: dest[done..].as_mut_ptr().cast(),
+            iov_len: dest.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize + done) as *mut libc::c_void,
+            iov_len: dest.len() - done,
+        };
+        // SAFETY: `local` covers our live buffer; the kernel checks the
+        // remote range and fails with EFAULT rather than touching memory.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            return Err(if n == 0 {
+                io::ErrorKind::UnexpectedEof.into()
+            } else {
+                io::Error::last_os_error()
+            });
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 /// A connected, non-blocking TCP stream.

@@ -18,7 +18,15 @@ pub enum FrameKind {
     Bye = 2,
     /// The sender's communicator failed; the payload is [kind, message...].
     Failure = 3,
+    /// Payload left in the sender's memory for the receiver to copy
+    /// (single copy, same host); the wire payload is [address, length].
+    Remote = 4,
+    /// The receiver finished copying the oldest Remote payload.
+    Ack = 5,
 }
+
+/// Bytes of a Remote frame's descriptor.
+pub const REMOTE_BYTES: usize = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
@@ -74,6 +82,8 @@ impl Header {
             1 => FrameKind::Data,
             2 => FrameKind::Bye,
             3 => FrameKind::Failure,
+            4 => FrameKind::Remote,
+            5 => FrameKind::Ack,
             _ => return Err(corrupt("unknown frame kind")),
         };
         let op = OpKind::from_wire(b[3]).ok_or_else(|| corrupt("unknown operation"))?;

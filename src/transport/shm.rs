@@ -284,6 +284,8 @@ pub struct ShmChannel {
     /// Kept open only so the peer's exit shows as end-of-stream.
     liveness: TcpStream,
     peer_closed: bool,
+    /// The peer's pid when single-copy reads work.
+    cma_pid: Option<i32>,
 }
 
 impl ShmChannel {
@@ -295,6 +297,7 @@ impl ShmChannel {
         rank: usize,
         peer: usize,
         liveness: TcpStream,
+        cma_pid: Option<i32>,
     ) -> ShmChannel {
         let _ = liveness.set_nonblocking(true);
         ShmChannel {
@@ -303,6 +306,7 @@ impl ShmChannel {
             peer_bell: theirs.doorbell(peer),
             liveness,
             peer_closed: false,
+            cma_pid,
         }
     }
 
@@ -369,6 +373,46 @@ impl Channel for ShmChannel {
     fn shutdown(&self, how: Shutdown) {
         let _ = self.liveness.shutdown(how);
     }
+
+    fn peer_pid(&self) -> Option<i32> {
+        self.cma_pid
+    }
+}
+
+/// Something for peers to read with process_vm_readv to prove they can.
+static PROBE: [u8; 16] = *b"rdist-cma-probe!";
+
+/// Finds out whether every rank can read every peer's memory directly
+/// (Linux cross-memory attach; Yama or containers may forbid it). Returns
+/// each peer's pid when all can.
+fn probe_single_copy(streams: &mut [Option<TcpStream>]) -> io::Result<Option<Vec<i32>>> {
+    use std::io::{Read, Write};
+    // Under Yama's ptrace_scope=1 only a declared tracer may read us.
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let mut me = [0u8; 16];
+    me[..8].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+    me[8..].copy_from_slice(&(PROBE.as_ptr() as u64).to_le_bytes());
+    for s in streams.iter_mut().flatten() {
+        s.write_all(&me)?;
+    }
+    let mut pids = vec![0i32; streams.len()];
+    let mut ok = true;
+    for (peer, s) in streams.iter_mut().enumerate() {
+        let Some(s) = s else { continue };
+        let mut theirs = [0u8; 16];
+        s.read_exact(&mut theirs)?;
+        let pid = u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")) as i32;
+        let addr = u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes"));
+        let mut got = [0u8; 16];
+        ok &= super::channel::read_remote(pid, addr, &mut got).is_ok() && got == PROBE;
+        pids[peer] = pid;
+    }
+    let all = everyone_ok(
+        streams,
+        ok && std::env::var_os("RDIST_NO_SINGLE_COPY").is_none(),
+    )?;
+    Ok(all.then_some(pids))
 }
 
 /// Exchanges one status byte with every peer over the (still blocking)
@@ -425,6 +469,11 @@ pub fn attach(
             }
         }
         let all_opened = everyone_ok(&mut streams, opened).map_err(io_err)?;
+        let pids = if all_opened {
+            probe_single_copy(&mut streams).map_err(io_err)?
+        } else {
+            None
+        };
         // Everyone has mapped it (or given up): the name is no longer needed.
         Segment::unlink(&mine_name);
         if let (true, Ok(mine)) = (all_opened, mine) {
@@ -435,7 +484,8 @@ pub fn attach(
                 .map(|(peer, s)| {
                     s.map(|stream| {
                         let theirs = theirs[peer].as_ref().expect("mapped above");
-                        Box::new(ShmChannel::new(&mine, theirs, rank, peer, stream))
+                        let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
+                        Box::new(ShmChannel::new(&mine, theirs, rank, peer, stream, pid))
                             as Box<dyn Channel>
                     })
                 })

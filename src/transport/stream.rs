@@ -10,7 +10,7 @@
 //! sockets with short, growing timeouts.
 
 use super::channel::Channel;
-use super::frame::{self, FrameKind, Header, HEADER_BYTES};
+use super::frame::{self, FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
@@ -61,6 +61,9 @@ struct Conn {
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
     unfinished_out: usize,
+    /// Acknowledgements of single-copy payloads, waiting to be written
+    /// (whole frames; written between data frames).
+    acks_out: Vec<u8>,
     gone: Option<Gone>,
     connected_at: Instant,
 }
@@ -84,6 +87,21 @@ enum Target {
     Early(Vec<u8>),
     /// A control frame's payload.
     Control(Vec<u8>),
+    /// A single-copy descriptor: [address, length] in the sender's memory.
+    Descriptor([u8; REMOTE_BYTES]),
+}
+
+/// Payloads at least this large travel single-copy where the channel
+/// allows (RDIST_SINGLE_COPY_MIN overrides): below it, two copies through a
+/// cache-resident ring beat process_vm_readv's page pinning.
+fn single_copy_min() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("RDIST_SINGLE_COPY_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(256 << 10)
+    })
 }
 
 /// Per-exchange bookkeeping.
@@ -93,6 +111,10 @@ struct Progress {
     /// Per peer: indices of its receives/sends not yet complete, in order.
     recvs: Vec<VecDeque<usize>>,
     sends: Vec<VecDeque<usize>>,
+    /// Per peer: single-copy sends written and waiting for the receiver's ack.
+    acked: Vec<VecDeque<usize>>,
+    /// Per transfer: the single-copy descriptor, when it travels that way.
+    remote: Vec<Option<[u8; REMOTE_BYTES]>>,
     /// Per transfer: bytes written so far (header included) and its header.
     written: Vec<usize>,
     headers: Vec<[u8; HEADER_BYTES]>,
@@ -124,6 +146,7 @@ impl StreamTransport {
                         got: 0,
                     },
                     unfinished_out: 0,
+                    acks_out: Vec::new(),
                     gone: None,
                     connected_at: Instant::now(),
                 })
@@ -224,6 +247,8 @@ impl StreamTransport {
             remaining: xfers.len(),
             recvs: vec![VecDeque::new(); self.size],
             sends: vec![VecDeque::new(); self.size],
+            acked: vec![VecDeque::new(); self.size],
+            remote: vec![None; xfers.len()],
             written: vec![0; xfers.len()],
             headers: vec![[0; HEADER_BYTES]; xfers.len()],
             desc: xfers.first().map(|x| x.desc),
@@ -231,7 +256,21 @@ impl StreamTransport {
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
-                    p.headers[i] = Header::data(x.desc, data.len()).encode();
+                    let single_copy = data.len() >= single_copy_min()
+                        && self.conns[x.peer]
+                            .as_ref()
+                            .is_some_and(|c| c.chan.peer_pid().is_some());
+                    if single_copy {
+                        let mut d = [0u8; REMOTE_BYTES];
+                        d[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
+                        d[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+                        p.remote[i] = Some(d);
+                        let mut h = Header::data(x.desc, REMOTE_BYTES);
+                        h.kind = FrameKind::Remote;
+                        p.headers[i] = h.encode();
+                    } else {
+                        p.headers[i] = Header::data(x.desc, data.len()).encode();
+                    }
                     p.sends[x.peer].push_back(i);
                 }
                 Dir::Recv(_) => p.recvs[x.peer].push_back(i),
@@ -270,6 +309,18 @@ impl StreamTransport {
         i: usize,
         xfers: &[Xfer<'_>],
     ) -> Result<()> {
+        self.accept(peer, header, header.payload, i, xfers)
+    }
+
+    /// Checks a frame's label and payload length (`len`) against receive `i`.
+    fn accept(
+        &self,
+        peer: usize,
+        header: &Header,
+        len: u64,
+        i: usize,
+        xfers: &[Xfer<'_>],
+    ) -> Result<()> {
         let mine = &xfers[i].desc;
         if header.desc != *mine {
             return Err(Error::new(
@@ -284,10 +335,10 @@ impl StreamTransport {
             Dir::Recv(buf) => buf.len() as u64,
             Dir::Send(_) => 0,
         };
-        if header.payload != want {
+        if len != want {
             return Err(Error::internal(format!(
-                "rank {peer} sent {} bytes for {mine}, rank {} expected {want}",
-                header.payload, self.rank
+                "rank {peer} sent {len} bytes for {mine}, rank {} expected {want}",
+                self.rank
             )));
         }
         Ok(())
@@ -296,8 +347,16 @@ impl StreamTransport {
     /// Writes as much as the socket takes of the sends queued for `peer`.
     fn pump_sends(&mut self, peer: usize, xfers: &[Xfer<'_>], p: &mut Progress) -> Result<()> {
         while let Some(&i) = p.sends[peer].front() {
+            // Acknowledgements go out between data frames.
+            if p.written[i] == 0 && !self.flush_acks(peer, p)? {
+                return Ok(());
+            }
             let Dir::Send(data) = &xfers[i].dir else {
                 unreachable!("send queue holds sends")
+            };
+            let data: &[u8] = match &p.remote[i] {
+                Some(d) => d,
+                None => data,
             };
             let total = HEADER_BYTES + data.len();
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
@@ -322,9 +381,51 @@ impl StreamTransport {
             }
             conn.unfinished_out = 0;
             p.sends[peer].pop_front();
-            p.remaining -= 1;
+            if p.remote[i].is_some() {
+                // Complete once the receiver has copied it out of our memory.
+                p.acked[peer].push_back(i);
+            } else {
+                p.remaining -= 1;
+            }
         }
+        self.flush_acks(peer, p)?;
         Ok(())
+    }
+
+    /// Writes pending acknowledgements (only between data frames). True
+    /// when none are left.
+    fn flush_acks(&mut self, peer: usize, p: &Progress) -> Result<bool> {
+        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+        if conn.acks_out.is_empty() {
+            return Ok(true);
+        }
+        // Queued acks are whole frames unless one was cut short; a cut-short
+        // data frame must be finished first.
+        let mid_ack = conn.acks_out.len() % HEADER_BYTES != 0;
+        if conn.unfinished_out > 0 && !mid_ack {
+            return Ok(false);
+        }
+        while !conn.acks_out.is_empty() {
+            match conn.chan.write2(&[], &conn.acks_out) {
+                Ok(n) => {
+                    conn.acks_out.drain(..n);
+                    self.moved = self.moved.wrapping_add(1);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // A partly written ack is a frame in progress too.
+                    conn.unfinished_out = conn.acks_out.len() % HEADER_BYTES;
+                    return Ok(false);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let why = describe_io(&e);
+                    conn.gone = Some(Gone::Lost(why.clone()));
+                    return Err(self.lost(peer, &why, p.desc));
+                }
+            }
+        }
+        conn.unfinished_out = 0;
+        Ok(true)
     }
 
     /// Reads everything `peer` has sent so far, completing posted receives
@@ -344,6 +445,7 @@ impl StreamTransport {
                             Dir::Send(_) => unreachable!("posted target is a receive"),
                         },
                         Target::Early(v) | Target::Control(v) => v,
+                        Target::Descriptor(d) => d,
                     };
                     conn.chan.read(&mut dest[*got..])
                 }
@@ -418,6 +520,27 @@ impl StreamTransport {
                 return Ok(());
             }
             FrameKind::Failure => Target::Control(vec![0; header.payload.min(1 << 16) as usize]),
+            FrameKind::Remote if header.payload == REMOTE_BYTES as u64 => {
+                Target::Descriptor([0; REMOTE_BYTES])
+            }
+            FrameKind::Remote => {
+                return Err(Error::internal(format!(
+                    "rank {peer} sent a malformed single-copy frame"
+                )))
+            }
+            FrameKind::Ack => {
+                self.conn(peer).incoming = Incoming::Header {
+                    buf: [0; HEADER_BYTES],
+                    got: 0,
+                };
+                let Some(_) = p.acked[peer].pop_front() else {
+                    return Err(Error::internal(format!(
+                        "rank {peer} acknowledged a transfer nobody sent"
+                    )));
+                };
+                p.remaining -= 1;
+                return Ok(());
+            }
         };
         self.conn(peer).incoming = Incoming::Payload {
             header,
@@ -457,6 +580,7 @@ impl StreamTransport {
                 conn.inbox.push_back((header, payload));
                 return self.match_inbox(peer, xfers, p);
             }
+            Target::Descriptor(d) => return self.copy_remote(peer, header, d, xfers, p),
             Target::Control(payload) => {
                 // The reporting rank tells everyone itself; don't echo it.
                 self.notified = true;
@@ -468,6 +592,56 @@ impl StreamTransport {
                 return Err(Error::new(kind, format!("{text}{here}")));
             }
         }
+        Ok(())
+    }
+
+    /// Copies a single-copy payload out of the sender's memory (into the
+    /// posted receive, or the inbox when none is posted) and acknowledges it.
+    fn copy_remote(
+        &mut self,
+        peer: usize,
+        header: Header,
+        d: [u8; REMOTE_BYTES],
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+    ) -> Result<()> {
+        let addr = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
+        let pid = self
+            .conn(peer)
+            .chan
+            .peer_pid()
+            .ok_or_else(|| Error::internal("single-copy frame on a channel without it"))?;
+        let fail = |e: io::Error| {
+            Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "reading {len} bytes from rank {peer}'s memory failed ({}); did it exit?",
+                    describe_io(&e)
+                ),
+            )
+        };
+        match p.recvs[peer].front() {
+            Some(&i) => {
+                self.accept(peer, &header, len, i, xfers)?;
+                if let Dir::Recv(buf) = &mut xfers[i].dir {
+                    super::channel::read_remote(pid, addr, buf).map_err(fail)?;
+                }
+                p.recvs[peer].pop_front();
+                p.remaining -= 1;
+            }
+            None => {
+                let mut v = vec![0u8; len as usize];
+                super::channel::read_remote(pid, addr, &mut v).map_err(fail)?;
+                let mut h = header;
+                h.kind = FrameKind::Data;
+                h.payload = len;
+                self.conn(peer).inbox.push_back((h, v));
+            }
+        }
+        let ack = Header::control(FrameKind::Ack, 0).encode();
+        self.conn(peer).acks_out.extend_from_slice(&ack);
+        self.flush_acks(peer, p)?;
         Ok(())
     }
 
@@ -491,7 +665,10 @@ impl StreamTransport {
         for (peer, conn) in self.conns.iter().enumerate() {
             let Some(conn) = conn else { continue };
             if let Some(Gone::Bye) = conn.gone {
-                if !p.recvs[peer].is_empty() || !p.sends[peer].is_empty() {
+                if !p.recvs[peer].is_empty()
+                    || !p.sends[peer].is_empty()
+                    || !p.acked[peer].is_empty()
+                {
                     let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
                     return Err(Error::new(
                         ErrorKind::PeerLost,
@@ -510,7 +687,7 @@ impl StreamTransport {
         let mut waiting = Vec::new();
         for peer in 0..self.size {
             let r = p.recvs[peer].len();
-            let s = p.sends[peer].len();
+            let s = p.sends[peer].len() + p.acked[peer].len();
             if r + s > 0 {
                 let what = match (r > 0, s > 0) {
                     (true, true) => "to send and to receive",
@@ -605,7 +782,7 @@ impl StreamTransport {
                 let mut events = 0;
                 if conn.gone.is_none() {
                     events |= libc::POLLIN | libc::POLLRDHUP;
-                    if !p.sends[peer].is_empty() {
+                    if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
                         events |= libc::POLLOUT;
                     }
                 }
@@ -685,7 +862,7 @@ impl StreamTransport {
                 continue;
             }
             let readable = all || conn.chan.has_data();
-            if !p.sends[peer].is_empty() {
+            if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
                 self.pump_sends(peer, xfers, p)?;
             }
             if readable {
@@ -734,8 +911,16 @@ impl Conn {
     /// follows; if that can't be done in time the connection is shut down.
     fn send_control(&mut self, header: &[u8], payload: &[u8]) {
         let deadline = Instant::now() + NOTIFY_BUDGET;
-        let pad = vec![0u8; self.unfinished_out];
+        // Finish what was interrupted: a data frame (padded with zeros) or
+        // the acknowledgements queued behind it.
+        let pad = vec![
+            0u8;
+            self.unfinished_out
+                .saturating_sub(self.acks_out.len() % HEADER_BYTES)
+        ];
+        let acks = std::mem::take(&mut self.acks_out);
         let ok = write_all_by(&mut *self.chan, &pad, deadline)
+            && write_all_by(&mut *self.chan, &acks, deadline)
             && write_all_by(&mut *self.chan, header, deadline)
             && write_all_by(&mut *self.chan, payload, deadline);
         self.unfinished_out = 0;
