@@ -44,22 +44,19 @@ pub fn reduce(
     root: usize,
 ) -> Result<()> {
     let (vr, n, real) = relative(link, root);
-    let mut scratch = link.take_scratch(acc.len());
     let mut mask = 1;
     while mask < n {
         if vr & mask == 0 {
             let child = vr | mask;
             if child < n {
-                link.recv(real(child), &mut scratch[..acc.len()])?;
-                reduce::reduce_into(acc, &scratch[..acc.len()], dtype, op);
+                let x = link.recv_reduce_xfer(real(child), acc, dtype, op);
+                link.exchange(&mut [x])?;
             }
         } else {
-            link.return_scratch(scratch);
             return link.send(real(vr & !mask), acc);
         }
         mask <<= 1;
     }
-    link.return_scratch(scratch);
     if op == ReduceOp::Avg {
         reduce::divide(acc, dtype, n);
     }

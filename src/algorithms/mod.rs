@@ -8,8 +8,10 @@ pub mod dissemination;
 pub mod recursive_doubling;
 pub mod ring;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::op::{Desc, OpKind};
+use crate::reduce::ReduceOp;
 use crate::transport::{Transport, Xfer};
 use std::ops::Range;
 
@@ -150,6 +152,16 @@ impl<'t> Link<'t> {
 
     pub fn recv_xfer<'a>(&self, peer: usize, buf: &'a mut [u8]) -> Xfer<'a> {
         Xfer::recv(peer, buf, self.desc)
+    }
+
+    pub fn recv_reduce_xfer<'a>(
+        &self,
+        peer: usize,
+        buf: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Xfer<'a> {
+        Xfer::recv_reduce(peer, buf, dtype, op, self.desc)
     }
 
     pub fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {

@@ -20,14 +20,15 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     }
     let es = dtype.size();
     let count = buf.len() / es;
-    let mut scratch = link.take_scratch(block(count, n, 0, es).len());
     // Reduce-scatter: after n-1 steps rank r holds block r+1 fully reduced.
+    // Incoming blocks are combined as they arrive (no staging copy).
     for s in 0..n - 1 {
         let sb = block(count, n, (r + n - s) % n, es);
         let rb = block(count, n, (r + 2 * n - s - 1) % n, es);
-        let incoming = &mut scratch[..rb.len()];
-        link.send_recv(right, &buf[sb], left, incoming)?;
-        reduce::reduce_into(&mut buf[rb], incoming, dtype, op);
+        let (out, into) = split_pair(buf, sb, rb);
+        let send = link.send_xfer(right, out);
+        let recv = link.recv_reduce_xfer(left, into, dtype, op);
+        link.exchange(&mut [send, recv])?;
     }
     if op == ReduceOp::Avg {
         reduce::divide(&mut buf[block(count, n, (r + 1) % n, es)], dtype, n);
@@ -39,7 +40,6 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
         let (out, into) = split_pair(buf, sb, rb);
         link.send_recv(right, out, left, into)?;
     }
-    link.return_scratch(scratch);
     Ok(())
 }
 

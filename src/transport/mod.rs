@@ -9,13 +9,28 @@ pub mod shm;
 pub mod signal;
 pub mod stream;
 
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::op::Desc;
+use crate::reduce::ReduceOp;
 
 /// One direction of one transfer in an exchange.
 pub enum Dir<'a> {
     Send(&'a [u8]),
     Recv(&'a mut [u8]),
+    /// Receive and combine into the buffer as the bytes arrive
+    /// (buf = buf op incoming), without a staging copy of the whole message.
+    RecvReduce(&'a mut [u8], DType, ReduceOp),
+}
+
+impl Dir<'_> {
+    /// The buffer a receive fills (None for sends).
+    pub fn recv_buf(&mut self) -> Option<&mut [u8]> {
+        match self {
+            Dir::Send(_) => None,
+            Dir::Recv(b) | Dir::RecvReduce(b, _, _) => Some(b),
+        }
+    }
 }
 
 /// A send to or receive from `peer`, labelled with the operation it belongs
@@ -31,6 +46,20 @@ impl<'a> Xfer<'a> {
         Xfer {
             peer,
             dir: Dir::Send(data),
+            desc,
+        }
+    }
+
+    pub fn recv_reduce(
+        peer: usize,
+        buf: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        desc: Desc,
+    ) -> Xfer<'a> {
+        Xfer {
+            peer,
+            dir: Dir::RecvReduce(buf, dtype, op),
             desc,
         }
     }

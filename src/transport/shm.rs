@@ -284,6 +284,7 @@ pub struct ShmChannel {
     /// Kept open only so the peer's exit shows as end-of-stream.
     liveness: TcpStream,
     peer_closed: bool,
+    asked: u32,
     /// The peer's pid when single-copy reads work.
     cma_pid: Option<i32>,
 }
@@ -306,14 +307,16 @@ impl ShmChannel {
             peer_bell: theirs.doorbell(peer),
             liveness,
             peer_closed: false,
+            asked: 0,
             cma_pid,
         }
     }
 
-    /// Whether the peer's end of the liveness connection closed (checked
-    /// with a peek, so rarely).
+    /// Whether the peer's end of the liveness connection closed (a peek
+    /// syscall, so only every 64th time it is asked while spinning).
     fn peer_gone(&mut self) -> bool {
-        if !self.peer_closed {
+        self.asked = self.asked.wrapping_add(1);
+        if !self.peer_closed && self.asked % 64 == 0 {
             let mut b = [0u8; 1];
             // SAFETY: peeks one byte into a live buffer, never blocking.
             let n = unsafe {

@@ -16,6 +16,7 @@ use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::op::Desc;
+use crate::reduce;
 use std::collections::VecDeque;
 use std::io;
 use std::net::Shutdown;
@@ -61,6 +62,10 @@ struct Conn {
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
     unfinished_out: usize,
+    /// Where receive-and-reduce transfers stage incoming bytes, and how
+    /// many staged bytes are not yet combined (a partial element).
+    stage: Vec<u8>,
+    staged: usize,
     /// Acknowledgements of single-copy payloads, waiting to be written
     /// (whole frames; written between data frames).
     acks_out: Vec<u8>,
@@ -89,6 +94,19 @@ enum Target {
     Control(Vec<u8>),
     /// A single-copy descriptor: [address, length] in the sender's memory.
     Descriptor([u8; REMOTE_BYTES]),
+}
+
+/// Slice size for receive-and-reduce (fits in L2, a multiple of every
+/// element size).
+const STAGE_BYTES: usize = 128 << 10;
+
+/// Completes a receive from a whole payload that arrived early.
+fn deliver(dir: &mut Dir<'_>, payload: &[u8]) {
+    match dir {
+        Dir::Recv(buf) => buf.copy_from_slice(payload),
+        Dir::RecvReduce(buf, dtype, op) => reduce::reduce_into(buf, payload, *dtype, *op),
+        Dir::Send(_) => unreachable!("receive queue holds receives"),
+    }
 }
 
 /// Payloads at least this large travel single-copy where the channel
@@ -146,6 +164,8 @@ impl StreamTransport {
                         got: 0,
                     },
                     unfinished_out: 0,
+                    stage: Vec::new(),
+                    staged: 0,
                     acks_out: Vec::new(),
                     gone: None,
                     connected_at: Instant::now(),
@@ -273,7 +293,7 @@ impl StreamTransport {
                     }
                     p.sends[x.peer].push_back(i);
                 }
-                Dir::Recv(_) => p.recvs[x.peer].push_back(i),
+                Dir::Recv(_) | Dir::RecvReduce(..) => p.recvs[x.peer].push_back(i),
             }
         }
         // Frames that arrived early satisfy receives first, in order.
@@ -292,9 +312,7 @@ impl StreamTransport {
                 break;
             };
             self.accept_header(peer, &header, i, xfers)?;
-            if let Dir::Recv(buf) = &mut xfers[i].dir {
-                buf.copy_from_slice(&payload);
-            }
+            deliver(&mut xfers[i].dir, &payload);
             p.recvs[peer].pop_front();
             p.remaining -= 1;
         }
@@ -332,7 +350,7 @@ impl StreamTransport {
             ));
         }
         let want = match &xfers[i].dir {
-            Dir::Recv(buf) => buf.len() as u64,
+            Dir::Recv(buf) | Dir::RecvReduce(buf, ..) => buf.len() as u64,
             Dir::Send(_) => 0,
         };
         if len != want {
@@ -438,16 +456,26 @@ impl StreamTransport {
             }
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
-                Incoming::Payload { into, got, .. } => {
+                Incoming::Payload { into, got, header } => {
                     let dest: &mut [u8] = match into {
                         Target::Posted(i) => match &mut xfers[*i].dir {
-                            Dir::Recv(buf) => buf,
+                            Dir::Recv(buf) => &mut buf[*got..],
+                            // Stage a slice, reduce it, repeat: the
+                            // message never exists whole in a scratch buffer.
+                            Dir::RecvReduce(..) => {
+                                let want =
+                                    (header.payload as usize - *got).min(STAGE_BYTES - conn.staged);
+                                if conn.stage.len() < STAGE_BYTES {
+                                    conn.stage.resize(STAGE_BYTES, 0);
+                                }
+                                &mut conn.stage[conn.staged..conn.staged + want]
+                            }
                             Dir::Send(_) => unreachable!("posted target is a receive"),
                         },
-                        Target::Early(v) | Target::Control(v) => v,
-                        Target::Descriptor(d) => d,
+                        Target::Early(v) | Target::Control(v) => &mut v[*got..],
+                        Target::Descriptor(d) => &mut d[*got..],
                     };
-                    conn.chan.read(&mut dest[*got..])
+                    conn.chan.read(dest)
                 }
             };
             let n = match result {
@@ -494,8 +522,25 @@ impl StreamTransport {
                 }
                 Header::decode(buf, peer)?
             }
-            Incoming::Payload { header, got, .. } => {
+            Incoming::Payload { header, got, into } => {
                 *got += n;
+                if let Target::Posted(i) = into {
+                    if let Dir::RecvReduce(buf, dtype, op) = &mut xfers[*i].dir {
+                        // Combine every whole element staged so far.
+                        conn.staged += n;
+                        let es = dtype.size();
+                        let whole = conn.staged - conn.staged % es;
+                        let at = *got - conn.staged;
+                        reduce::reduce_into(
+                            &mut buf[at..at + whole],
+                            &conn.stage[..whole],
+                            *dtype,
+                            *op,
+                        );
+                        conn.stage.copy_within(whole..conn.staged, 0);
+                        conn.staged -= whole;
+                    }
+                }
                 if (*got as u64) < header.payload {
                     return Ok(());
                 }
@@ -624,8 +669,26 @@ impl StreamTransport {
         match p.recvs[peer].front() {
             Some(&i) => {
                 self.accept(peer, &header, len, i, xfers)?;
-                if let Dir::Recv(buf) = &mut xfers[i].dir {
-                    super::channel::read_remote(pid, addr, buf).map_err(fail)?;
+                match &mut xfers[i].dir {
+                    Dir::Recv(buf) => super::channel::read_remote(pid, addr, buf).map_err(fail)?,
+                    Dir::RecvReduce(buf, dtype, op) => {
+                        // Cache-sized slices: copy one in, combine it, next.
+                        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+                        if conn.stage.len() < STAGE_BYTES {
+                            conn.stage.resize(STAGE_BYTES, 0);
+                        }
+                        for (k, chunk) in buf.chunks_mut(STAGE_BYTES).enumerate() {
+                            let stage = &mut conn.stage[..chunk.len()];
+                            super::channel::read_remote(
+                                pid,
+                                addr + (k * STAGE_BYTES) as u64,
+                                stage,
+                            )
+                            .map_err(fail)?;
+                            reduce::reduce_into(chunk, stage, *dtype, *op);
+                        }
+                    }
+                    Dir::Send(_) => unreachable!("receive queue holds receives"),
                 }
                 p.recvs[peer].pop_front();
                 p.remaining -= 1;

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Ratio table and busbw chart from a peer_bench results JSON.
+
+usage: compare.py results.json out.md out.png
+
+For every cell (op, world, size) it compares rdist's default transport
+against the best peer of all, and rdist with TCP forced against the best
+TCP peer. Ratios are speedups: peer time / rdist time (> 1 means rdist is
+faster), all from the same run.
+"""
+import json
+import sys
+
+TCP_PEERS = {"gloo-native", "openmpi-tcp-c", "mpich-tcp-c", "torch-gloo", "openmpi-tcp", "mpich-tcp"}
+
+
+def human(n):
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B" if n else "-"
+
+
+def main():
+    src, out_md, out_png = sys.argv[1:4]
+    data = json.load(open(src))
+    cells = {}
+    for r in data["records"]:
+        key = (r["op"], r["world"], r.get("bytes", 0))
+        cells.setdefault(key, {})[r["peer"]] = r["t_med_s"]
+    lines = [
+        f"# rdist vs. peers on this machine ({data['meta'].get('date', '')}, {data['meta'].get('nproc', '?')} cores)",
+        "",
+        "Produced by `scripts/compare.sh` from one run of `../shared/peers/peer_bench.py` (same timing",
+        "method for every library: median of batches, slowest rank). Speedup = best peer's time / rdist's",
+        "time: above 1.00 rdist is faster. `rdist` is the default transport (shared memory on one host),",
+        "`rdist-tcp` forces TCP (the cross-host path) and is compared with the TCP peers only.",
+        "",
+        "| op | ranks | size | rdist | best peer | speedup | rdist-tcp | best TCP peer | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    misses = []
+    for (op, world, size) in sorted(cells, key=lambda k: (k[0], k[1], k[2])):
+        c = cells[(op, world, size)]
+        row = [op, str(world), human(size)]
+        for mine, pool in (("rdist", lambda p: not p.startswith("rdist")),
+                           ("rdist-tcp", lambda p: p in TCP_PEERS)):
+            others = {p: t for p, t in c.items() if pool(p)}
+            if mine not in c or not others:
+                row += ["n/a", "n/a", "n/a"]
+                continue
+            best = min(others, key=others.get)
+            ratio = others[best] / c[mine]
+            row += [f"{c[mine] * 1e6:.1f} us", f"{best} {others[best] * 1e6:.1f} us", f"**{ratio:.2f}**" if ratio >= 1 else f"{ratio:.2f}"]
+            if ratio < 1:
+                misses.append(f"{mine} {op} {world} ranks {human(size)}: {ratio:.2f}x of {best}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", f"Cells where rdist is slower than the best peer: {len(misses)}", ""]
+    lines += [f"- {m}" for m in misses]
+    open(out_md, "w").write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("compare.py: matplotlib missing, no chart", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, world in zip(axes, (2, 4)):
+        peers = sorted({p for (op, w, s), c in cells.items() if op == "allreduce" and w == world for p in c})
+        for p in peers:
+            pts = sorted((s, s / t / 1e9 * (2 * (world - 1) / world)) for (op, w, s), c in cells.items()
+                         if op == "allreduce" and w == world and p in c for t in [c[p]] if s > 0)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p,
+                        linewidth=2.5 if p.startswith("rdist") else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"allreduce float32 sum, {world} ranks")
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("busbw (GB/s)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

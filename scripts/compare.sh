@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs rdist and the peer libraries side by side, in one run on this
+# machine, with the shared harness (../shared/peers/peer_bench.py, same
+# timing method for everyone), then writes the ratio table and a chart:
+#   build/compare/results-<date>.{json,md}   every peer's raw numbers
+#   docs/performance.md, docs/busbw.png      ratios rdist / best peer
+# Peers: Gloo (Debian's libgloo, native), Open MPI (shared memory and TCP),
+# MPICH from PyPI (shared memory and TCP) when it installs. Takes ~10 min.
+#   QUICK=1 scripts/compare.sh   smoke run (~2 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+peers_src=$(cd ../shared/peers && pwd)
+export PEERS_HOME=$root/build/peers
+mkdir -p "$PEERS_HOME/build" build/compare docs
+bash scripts/setup.sh
+export DEBIAN_FRONTEND=noninteractive
+need=()
+command -v mpicc >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+[ -e /usr/include/gloo/allreduce.h ] || need+=(libgloo-dev)
+/usr/bin/python3 -c "import matplotlib" 2>/dev/null || need+=(python3-matplotlib)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+peers=rdist,rdist-tcp,gloo-native,openmpi-c,openmpi-tcp-c
+# MPICH comes from PyPI (as in ../shared/peers/setup.sh), in its own venv.
+if [ ! -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
+  /usr/bin/python3 -m venv "$PEERS_HOME/.venv-mpich" 2>/dev/null || python3 -m venv "$PEERS_HOME/.venv-mpich" || true
+  "$PEERS_HOME/.venv-mpich/bin/pip" install -q mpich==5.0.2 >/dev/null 2>&1 || echo "compare: MPICH did not install; running without it"
+fi
+
+cargo build --release -q
+cc -O2 -DUSE_RDIST -I include "$peers_src/native_bench.c" -L target/release -lrdist \
+  -Wl,-rpath,"$root/target/release" -lm -o "$PEERS_HOME/build/rdist_bench"
+mpicc -O2 -DUSE_MPI -o "$PEERS_HOME/build/mpi_bench_openmpi" "$peers_src/native_bench.c" -lm
+g++ -O2 -std=c++17 -o "$PEERS_HOME/build/gloo_bench" "$peers_src/gloo_bench.cc" -lgloo -lpthread
+if [ -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
+  "$PEERS_HOME/.venv-mpich/bin/mpicc" -O2 -DUSE_MPI -o "$PEERS_HOME/build/mpi_bench_mpich" "$peers_src/native_bench.c" -lm
+  peers=$peers,mpich-c,mpich-tcp-c
+fi
+
+args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
+[ -n "${QUICK:-}" ] && args+=(--quick)
+RDIST_BENCH_BIN=$PEERS_HOME/build/rdist_bench /usr/bin/python3 "$peers_src/peer_bench.py" "${args[@]}" | tail -5
+latest=$(ls -t build/compare/results-*.json | head -1)
+/usr/bin/python3 scripts/compare.py "$latest" docs/performance.md docs/busbw.png
+cat docs/performance.md
