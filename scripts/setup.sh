@@ -9,8 +9,12 @@ command -v c++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v make >/dev/null || need+=(make)
-python3 -c "import numpy" 2>/dev/null || need+=(python3-numpy)
-python3 -c "import pytest" 2>/dev/null || need+=(python3-pytest)
+# Debian's python3-* packages serve /usr/bin/python3, which need not be the
+# `python3` on PATH (e.g. a pyenv one): check the interpreter they serve.
+debian_python=/usr/bin/python3
+[ -x "$debian_python" ] || debian_python=python3
+"$debian_python" -c "import numpy" 2>/dev/null || need+=(python3-numpy)
+"$debian_python" -c "import pytest" 2>/dev/null || need+=(python3-pytest)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

@@ -1,0 +1,90 @@
+"""rdist: collective communication for CPU (and NCCL) process groups.
+
+A pure-ctypes binding of librdist's C API (include/rdist.h)::
+
+    import numpy as np
+    import rdist
+
+    with rdist.init() as comm:              # env:// (rdistrun, torchrun, Slurm)
+        grad = np.ones(1000, np.float32) * comm.rank
+        comm.allreduce(grad, op="avg")      # in place
+        comm.broadcast(grad, root=0)
+
+The library is found through ``RDIST_LIBRARY``, next to this package, in a
+source checkout's ``target/`` directory, or on the system library path (see
+:mod:`rdist._library`); ``rdist.library_path`` says which was loaded.
+numpy is optional: any C-contiguous buffer-protocol object works too.
+"""
+
+from ._library import LibraryNotFoundError, lib as _lib, library_path
+from ._errors import (
+    AbortedError,
+    AuthError,
+    BackendError,
+    CommTimeoutError,
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    InvalidUsageError,
+    MismatchError,
+    PeerLostError,
+    Result,
+    SystemCallError,
+    UnavailableError,
+)
+from ._buffers import DType, Op
+from ._comm import (
+    SPLIT_NOCOLOR,
+    Backend,
+    Comm,
+    Request,
+    group,
+    group_end,
+    group_start,
+    init,
+    init_rank,
+    unique_id,
+    wait_all,
+)
+
+#: Version of this Python package.
+__version__ = "0.1.0"
+
+
+def library_version():
+    """The loaded librdist's version as a (major, minor, patch) tuple."""
+    packed = _lib.rdist_version()
+    return (packed // 10000, packed // 100 % 100, packed % 100)
+
+
+__all__ = [
+    "AbortedError",
+    "AuthError",
+    "Backend",
+    "BackendError",
+    "Comm",
+    "CommTimeoutError",
+    "DType",
+    "Error",
+    "InternalError",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "LibraryNotFoundError",
+    "MismatchError",
+    "Op",
+    "PeerLostError",
+    "Request",
+    "Result",
+    "SPLIT_NOCOLOR",
+    "SystemCallError",
+    "UnavailableError",
+    "group",
+    "group_end",
+    "group_start",
+    "init",
+    "init_rank",
+    "library_path",
+    "library_version",
+    "unique_id",
+    "wait_all",
+]

@@ -1,0 +1,313 @@
+"""Element types, reductions, and turning Python buffers into (address,
+count, dtype) for the C calls.
+
+Buffers are numpy arrays or any object with the buffer protocol
+(memoryview, bytearray, array.array, ctypes arrays, bytes for inputs). They
+must be C-contiguous: a collective reads and writes them as one flat run of
+elements, and copying silently would break in-place calls. numpy is only
+imported by the caller: a numpy array is recognised when numpy is already
+loaded, so this module works without it.
+"""
+
+import ctypes
+import enum
+import sys
+from ctypes import c_char, c_int, c_void_p, py_object
+
+from ._errors import InvalidArgumentError
+
+__all__ = ["DType", "Op", "resolve_dtype", "resolve_op"]
+
+
+class DType(enum.IntEnum):
+    """rdist_dtype_t: element types (values equal NCCL's ncclDataType_t)."""
+
+    INT8 = 0
+    UINT8 = 1
+    INT32 = 2
+    UINT32 = 3
+    INT64 = 4
+    UINT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BFLOAT16 = 9
+
+    @property
+    def itemsize(self):
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+    def __str__(self):
+        return self.name.lower()
+
+
+_ITEMSIZE = {
+    DType.INT8: 1,
+    DType.UINT8: 1,
+    DType.INT32: 4,
+    DType.UINT32: 4,
+    DType.INT64: 8,
+    DType.UINT64: 8,
+    DType.FLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+    DType.BFLOAT16: 2,
+}
+
+
+class Op(enum.IntEnum):
+    """rdist_op_t: reductions (values equal NCCL's ncclRedOp_t). AVG is SUM
+    divided by the group size (integers: truncating division)."""
+
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+    AVG = 4
+
+    def __str__(self):
+        return self.name.lower()
+
+
+_DTYPE_BY_NAME = {str(d): d for d in DType}
+_DTYPE_BY_NAME.update({"half": DType.FLOAT16, "bf16": DType.BFLOAT16})
+_OP_BY_NAME = {str(o): o for o in Op}
+_OP_BY_NAME.update({"mean": Op.AVG, "product": Op.PROD})
+
+
+def resolve_dtype(dtype):
+    """A DType from a DType, a name ("float32", "bfloat16", ...) or a numpy
+    dtype / scalar type; InvalidArgumentError for anything else."""
+    if isinstance(dtype, DType):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.lower()
+    else:
+        # numpy dtypes and scalar types (np.float32) name themselves this way.
+        numpy = sys.modules.get("numpy")
+        try:
+            name = numpy.dtype(dtype).name if numpy is not None else None
+        except TypeError:
+            name = None
+    found = _DTYPE_BY_NAME.get(name) if name else None
+    if found is None:
+        raise InvalidArgumentError(
+            f"unknown dtype {dtype!r} (known: {', '.join(str(d) for d in DType)})"
+        )
+    return found
+
+
+def resolve_op(op):
+    """An Op from an Op or a name ("sum", "prod", "max", "min", "avg")."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        found = _OP_BY_NAME.get(op.lower())
+        if found is not None:
+            return found
+    raise InvalidArgumentError(
+        f"unknown reduction op {op!r} (known: {', '.join(str(o) for o in Op)})"
+    )
+
+
+# ---------------------------------------------------------------------------
+# The buffer protocol through the C API (PEP 3118), for a raw address of any
+# exporter, read-only ones included, and to pin the memory while rdist uses it.
+# ---------------------------------------------------------------------------
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's Py_buffer (stable layout since 3.3)."""
+
+    _fields_ = [
+        ("buf", c_void_p),
+        ("obj", c_void_p),  # owned reference; PyBuffer_Release drops it
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", c_int),
+        ("ndim", c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi.PyObject_GetBuffer
+_PyObject_GetBuffer.argtypes = [py_object, ctypes.POINTER(_PyBuffer), c_int]
+_PyObject_GetBuffer.restype = c_int
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+_PyBuffer_IsContiguous = ctypes.pythonapi.PyBuffer_IsContiguous
+_PyBuffer_IsContiguous.argtypes = [ctypes.POINTER(_PyBuffer), c_char]
+_PyBuffer_IsContiguous.restype = c_int
+
+_PyBUF_FORMAT = 0x0004
+_PyBUF_STRIDES = 0x0010 | 0x0008  # with PyBUF_ND
+# Read-only request with strides and format: we check writability and
+# contiguity ourselves, to say clearly what is wrong.
+_PyBUF_RECORDS_RO = _PyBUF_STRIDES | _PyBUF_FORMAT
+
+# struct-module format characters (native sizes) -> dtype, by item size.
+_SIGNED_CODES = "bhilqn"
+_UNSIGNED_CODES = "BHILQN"
+_INT_BY_SIZE = {1: DType.INT8, 4: DType.INT32, 8: DType.INT64}
+_UINT_BY_SIZE = {1: DType.UINT8, 4: DType.UINT32, 8: DType.UINT64}
+_FLOAT_CODES = {"e": DType.FLOAT16, "f": DType.FLOAT32, "d": DType.FLOAT64}
+_NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
+
+_NUMPY_DTYPES = {
+    "int8": DType.INT8,
+    "uint8": DType.UINT8,
+    "int32": DType.INT32,
+    "uint32": DType.UINT32,
+    "int64": DType.INT64,
+    "uint64": DType.UINT64,
+    "float16": DType.FLOAT16,
+    "float32": DType.FLOAT32,
+    "float64": DType.FLOAT64,
+    "bfloat16": DType.BFLOAT16,  # ml_dtypes' numpy extension type
+}
+
+
+def _dtype_of_format(fmt, itemsize):
+    """The DType of a buffer-protocol format string, or None."""
+    if fmt and fmt[0] in "@=<>!":
+        order, fmt = fmt[0], fmt[1:]
+        if order == "!":
+            order = ">"
+        if order in "<>" and order != _NATIVE_ORDER:
+            return None  # foreign byte order: the sums would be garbage
+    if len(fmt) != 1:
+        return None
+    if fmt in _SIGNED_CODES:
+        return _INT_BY_SIZE.get(itemsize)
+    if fmt in _UNSIGNED_CODES or fmt == "c":
+        return _UINT_BY_SIZE.get(itemsize)
+    return _FLOAT_CODES.get(fmt)
+
+
+class Pinned:
+    """One buffer as the C call sees it: ``address``, ``nbytes`` and the
+    inferred ``dtype`` (None when the type has no rdist equivalent). Holds the
+    object (and, for buffer-protocol objects, an export that stops e.g. a
+    bytearray from being resized) until :meth:`release`."""
+
+    __slots__ = ("obj", "address", "nbytes", "dtype", "type_name", "_view")
+
+    def __init__(self, obj, address, nbytes, dtype, type_name, view=None):
+        self.obj = obj
+        self.address = address
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.type_name = type_name
+        self._view = view
+
+    def release(self):
+        """Ends the export; idempotent."""
+        view, self._view = self._view, None
+        if view is not None:
+            _PyBuffer_Release(ctypes.byref(view))
+        self.obj = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to do
+            pass
+
+
+def _pin_numpy(array, what, writable):
+    if not array.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"{what} must be C-contiguous, but this numpy array (shape {array.shape}, "
+            f"strides {array.strides}) is not; pass numpy.ascontiguousarray({what}) "
+            "(and copy the result back if the call writes to it)"
+        )
+    if writable and not array.flags.writeable:
+        raise InvalidArgumentError(f"{what} is a read-only numpy array, but the call writes to it")
+    dtype = _NUMPY_DTYPES.get(array.dtype.name) if array.dtype.isnative else None
+    address = array.__array_interface__["data"][0]
+    return Pinned(array, address, array.nbytes, dtype, f"numpy {array.dtype}")
+
+
+def _pin_buffer(obj, what, writable):
+    view = _PyBuffer()
+    try:
+        _PyObject_GetBuffer(obj, ctypes.byref(view), _PyBUF_RECORDS_RO)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a numpy array or a buffer-protocol object "
+            f"(memoryview, bytearray, array.array, ...), not {type(obj).__name__}"
+        ) from None
+    except BufferError:
+        # A few exporters refuse strided requests; a plain one gives them the
+        # chance to hand out contiguous memory (or to say why not).
+        _PyObject_GetBuffer(obj, ctypes.byref(view), _PyBUF_FORMAT)
+    pinned = Pinned(obj, view.buf, view.len, None, type(obj).__name__, view)
+    try:
+        if not _PyBuffer_IsContiguous(ctypes.byref(view), b"C"):
+            raise InvalidArgumentError(
+                f"{what} must be C-contiguous, but this {type(obj).__name__} is not "
+                "(a strided view); copy it into a contiguous buffer first"
+            )
+        if writable and view.readonly:
+            raise InvalidArgumentError(
+                f"{what} is a read-only {type(obj).__name__}, but the call writes to it"
+            )
+        fmt = view.format.decode("ascii", "replace") if view.format else "B"
+        pinned.dtype = _dtype_of_format(fmt, view.itemsize)
+        pinned.type_name = f"{type(obj).__name__} of format {fmt!r}"
+    except BaseException:
+        pinned.release()
+        raise
+    return pinned
+
+
+def pin(obj, what, writable):
+    """Pins ``obj`` for a C call; ``what`` names the argument in messages."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return _pin_numpy(obj, what, writable)
+    return _pin_buffer(obj, what, writable)
+
+
+def element_count(pinned, dtype, what):
+    """How many ``dtype`` elements the pinned buffer holds."""
+    if pinned.nbytes % dtype.itemsize:
+        raise InvalidArgumentError(
+            f"{what} holds {pinned.nbytes} bytes, not a whole number of {dtype} "
+            f"elements ({dtype.itemsize} bytes each)"
+        )
+    return pinned.nbytes // dtype.itemsize
+
+
+def common_dtype(pins, dtype):
+    """The element type of a call: the explicit ``dtype`` if given, else the
+    one all pinned buffers infer (they must agree). ``pins`` maps argument
+    names to Pinned (or None for an absent buffer)."""
+    if dtype is not None:
+        return resolve_dtype(dtype)
+    inferred = None
+    first = None
+    for what, pinned in pins.items():
+        if pinned is None:
+            continue
+        if pinned.dtype is None:
+            raise InvalidArgumentError(
+                f"{what} ({pinned.type_name}) has no rdist dtype; pass dtype= "
+                f"(one of {', '.join(str(d) for d in DType)}) to use its raw bits"
+            )
+        if inferred is None:
+            inferred, first = pinned.dtype, what
+        elif pinned.dtype != inferred:
+            raise InvalidArgumentError(
+                f"{first} is {inferred} but {what} is {pinned.dtype}; use one element "
+                "type, or pass dtype= to reinterpret both"
+            )
+    if inferred is None:
+        raise InvalidArgumentError("no buffer to infer the dtype from; pass dtype=")
+    return inferred

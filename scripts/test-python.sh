@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs the Python binding's test suite (bindings/python/tests) against
+# target/debug/librdist.so: real multi-process jobs through rdistrun and
+# spawned ranks, the examples in examples/python, and the library search.
+# Its last line is pytest's summary.
+#
+# Needs a Python >= 3.9 with numpy and pytest. It uses $PYTHON if set, else
+# `python3` if it has both; /usr/bin/python3 if it has both (here
+# `python3` may be a pyenv Python that cannot see Debian's python3-numpy);
+# otherwise it installs python3-numpy and python3-pytest with apt (as
+# scripts/setup.sh does) or, failing that, numpy and pytest with pip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+has_test_deps() {
+  "$1" -c 'import sys, numpy, pytest; sys.exit(sys.version_info < (3, 9))' >/dev/null 2>&1
+}
+
+find_python() {
+  local candidate candidates=(python3 /usr/bin/python3)
+  [ -z "${PYTHON:-}" ] || candidates=("$PYTHON")  # an explicit choice is the only one
+  for candidate in "${candidates[@]}"; do
+    if command -v "$candidate" >/dev/null 2>&1 && has_test_deps "$candidate"; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if ! python=$(find_python); then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "test-python: installing python3-numpy and python3-pytest (apt)"
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+    export DEBIAN_FRONTEND=noninteractive
+    { $sudo apt-get update -q && $sudo apt-get install -y -q --no-install-recommends \
+        python3 python3-numpy python3-pytest; } >/dev/null || echo "test-python: apt failed" >&2
+  fi
+  if ! python=$(find_python); then
+    python=${PYTHON:-python3}
+    echo "test-python: installing numpy and pytest for $python (pip)"
+    "$python" -m pip install --quiet numpy pytest \
+      || "$python" -m pip install --quiet --user numpy pytest \
+      || true
+    if ! has_test_deps "$python"; then
+      echo "test-python: no Python >= 3.9 with numpy and pytest; set PYTHON=/path/to/python" >&2
+      exit 1
+    fi
+  fi
+fi
+
+if [ ! -f target/debug/librdist.so ] || [ ! -x target/debug/rdistrun ]; then
+  echo "test-python: building target/debug (cargo build)"
+  cargo build -q
+fi
+
+# Test exactly this build, never another librdist the search could find.
+export RDIST_LIBRARY="$PWD/target/debug/librdist.so"
+echo "test-python: $("$python" -c 'import sys; print(sys.executable, sys.version.split()[0])'), RDIST_LIBRARY=$RDIST_LIBRARY"
+# pytest exits 5 when it collects no tests; like any non-zero status that fails this script.
+exec "$python" -m pytest bindings/python/tests -q -p no:cacheprovider
