@@ -121,7 +121,7 @@ inline std::uint16_t f32_to_f16(float f) noexcept {
 
 /// IEEE binary16 -> float (exact).
 inline float f16_to_f32(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t sign = (h & 0x8000u) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1fu;
   std::uint32_t man = h & 0x3ffu;
   if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (man << 13));
@@ -242,6 +242,7 @@ class span {
   static constexpr bool compatible = std::is_convertible_v<U (*)[], T (*)[]>;
 
  public:
+  /// Standard container member types.
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
   using size_type = std::size_t;
