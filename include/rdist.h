@@ -506,6 +506,10 @@ rdist_result_t rdist_recv(void *buf,
 
 /**
  * Non-blocking send; buf must stay valid until the request completes.
+ * Non-blocking sends and receives are held until a request of this
+ * communicator is waited on or tested (or another call is made on it);
+ * then all held ones start together, so posting rdist_irecv before
+ * rdist_isend, as MPI programs do, cannot deadlock.
  */
 rdist_result_t rdist_isend(const void *buf,
                            size_t count,
@@ -515,7 +519,8 @@ rdist_result_t rdist_isend(const void *buf,
                            rdist_request_t **req);
 
 /**
- * Non-blocking receive; buf must stay untouched until the request completes.
+ * Non-blocking receive; buf must stay untouched until the request
+ * completes. Held and started like rdist_isend.
  */
 rdist_result_t rdist_irecv(void *buf,
                            size_t count,

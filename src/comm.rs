@@ -36,6 +36,8 @@ pub(crate) struct Shared {
     queue: Mutex<Queue>,
     queue_changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// Non-blocking sends/receives not started yet (see `defer`).
+    deferred: Mutex<Vec<(Call, Arc<Completion>)>>,
 }
 
 struct Engine {
@@ -55,7 +57,8 @@ struct Queue {
 
 struct Job {
     calls: Vec<Call>,
-    done: Arc<Completion>,
+    /// One per call (a batch of deferred sends/receives completes together).
+    done: Vec<Arc<Completion>>,
 }
 
 /// Where a non-blocking call's result appears.
@@ -69,6 +72,9 @@ struct Completion {
 pub struct Request {
     done: Arc<Completion>,
     timeout: Duration,
+    /// For deferred sends/receives: the communicator to start them on
+    /// when this request is waited for or tested.
+    owner: Option<Arc<Shared>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -80,6 +86,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Request {
     /// Blocks until the call completes and returns its result.
     pub fn wait(&self) -> Result<()> {
+        if let Some(owner) = &self.owner {
+            owner.flush_deferred()?;
+        }
         let mut r = lock(&self.done.result);
         let started = Instant::now();
         loop {
@@ -108,8 +117,14 @@ impl Request {
         }
     }
 
-    /// The result if the call has completed; never blocks.
+    /// The result if the call has completed; never blocks (it may start
+    /// deferred sends/receives on the worker).
     pub fn test(&self) -> Option<Result<()>> {
+        if let Some(owner) = &self.owner {
+            if let Err(e) = owner.flush_deferred() {
+                return Some(Err(e));
+            }
+        }
         lock(&self.done.result).clone()
     }
 }
@@ -121,6 +136,7 @@ impl Shared {
     /// # Safety
     /// Buffers of `calls` valid until this returns.
     pub(crate) unsafe fn run_batch(self: &Arc<Self>, calls: Vec<Call>) -> Result<()> {
+        self.flush_deferred()?;
         let busy = lock(&self.queue).unfinished > 0;
         if busy {
             return self.submit(calls)?.wait();
@@ -165,24 +181,53 @@ impl Shared {
     }
 
     fn submit(self: &Arc<Self>, calls: Vec<Call>) -> Result<Request> {
+        self.flush_deferred()?;
         let done = Arc::new(Completion::default());
+        self.enqueue(Job {
+            calls,
+            done: vec![done.clone()],
+        })?;
+        Ok(Request {
+            done,
+            timeout: self.timeout,
+            owner: None,
+        })
+    }
+
+    /// Holds a non-blocking send/receive until its request is waited for or
+    /// tested, or another call comes: then every held one starts together
+    /// as one exchange, so `irecv` before `isend` can't deadlock.
+    fn defer(self: &Arc<Self>, call: Call) -> Request {
+        let done = Arc::new(Completion::default());
+        lock(&self.deferred).push((call, done.clone()));
+        Request {
+            done,
+            timeout: self.timeout,
+            owner: Some(self.clone()),
+        }
+    }
+
+    /// Starts the held sends/receives on the worker.
+    fn flush_deferred(self: &Arc<Self>) -> Result<()> {
+        let held = std::mem::take(&mut *lock(&self.deferred));
+        if held.is_empty() {
+            return Ok(());
+        }
+        let (calls, done) = held.into_iter().unzip();
+        self.enqueue(Job { calls, done })
+    }
+
+    fn enqueue(self: &Arc<Self>, job: Job) -> Result<()> {
         {
             let mut q = lock(&self.queue);
             if q.closing {
                 return Err(Error::invalid_usage("the communicator is being destroyed"));
             }
-            q.jobs.push_back(Job {
-                calls,
-                done: done.clone(),
-            });
+            q.jobs.push_back(job);
             q.unfinished += 1;
         }
         self.queue_changed.notify_all();
-        self.ensure_worker()?;
-        Ok(Request {
-            done,
-            timeout: self.timeout,
-        })
+        self.ensure_worker()
     }
 
     fn ensure_worker(self: &Arc<Self>) -> Result<()> {
@@ -222,8 +267,10 @@ impl Shared {
                 unsafe { self.run_now(&job.calls) }
             }))
             .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
-            *lock(&job.done.result) = Some(result);
-            job.done.ready.notify_all();
+            for done in &job.done {
+                *lock(&done.result) = Some(result.clone());
+                done.ready.notify_all();
+            }
             lock(&self.queue).unfinished -= 1;
             self.queue_changed.notify_all();
         }
@@ -359,6 +406,7 @@ impl Comm {
                 queue: Mutex::new(Queue::default()),
                 queue_changed: Condvar::new(),
                 worker: Mutex::new(None),
+                deferred: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -403,6 +451,9 @@ impl Comm {
                 "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
             ));
         }
+        if call.is_p2p() {
+            return Ok(self.shared.defer(call));
+        }
         self.shared.submit(vec![call])
     }
 
@@ -420,6 +471,7 @@ impl Comm {
             ));
         }
         // Wait for queued non-blocking calls: split comes after them.
+        self.shared.flush_deferred()?;
         {
             let mut q = lock(&self.shared.queue);
             while q.unfinished > 0 {
@@ -482,6 +534,8 @@ impl Drop for Comm {
     /// Local: finishes queued calls, says goodbye to the peers, closes
     /// every connection and joins every thread.
     fn drop(&mut self) {
+        // Held sends/receives still run (bounded by the timeout).
+        let _ = self.shared.flush_deferred();
         self.shared.stop_worker();
         let mut engine = lock(&self.shared.engine);
         engine.backend.close();

@@ -395,3 +395,45 @@ fn an_auth_token_is_refused_rather_than_ignored() {
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
     assert!(e.to_string().contains("auth_token"), "{e}");
 }
+
+#[test]
+fn irecv_before_isend_on_every_rank_does_not_deadlock() {
+    common::world(3, common::opts(10_000), LIMIT, |comm| {
+        let (r, n) = (comm.rank(), comm.size());
+        let out = vec![r as u64 * 100; 300_000];
+        let mut from_left = vec![0u64; 300_000];
+        let d = |c| Data {
+            count: c,
+            dtype: DType::Uint64,
+        };
+        let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+        let recv = unsafe {
+            comm.submit(
+                Call::recv(from_left.as_mut_ptr().cast(), d(300_000), left as i64, n).unwrap(),
+            )
+            .unwrap()
+        };
+        let send = unsafe {
+            comm.submit(
+                Call::new(
+                    OpKind::Send,
+                    out.as_ptr().cast(),
+                    std::ptr::null_mut(),
+                    d(300_000),
+                    ReduceOp::Sum,
+                    right as i64,
+                    r,
+                    n,
+                )
+                .unwrap(),
+            )
+            .unwrap()
+        };
+        while recv.test().is_none() {
+            std::thread::yield_now();
+        }
+        recv.wait().unwrap();
+        send.wait().unwrap();
+        assert!(from_left.iter().all(|v| *v == left as u64 * 100));
+    });
+}

@@ -60,6 +60,10 @@ pub extern "C" fn rdist_recv(
 }
 
 /// Non-blocking send; buf must stay valid until the request completes.
+/// Non-blocking sends and receives are held until a request of this
+/// communicator is waited on or tested (or another call is made on it);
+/// then all held ones start together, so posting rdist_irecv before
+/// rdist_isend, as MPI programs do, cannot deadlock.
 #[no_mangle]
 pub extern "C" fn rdist_isend(
     buf: *const c_void,
@@ -83,7 +87,8 @@ pub extern "C" fn rdist_isend(
     })
 }
 
-/// Non-blocking receive; buf must stay untouched until the request completes.
+/// Non-blocking receive; buf must stay untouched until the request
+/// completes. Held and started like rdist_isend.
 #[no_mangle]
 pub extern "C" fn rdist_irecv(
     buf: *mut c_void,

@@ -253,10 +253,10 @@ class Request:
     output buffer; :meth:`test` polls. Use as a context manager to wait at the
     end of a block; an unwaited request waits when garbage collected.
 
-    Calls on one communicator, blocking or not, run in the order they were
-    issued: a rank whose ``irecv`` comes before its ``isend`` cannot send
-    until that receive completes, so exchanges between ranks belong in
-    :class:`group`, as with NCCL.
+    Calls on one communicator run in the order they were issued, except
+    that non-blocking sends and receives are held until a request of the
+    communicator is waited on or tested (or another call is made): then all
+    held ones start together, so ``irecv`` before ``isend`` cannot deadlock.
     """
 
     def __init__(self, comm, handle, pins, result, what):
