@@ -23,10 +23,16 @@ fi
 passed=$(grep -E '^test result' target/cargo-test.log | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s}')
 echo "cargo test: $passed passed in $(( $(date +%s) - start )) s"
 
+total=$passed
 for extra in scripts/test-native.sh scripts/test-python.sh; do
   if [ -f "$extra" ]; then
     echo "== $extra"
-    bash "$extra"
+    log=target/$(basename "$extra" .sh).log
+    bash "$extra" 2>&1 | tee "$log"
+    # ctest: "100% tests passed, 0 tests failed out of N"; pytest: "N passed in ..."
+    n=$(grep -E -o "tests failed out of [0-9]+|^[0-9]+ passed" "$log" | tail -1 | grep -E -o "[0-9]+$|^[0-9]+" | head -1)
+    total=$((total + ${n:-0}))
   fi
 done
-echo "all tests passed in $(( $(date +%s) - start )) s"
+echo "every suite passed in $(( $(date +%s) - start )) s"
+echo "all: $total passed, 0 failed"
