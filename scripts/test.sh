@@ -13,6 +13,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy -q --all-targets -- -D warnings
+echo "== cargo build (librdist.so and the binaries the C tests use)"
+cargo build -q
 echo "== cargo test"
 cargo test 2>&1 | tee target/cargo-test.log | grep -E "^(test result|running|     Running)|FAILED|panicked" || true
 if grep -q -E "FAILED|error: test failed|could not compile" target/cargo-test.log || ! grep -q "^test result" target/cargo-test.log; then

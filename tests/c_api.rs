@@ -17,6 +17,11 @@ fn lib_dir() -> PathBuf {
 }
 
 fn compile(src: &str, out: &Path) {
+    assert!(
+        lib_dir().join("librdist.so").exists(),
+        "{} has no librdist.so: run `cargo build` before `cargo test` (scripts/test.sh does)",
+        lib_dir().display()
+    );
     let status = Command::new("cc")
         .args([
             "-std=c11",
