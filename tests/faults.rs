@@ -71,6 +71,7 @@ fn worker_process() {
 
 #[test]
 fn a_crashed_rank_fails_every_other_rank_quickly() {
+    let segments_before = rdist_segments();
     let port = free_port();
     let workers: Vec<_> = (0..3).map(|r| spawn_worker("crash", r, 3, port)).collect();
     let start = Instant::now();
@@ -109,6 +110,20 @@ fn a_crashed_rank_fails_every_other_rank_quickly() {
             .unwrap();
         assert!(after < 5.0, "rank {rank} took {after} s to notice: {line}");
     }
+    std::thread::sleep(Duration::from_millis(300));
+    let left: Vec<String> = rdist_segments()
+        .into_iter()
+        .filter(|n| !segments_before.contains(n))
+        .collect();
+    let lasting: Vec<String> = {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = rdist_segments();
+        left.into_iter().filter(|n| now.contains(n)).collect()
+    };
+    assert!(
+        lasting.is_empty(),
+        "the crashed job left shared memory behind: {lasting:?}"
+    );
 }
 
 #[test]
@@ -397,4 +412,29 @@ fn a_peer_that_destroyed_its_comm_is_reported_not_waited_for() {
     assert_eq!(kind, ErrorKind::PeerLost, "{msg}");
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert!(msg.contains("rank 1"), "{msg}");
+}
+
+fn rdist_segments() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("rdist-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn shared_memory_segments_never_outlive_setup() {
+    // Every segment is unlinked once all peers mapped it, so none lasts,
+    // whatever happened to the job later (segments of tests running in
+    // parallel exist only for the milliseconds of their setup).
+    let before = rdist_segments();
+    std::thread::sleep(Duration::from_millis(500));
+    let lasting: Vec<String> = rdist_segments()
+        .into_iter()
+        .filter(|n| before.contains(n))
+        .collect();
+    assert!(lasting.is_empty(), "leftover shared memory: {lasting:?}");
 }
