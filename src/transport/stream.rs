@@ -41,6 +41,8 @@ pub struct StreamTransport {
     yield_when_idle: bool,
     /// Counts reads and writes that moved bytes (progress detection).
     moved: u64,
+    /// Bookkeeping of the exchange in progress (reused).
+    progress: Progress,
     /// Set by the first error; every later exchange fails with it.
     failed: Option<Error>,
     /// Whether the peers were told about `failed`.
@@ -123,6 +125,7 @@ fn single_copy_min() -> usize {
 }
 
 /// Per-exchange bookkeeping.
+#[derive(Default)]
 struct Progress {
     /// Transfers not yet complete.
     remaining: usize,
@@ -182,6 +185,7 @@ impl StreamTransport {
             doorbell,
             yield_when_idle,
             moved: 0,
+            progress: Progress::default(),
             failed: None,
             notified: false,
         }
@@ -262,17 +266,21 @@ impl StreamTransport {
         Ok(())
     }
 
-    fn start(&mut self, xfers: &mut [Xfer<'_>]) -> Result<Progress> {
-        let mut p = Progress {
-            remaining: xfers.len(),
-            recvs: vec![VecDeque::new(); self.size],
-            sends: vec![VecDeque::new(); self.size],
-            acked: vec![VecDeque::new(); self.size],
-            remote: vec![None; xfers.len()],
-            written: vec![0; xfers.len()],
-            headers: vec![[0; HEADER_BYTES]; xfers.len()],
-            desc: xfers.first().map(|x| x.desc),
-        };
+    /// Resets the bookkeeping (kept between exchanges, so small messages
+    /// don't pay for allocations) and posts every transfer.
+    fn start(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        p.remaining = xfers.len();
+        for queues in [&mut p.recvs, &mut p.sends, &mut p.acked] {
+            queues.resize_with(self.size, VecDeque::new);
+            queues.iter_mut().for_each(VecDeque::clear);
+        }
+        p.remote.clear();
+        p.remote.resize(xfers.len(), None);
+        p.written.clear();
+        p.written.resize(xfers.len(), 0);
+        p.headers.clear();
+        p.headers.resize(xfers.len(), [0; HEADER_BYTES]);
+        p.desc = xfers.first().map(|x| x.desc);
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
@@ -299,10 +307,10 @@ impl StreamTransport {
         // Frames that arrived early satisfy receives first, in order.
         for peer in 0..self.size {
             if self.conns[peer].is_some() {
-                self.match_inbox(peer, xfers, &mut p)?;
+                self.match_inbox(peer, xfers, p)?;
             }
         }
-        Ok(p)
+        Ok(())
     }
 
     /// Hands frames that arrived early to the receives waiting for them.
@@ -772,22 +780,22 @@ impl StreamTransport {
         )
     }
 
-    fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
+    fn run(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
         self.check_xfers(xfers)?;
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
                 return Err(self.lost(peer, &why.clone(), xfers.first().map(|x| x.desc)));
             }
         }
-        let mut p = self.start(xfers)?;
+        self.start(xfers, p)?;
         let deadline = Instant::now() + self.timeout;
         // First pass: push sends and try the receives we expect.
         for peer in 0..self.size {
             if !p.sends[peer].is_empty() {
-                self.pump_sends(peer, xfers, &mut p)?;
+                self.pump_sends(peer, xfers, p)?;
             }
             if !p.recvs[peer].is_empty() {
-                self.pump_reads(peer, xfers, &mut p)?;
+                self.pump_reads(peer, xfers, p)?;
             }
         }
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + 1);
@@ -797,7 +805,7 @@ impl StreamTransport {
         let mut passes = 0u32;
         let mut nap_ms = 1;
         while p.remaining > 0 {
-            self.check_departed(&p)?;
+            self.check_departed(p)?;
             if self.signal.is_aborted() {
                 return Err(Error::new(
                     ErrorKind::Aborted,
@@ -806,12 +814,12 @@ impl StreamTransport {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(self.timeout_error(&p));
+                return Err(self.timeout_error(p));
             }
             if !self.spin.is_zero() {
                 // Busy pass: small messages live or die on wake-up latency.
                 passes = passes.wrapping_add(1);
-                self.busy_pass(xfers, &mut p, passes % 64 == 0)?;
+                self.busy_pass(xfers, p, passes % 64 == 0)?;
                 if p.remaining == 0 {
                     break;
                 }
@@ -829,7 +837,7 @@ impl StreamTransport {
                     continue;
                 }
                 if self.doorbell.is_some() {
-                    self.doze(xfers, &mut p, deadline)?;
+                    self.doze(xfers, p, deadline)?;
                     continue;
                 }
             }
@@ -881,10 +889,10 @@ impl StreamTransport {
                 }
                 let peer = peers_of[k - 1];
                 if revents & libc::POLLOUT != 0 {
-                    self.pump_sends(peer, xfers, &mut p)?;
+                    self.pump_sends(peer, xfers, p)?;
                 }
                 if revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
-                    self.pump_reads(peer, xfers, &mut p)?;
+                    self.pump_reads(peer, xfers, p)?;
                 }
             }
         }
@@ -955,7 +963,10 @@ impl Transport for StreamTransport {
                 ),
             ));
         }
-        match self.run(xfers) {
+        let mut p = std::mem::take(&mut self.progress);
+        let result = self.run(xfers, &mut p);
+        self.progress = p;
+        match result {
             Ok(()) => Ok(()),
             Err(e) => Err(self.fail(e, true)),
         }
