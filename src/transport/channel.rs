@@ -28,15 +28,19 @@ pub trait Channel: Send {
 
 /// Copies `dest.len()` bytes at `addr` in process `pid` into `dest`.
 pub fn read_remote(pid: i32, addr: u64, dest: &mut [u8]) -> io::Result<()> {
+    // Pieces of 1 MiB: measured here, process_vm_readv of 16 MiB at once
+    // runs at a third of the speed of the same bytes in 1-2 MiB pieces.
+    const PIECE: usize = 1 << 20;
     let mut done = 0;
     while done < dest.len() {
+        let len = (dest.len() - done).min(PIECE);
         let local = libc::iovec {
             iov_base: dest[done..].as_mut_ptr().cast(),
-            iov_len: dest.len() - done,
+            iov_len: len,
         };
         let remote = libc::iovec {
             iov_base: (addr as usize + done) as *mut libc::c_void,
-            iov_len: dest.len() - done,
+            iov_len: len,
         };
         // SAFETY: `local` covers our live buffer; the kernel checks the
         // remote range and fails with EFAULT rather than touching memory.
