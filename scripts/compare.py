@@ -66,21 +66,25 @@ def main():
         print("compare.py: matplotlib missing, no chart", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    # One color per peer in both panels (a peer may be missing from one).
+    everyone = sorted({p for c in cells.values() for p in c})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {p: palette[i % len(palette)] for i, p in enumerate(everyone)}
     for ax, world in zip(axes, (2, 4)):
         peers = sorted({p for (op, w, s), c in cells.items() if op == "allreduce" and w == world for p in c})
         for p in peers:
             pts = sorted((s, s / t / 1e9 * (2 * (world - 1) / world)) for (op, w, s), c in cells.items()
                          if op == "allreduce" and w == world and p in c for t in [c[p]] if s > 0)
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p,
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p, color=color[p],
                         linewidth=2.5 if p.startswith("rdist") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"allreduce float32 sum, {world} ranks")
         ax.set_xlabel("message size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     axes[0].set_ylabel("busbw (GB/s)")
-    axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
 
