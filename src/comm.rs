@@ -164,12 +164,12 @@ impl Shared {
                     .map_or(calls.len(), |k| i + k),
                 false => i + 1,
             };
-            let started = Instant::now();
+            let started = trace.as_ref().map(|_| Instant::now());
             let result = match p2p {
                 true => backend.run_p2p(&calls[i..end]),
                 false => backend.run(&calls[i]),
             };
-            if let Some(t) = trace {
+            if let (Some(t), Some(started)) = (trace.as_mut(), started) {
                 for c in &calls[i..end] {
                     t.record(c, started, result.is_ok());
                 }

@@ -31,6 +31,15 @@ fn set_last_error(text: String) {
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
 
+/// Empties the last error without allocating (every call starts so).
+fn clear_last_error() {
+    LAST_ERROR.with(|e| {
+        if !e.borrow().as_bytes().is_empty() {
+            *e.borrow_mut() = CString::default();
+        }
+    });
+}
+
 /// Pointer to this thread's last error text (valid until the next call).
 pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
@@ -44,15 +53,11 @@ pub(crate) fn boundary(
     rank: Option<usize>,
     body: impl FnOnce() -> Result<()>,
 ) -> rdist_result_t {
-    set_last_error(String::new());
-    let who = match rank {
-        Some(r) => format!("{func}: rank {r}"),
-        None => func.to_string(),
-    };
+    clear_last_error();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => rdist_result_t::RDIST_SUCCESS,
         Ok(Err(e)) => {
-            set_last_error(format!("{who}: {}", e.message()));
+            set_last_error(format!("{}: {}", who(func, rank), e.message()));
             rdist_result_t::from(e.kind())
         }
         Err(panic) => {
@@ -62,10 +67,19 @@ pub(crate) fn boundary(
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
             set_last_error(format!(
-                "{who}: internal error (a bug in rdist, please report it): {what}"
+                "{}: internal error (a bug in rdist, please report it): {what}",
+                who(func, rank)
             ));
             rdist_result_t::RDIST_ERR_INTERNAL
         }
+    }
+}
+
+/// "FUNC: rank R" (or just FUNC before a rank is known).
+fn who(func: &str, rank: Option<usize>) -> String {
+    match rank {
+        Some(r) => format!("{func}: rank {r}"),
+        None => func.to_string(),
     }
 }
 

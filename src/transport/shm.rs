@@ -163,10 +163,14 @@ impl Doorbell {
         unsafe { &*self.sleeping }
     }
 
-    /// Wakes the owner if it sleeps.
+    /// Wakes the owner if it sleeps. Costs one load while the owner spins:
+    /// the fence pairs with the one in `prepare`, so either the owner's
+    /// re-check sees what the caller just published, or the caller sees
+    /// the owner's sleeping flag and bumps the counter its futex waits on.
     pub fn ring(&self) {
-        self.bell().fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleeping().load(Ordering::SeqCst) != 0 {
+            self.bell().fetch_add(1, Ordering::SeqCst);
             // SAFETY: futex wake on a shared (not private) word.
             unsafe { libc::syscall(libc::SYS_futex, self.bell, libc::FUTEX_WAKE, i32::MAX) };
         }
@@ -177,6 +181,7 @@ impl Doorbell {
     pub fn prepare(&self) -> u32 {
         let seen = self.bell().load(Ordering::SeqCst);
         self.sleeping().store(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         seen
     }
 
