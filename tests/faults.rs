@@ -16,17 +16,17 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// This test binary, set to run only the test `name` in role `role`.
+fn this_binary_as(name: &str, role: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env("RDIST_TEST_ROLE", role);
+    cmd
+}
+
 /// Re-runs this test binary as a worker process (see `worker_process`).
 fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "worker_process",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("RDIST_TEST_ROLE", role)
+    this_binary_as("worker_process", role)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", size.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
@@ -366,17 +366,7 @@ fn fd_probe_process() {
 
 #[test]
 fn destroy_closes_every_socket_and_joins_every_thread() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "fd_probe_process",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("RDIST_TEST_ROLE", "fds")
-        .output()
-        .unwrap();
+    let out = this_binary_as("fd_probe_process", "fds").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()
