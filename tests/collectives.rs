@@ -441,3 +441,24 @@ fn tcp_world_of_3() {
 fn tcp_world_of_5() {
     every_collective_over(5, None, "tcp");
 }
+
+#[test]
+fn large_broadcasts_pipeline_along_a_chain() {
+    for (n, algo) in [(3, "chain"), (4, "auto"), (5, "chain")] {
+        let mut o = common::opts(60_000);
+        o.set("algo", algo).unwrap();
+        common::world(n, o, Duration::from_secs(120), move |comm| {
+            let len = (5 << 20) / 4 + 3; // more than 5 chunks, not a multiple of one
+            for root in [0, n - 1, 1] {
+                let want: Vec<f32> = (0..len).map(|i| ((i * 7 + root) % 1000) as f32).collect();
+                let mut buf = if comm.rank() == root {
+                    want.clone()
+                } else {
+                    vec![0.0; len]
+                };
+                comm.broadcast(&mut buf, root).unwrap();
+                assert!(buf == want, "rank {} root {root} n {n}", comm.rank());
+            }
+        });
+    }
+}

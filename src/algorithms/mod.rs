@@ -3,6 +3,7 @@
 //! knows about sockets or C.
 
 pub mod binomial;
+pub mod chain;
 pub mod direct;
 pub mod dissemination;
 pub mod recursive_doubling;
@@ -25,15 +26,17 @@ pub enum Algo {
     Binomial = 3,
     Direct = 4,
     Dissemination = 5,
+    Chain = 6,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 5] = [
+    pub const ALL: [Algo; 6] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Binomial,
         Algo::Direct,
         Algo::Dissemination,
+        Algo::Chain,
     ];
 
     pub fn name(self) -> &'static str {
@@ -43,6 +46,7 @@ impl Algo {
             Algo::Binomial => "binomial",
             Algo::Direct => "direct",
             Algo::Dissemination => "dissemination",
+            Algo::Chain => "chain",
         }
     }
 
@@ -71,7 +75,8 @@ impl Algo {
     fn candidates(kind: OpKind) -> &'static [Algo] {
         match kind {
             OpKind::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling],
-            OpKind::Broadcast | OpKind::Reduce => &[Algo::Binomial],
+            OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
+            OpKind::Reduce => &[Algo::Binomial],
             OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring],
             OpKind::Barrier => &[Algo::Dissemination],
             _ => &[Algo::Direct],

@@ -2,7 +2,7 @@
 //! the TCP transport, and keeps the counters that label every frame.
 
 use crate::algorithms::{
-    self, binomial, direct, dissemination, recursive_doubling, ring, Algo, Link,
+    self, binomial, chain, direct, dissemination, recursive_doubling, ring, Algo, Link,
 };
 use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
@@ -227,9 +227,13 @@ impl SocketBackend {
                 root,
             } => {
                 let d = self.next_desc(OpKind::Broadcast, data).root(root);
-                let (desc, _) = self.label(d, recv.len());
+                let (desc, algo) = self.label(d, recv.len());
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
+                }
+                if algo == Algo::Chain {
+                    let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                    return chain::broadcast(&mut link, recv.bytes_mut(), root);
                 }
                 binomial::broadcast(
                     &mut Link::new(&mut self.transport, desc, &mut self.scratch),
