@@ -26,3 +26,22 @@ if ! command -v cargo >/dev/null; then
   echo "setup: cargo not found; install Rust with rustup (https://rustup.rs) first" >&2
   exit 1
 fi
+# NCCL's real library, for the tests that find and load it (no GPU needed):
+# the nvidia-nccl-cu12 wheel unpacked into build/nccl (git-ignored), once;
+# later runs on the same machine reuse it. Nothing is exported: the tests
+# look there (scripts/test.sh passes the folder as RDIST_TEST_NCCL_DIR).
+# When pip fails, those tests print "skipped: NCCL not installed".
+root="$(cd "$(dirname "$0")/.." && pwd)"
+nccl_dir="$root/build/nccl"
+if [ ! -f "$nccl_dir/nvidia/nccl/lib/libnccl.so.2" ]; then
+  echo "setup: installing NCCL (PyPI's nvidia-nccl-cu12, ~350 MB download) into build/nccl"
+  rm -rf "$nccl_dir.partial"
+  if PIP_ROOT_USER_ACTION=ignore timeout 300 python3 -m pip install -q --no-deps --disable-pip-version-check \
+      --no-warn-script-location --target "$nccl_dir.partial" nvidia-nccl-cu12 \
+      && [ -f "$nccl_dir.partial/nvidia/nccl/lib/libnccl.so.2" ]; then
+    rm -rf "$nccl_dir" && mv "$nccl_dir.partial" "$nccl_dir"
+  else
+    rm -rf "$nccl_dir.partial"
+    echo "setup: could not install nvidia-nccl-cu12 with pip; the tests that load NCCL will be skipped" >&2
+  fi
+fi

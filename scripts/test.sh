@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# NCCL's library, installed by setup.sh for tests/nccl.rs.
+export RDIST_TEST_NCCL_DIR="$PWD/build/nccl"
 export CARGO_TERM_COLOR=never
 start=$(date +%s)
 

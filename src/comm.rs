@@ -332,11 +332,11 @@ impl Comm {
     fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
         log::raise_level(opts.debug);
         let started = Instant::now();
-        if opts.backend == Backend::Nccl {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "backend 'nccl' is not available in this build of rdist (host memory runs on the socket backend; use backend=auto or socket)",
-            ));
+        // Every communicator runs on sockets for now; this says why (INFO)
+        // or refuses backend=nccl with the reason.
+        let why = crate::backend::nccl::select(opts.backend, log::enabled(LogLevel::Info))?;
+        if let Some(why) = why {
+            log::emit(LogLevel::Info, Some(rank), &why);
         }
         if opts.auth_token.is_some() {
             // Refuse rather than run unauthenticated while the user asked

@@ -1,4 +1,6 @@
 //! Backends run calls: `socket` (the transport plus rdist's algorithms)
-//! today; NCCL for device buffers comes with its own issue.
+//! today; `nccl` finds and checks NCCL (its collectives on device buffers
+//! come with the GPU work of its issue).
 
+pub mod nccl;
 pub mod socket;

@@ -1,0 +1,410 @@
+//! The NCCL backend's CPU side: finding and loading NCCL's real library
+//! (PyPI's nvidia-nccl-cu12, installed into build/nccl by scripts/setup.sh),
+//! reading its version, `ncclGetUniqueId`, and choosing the backend when
+//! NCCL cannot run (no GPU here): `auto` falls back to sockets with one
+//! INFO line, `backend=nccl` fails with Unavailable and the reason.
+//!
+//! Tests that load NCCL, or that must not find it, run in a child process
+//! (this binary re-run in a role): once a library named libnccl.so.2 is
+//! loaded, the dynamic loader hands it to every later lookup by that name.
+//! Each test is bounded in time.
+
+use rdist::backend::nccl::{self, loader};
+use rdist::{Backend, Comm, ErrorKind, Options};
+use std::ffi::{CStr, CString, OsString};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where scripts/setup.sh installs the wheel (RDIST_TEST_NCCL_DIR, else
+/// build/nccl in the crate).
+fn wheel_dir() -> PathBuf {
+    std::env::var_os("RDIST_TEST_NCCL_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("build/nccl"))
+}
+
+/// The wheel's libnccl.so.2, or None after printing why the test skips.
+fn wheel_library() -> Option<PathBuf> {
+    let lib = wheel_dir().join(loader::WHEEL_LIBRARY);
+    if lib.is_file() {
+        return Some(lib);
+    }
+    eprintln!(
+        "skipped: NCCL not installed ({} is missing; scripts/setup.sh installs it)",
+        lib.display()
+    );
+    None
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs this test binary as `worker_process` in `role`, with `env` added
+/// and RDIST_NCCL_LIBRARY / RDIST_DEBUG / RDIST_BACKEND cleared unless
+/// given; fails past 60 s.
+fn run_role(role: &str, env: &[(&str, &std::ffi::OsStr)]) -> Output {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "worker_process",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env("RDIST_TEST_ROLE", role)
+    .env_remove(loader::LIBRARY_ENV)
+    .env_remove("RDIST_DEBUG")
+    .env_remove("RDIST_BACKEND")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("role {role} took longer than 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "role {role} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The text after `KEY ` on the line that starts with it.
+fn field(out: &Output, key: &str) -> String {
+    let text = String::from_utf8_lossy(&out.stdout);
+    // (The first line printed follows the harness's "test ... " text.)
+    text.lines()
+        .find_map(|l| l.split_once(&format!("{key} ")).map(|x| x.1))
+        .unwrap_or_else(|| {
+            panic!(
+                "no {key} line in:\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+        .to_string()
+}
+
+/// An environment with no NCCL anywhere rdist looks for it (no
+/// virtualenv, no python3 on PATH, HOME and PYENV_ROOT empty folders).
+fn bare_env(dir: &Path) -> impl Fn(&str) -> Option<OsString> {
+    let dir = dir.as_os_str().to_owned();
+    move |k: &str| matches!(k, "HOME" | "PATH" | "PYENV_ROOT").then(|| dir.clone())
+}
+
+/// Not a test of its own: the body of the child processes the tests
+/// start (does nothing without RDIST_TEST_ROLE).
+#[test]
+fn worker_process() {
+    let Ok(role) = std::env::var("RDIST_TEST_ROLE") else {
+        return;
+    };
+    match role.as_str() {
+        // The search with nothing installed where it looks.
+        "search_nothing" => {
+            let dir = std::env::temp_dir().join(format!("rdist-nccl-bare-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let search = loader::Search::from_lookup(bare_env(&dir));
+            let wheels: Vec<String> = search
+                .candidates
+                .iter()
+                .filter_map(|c| match c {
+                    loader::Candidate::Wheel(p) => Some(p.display().to_string()),
+                    _ => None,
+                })
+                .collect();
+            println!("WHEELS {}", wheels.join("|"));
+            match search.load() {
+                Ok(lib) => println!("FOUND {}", lib.path.display()),
+                Err(e) => println!("ERROR {e}"),
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        // RDIST_NCCL_LIBRARY (set by the parent), as rdist's own search.
+        "load_explicit" => report(loader::Search::from_env().load()),
+        // A virtualenv holding the wheel: only the site-packages search.
+        "load_from_venv" => {
+            let dir = std::env::temp_dir().join(format!("rdist-nccl-venv-{}", std::process::id()));
+            let lib_dir = dir.join("venv/lib/python3.12/site-packages/nvidia/nccl/lib");
+            std::fs::create_dir_all(&lib_dir).unwrap();
+            let real = std::env::var_os("RDIST_TEST_WHEEL_LIBRARY").unwrap();
+            std::os::unix::fs::symlink(&real, lib_dir.join("libnccl.so.2")).unwrap();
+            let env = bare_env(&dir);
+            let venv = dir.join("venv").into_os_string();
+            let search = loader::Search::from_lookup(move |k| match k {
+                "VIRTUAL_ENV" => Some(venv.clone()),
+                _ => env(k),
+            });
+            // Past the loader names (a system NCCL would win there).
+            let wheels_only = loader::Search {
+                candidates: search
+                    .candidates
+                    .into_iter()
+                    .filter(|c| matches!(c, loader::Candidate::Wheel(_)))
+                    .collect(),
+            };
+            report(wheels_only.load());
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        // backend=auto: runs (on sockets) and says why at INFO.
+        "auto" => {
+            let port = free_port();
+            let comm = Comm::init(
+                &format!("tcp://127.0.0.1:{port}"),
+                0,
+                1,
+                &Options::default(),
+            )
+            .unwrap();
+            assert_eq!(comm.backend(), Backend::Socket);
+            let mut v = vec![1.0f32, 2.0];
+            comm.allreduce(&mut v, rdist::ReduceOp::Sum).unwrap();
+            assert_eq!(v, [1.0, 2.0]);
+            println!("RESULT ok");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Prints what a child found: path, version, missing entry points, and
+/// whether ncclGetUniqueId works.
+fn report(found: Result<loader::NcclLibrary, String>) {
+    let lib = found.unwrap_or_else(|e| panic!("NCCL did not load: {e}"));
+    println!("PATH {}", lib.path.display());
+    println!("VERSION {} {}", lib.version, lib.version_code);
+    println!("MISSING {}", lib.missing().join(","));
+    match lib.unique_id() {
+        Ok(id) => println!(
+            "UNIQUE_ID ok {}",
+            id.internal.iter().filter(|b| **b != 0).count()
+        ),
+        Err(e) => println!("UNIQUE_ID error {e}"),
+    }
+}
+
+#[test]
+fn with_no_nccl_the_error_lists_what_was_tried() {
+    let out = run_role("search_nothing", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if let Some((_, found)) = stdout.lines().find_map(|l| l.split_once("FOUND ")) {
+        eprintln!("skipped: NCCL is installed system-wide here ({found})");
+        return;
+    }
+    let err = field(&out, "ERROR");
+    assert!(
+        err.starts_with("libnccl.so.2 not found (tried: libnccl.so.2, libnccl.so, "),
+        "{err}"
+    );
+    assert!(err.contains(loader::WHEEL_LIBRARY), "{err}");
+    // Every site-packages folder searched is named.
+    let wheels = field(&out, "WHEELS");
+    for w in wheels.split('|').filter(|w| !w.is_empty()) {
+        let dir = w
+            .strip_suffix(&format!("/{}", loader::WHEEL_LIBRARY))
+            .unwrap();
+        assert!(err.contains(dir), "{dir} missing from: {err}");
+    }
+}
+
+#[test]
+fn an_explicit_library_that_is_missing_is_named() {
+    let env = |k: &str| (k == loader::LIBRARY_ENV).then(|| OsString::from("/no/such/libnccl.so.2"));
+    let e = loader::Search::from_lookup(env).load().unwrap_err();
+    assert!(e.contains("/no/such/libnccl.so.2 not found"), "{e}");
+    assert!(e.contains(loader::LIBRARY_ENV), "{e}");
+}
+
+#[test]
+fn the_wheel_loads_through_rdist_nccl_library() {
+    let Some(lib) = wheel_library() else { return };
+    let out = run_role("load_explicit", &[(loader::LIBRARY_ENV, lib.as_os_str())]);
+    assert_eq!(field(&out, "PATH"), lib.display().to_string());
+    check_loaded(&out);
+}
+
+#[test]
+fn the_wheel_is_found_in_a_virtualenv() {
+    let Some(lib) = wheel_library() else { return };
+    let out = run_role(
+        "load_from_venv",
+        &[("RDIST_TEST_WHEEL_LIBRARY", lib.as_os_str())],
+    );
+    let path = field(&out, "PATH");
+    assert!(
+        path.ends_with("/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"),
+        "{path}"
+    );
+    check_loaded(&out);
+}
+
+/// Version >= 2.0 read, every entry point rdist declares present (the
+/// wheel is a recent NCCL), and ncclGetUniqueId returns ncclSuccess.
+fn check_loaded(out: &Output) {
+    let version = field(out, "VERSION");
+    let (text, code) = version.split_once(' ').unwrap();
+    let parts: Vec<u32> = text.split('.').map(|p| p.parse().unwrap()).collect();
+    assert_eq!(parts.len(), 3, "{version}");
+    assert!(parts[0] >= 2, "NCCL {version} is older than 2.0");
+    let code: i32 = code.parse().unwrap();
+    assert_eq!(loader::NcclVersion::from_code(code).to_string(), text);
+    assert_eq!(field(out, "MISSING"), "", "entry points missing");
+    let uid = field(out, "UNIQUE_ID");
+    assert!(uid.starts_with("ok "), "ncclGetUniqueId: {uid}");
+    let nonzero: usize = uid[3..].parse().unwrap();
+    assert!(nonzero > 0, "ncclGetUniqueId wrote an all-zero id");
+}
+
+#[test]
+fn availability_gives_the_reason_nccl_cannot_run() {
+    match nccl::cuda_devices() {
+        Err(why) => {
+            assert!(why.contains("CUDA"), "{why}");
+            assert_eq!(nccl::availability().unwrap_err(), why);
+        }
+        Ok(n) => {
+            eprintln!(
+                "{n} CUDA device(s): availability() = {:?}",
+                nccl::availability()
+            );
+        }
+    }
+}
+
+#[test]
+fn backend_nccl_fails_with_unavailable_and_the_reason() {
+    let mut o = Options::default();
+    o.set("backend", "nccl").unwrap();
+    o.set("timeout_ms", "5000").unwrap();
+    let port = free_port();
+    let t = Instant::now();
+    let e = match Comm::init(&format!("tcp://127.0.0.1:{port}"), 0, 1, &o) {
+        Ok(_) => panic!("backend=nccl must fail in this build"),
+        Err(e) => e,
+    };
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let msg = e.message();
+    assert!(msg.contains("backend 'nccl'"), "{msg}");
+    match nccl::availability() {
+        Err(why) => assert!(msg.contains(&why), "{msg} lacks {why}"),
+        Ok(_) => assert!(msg.contains("does not implement the NCCL backend"), "{msg}"),
+    }
+}
+
+#[test]
+fn backend_nccl_through_the_c_api_is_rdist_err_unavailable() {
+    use rdist::ffi::comm::rdist_init;
+    use rdist::ffi::options::{rdist_options_create, rdist_options_destroy, rdist_options_set};
+    use rdist::ffi::version::rdist_last_error;
+    let mut opts = std::ptr::null_mut();
+    assert_eq!(rdist_options_create(&mut opts) as i32, 0);
+    let key = CString::new("backend").unwrap();
+    let value = CString::new("nccl").unwrap();
+    assert_eq!(
+        rdist_options_set(opts, key.as_ptr(), value.as_ptr()) as i32,
+        0
+    );
+    let method = CString::new(format!("tcp://127.0.0.1:{}", free_port())).unwrap();
+    let mut comm = std::ptr::null_mut();
+    let rc = rdist_init(&mut comm, method.as_ptr(), 0, 1, opts);
+    // SAFETY: rdist_last_error never returns NULL.
+    let msg = unsafe { CStr::from_ptr(rdist_last_error()) }
+        .to_string_lossy()
+        .into_owned();
+    rdist_options_destroy(opts);
+    assert_eq!(rc as i32, ErrorKind::Unavailable.code(), "{msg}");
+    assert!(comm.is_null());
+    assert!(msg.contains("rdist_init"), "{msg}");
+    assert!(msg.contains("backend 'nccl'"), "{msg}");
+}
+
+#[test]
+fn auto_falls_back_to_sockets_with_one_info_line() {
+    // Even with NCCL's library at hand, no GPU means sockets.
+    let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("RDIST_DEBUG", "INFO".as_ref())];
+    let lib = wheel_library();
+    if let Some(lib) = &lib {
+        env.push((loader::LIBRARY_ENV, lib.as_os_str()));
+    }
+    let out = run_role("auto", &env);
+    assert_eq!(field(&out, "RESULT"), "ok");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("rdist INFO [rank 0]") && l.contains("NCCL"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one INFO line about NCCL expected:\n{stderr}"
+    );
+    let line = lines[0];
+    assert!(line.ends_with("; using sockets"), "{line}");
+    match nccl::cuda_devices() {
+        Err(why) => assert!(
+            line.contains(&format!("NCCL unavailable: {why}; using sockets")),
+            "{line}"
+        ),
+        // A GPU machine: NCCL was found (the wheel, or the system's).
+        Ok(_) => assert!(line.contains("found at"), "{line}"),
+    }
+
+    // At the default level nothing is said.
+    let quiet = run_role("auto", &[]);
+    let stderr = String::from_utf8_lossy(&quiet.stderr);
+    assert!(!stderr.contains("NCCL"), "{stderr}");
+}
+
+/// The placeholder for the GPU session: collectives on device buffers
+/// through NCCL. Without a CUDA device it says so and passes.
+#[test]
+fn gpu_collectives_on_device_buffers() {
+    let devices = match nccl::cuda_devices() {
+        Ok(n) => n,
+        Err(why) => {
+            eprintln!("skipped: no CUDA device ({why})");
+            return;
+        }
+    };
+    // A GPU is here: NCCL must at least be found and report its version
+    // (collectives on device buffers are not built yet).
+    let info = nccl::availability()
+        .or_else(|why| {
+            let lib = wheel_library().ok_or(why)?;
+            let found = loader::Search {
+                candidates: vec![loader::Candidate::Explicit(lib)],
+            }
+            .load()?;
+            Ok::<_, String>(nccl::NcclInfo {
+                path: found.path,
+                version: found.version,
+                devices,
+            })
+        })
+        .expect("NCCL found on a GPU machine");
+    eprintln!(
+        "{devices} CUDA device(s), NCCL {} at {}: device-buffer collectives are not implemented yet",
+        info.version,
+        info.path.display()
+    );
+}
