@@ -187,7 +187,7 @@ pub fn try_from_bytes_mut<T: Element>(b: &mut [u8]) -> Option<&mut [T]> {
 
 /// Whether `b` starts aligned for `T` and holds whole elements.
 fn fits<T>(b: &[u8]) -> bool {
-    (b.as_ptr() as usize) % align_of::<T>() == 0 && b.len() % size_of::<T>() == 0
+    (b.as_ptr() as usize).is_multiple_of(align_of::<T>()) && b.len().is_multiple_of(size_of::<T>())
 }
 
 #[cfg(test)]

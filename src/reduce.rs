@@ -137,7 +137,7 @@ pub fn divide(buf: &mut [u8], dtype: DType, n: usize) {
 /// Panics unless every length equals `len` and `len` holds whole elements.
 fn check_lengths(dtype: DType, len: usize, others: &[usize]) {
     assert!(
-        len % dtype.size() == 0 && others.iter().all(|&o| o == len),
+        len.is_multiple_of(dtype.size()) && others.iter().all(|&o| o == len),
         "reduction buffers of {len} and {others:?} bytes do not hold equal numbers of {dtype}"
     );
 }
@@ -343,7 +343,7 @@ const BLOCK: usize = 256;
 
 /// Whether `b` starts at an address aligned for `T`.
 fn aligned<T>(b: &[u8]) -> bool {
-    (b.as_ptr() as usize) % std::mem::align_of::<T>() == 0
+    (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
 }
 
 fn native_into<T: Arith, O: Op>(dst: &mut [u8], src: &[u8]) {

@@ -144,7 +144,7 @@ impl Comm {
     /// Block j of `send` goes to rank j; block i of `recv` comes from rank i.
     pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         need("recv", recv.len(), send.len())?;
-        if send.len() % self.size() != 0 {
+        if !send.len().is_multiple_of(self.size()) {
             return Err(Error::invalid_argument(format!(
                 "alltoall buffers of {} elements do not split into {} blocks",
                 send.len(),

@@ -51,7 +51,7 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
 fn value(rank: usize, i: usize, op: ReduceOp, salt: usize) -> f64 {
     match op {
         ReduceOp::Prod => {
-            if (rank + i + salt) % 3 == 0 {
+            if (rank + i + salt).is_multiple_of(3) {
                 2.0
             } else {
                 1.0

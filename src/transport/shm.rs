@@ -321,7 +321,7 @@ impl ShmChannel {
     /// syscall, so only every 64th time it is asked while spinning).
     fn peer_gone(&mut self) -> bool {
         self.asked = self.asked.wrapping_add(1);
-        if !self.peer_closed && self.asked % 64 == 0 {
+        if !self.peer_closed && self.asked.is_multiple_of(64) {
             let mut b = [0u8; 1];
             // SAFETY: peeks one byte into a live buffer, never blocking.
             let n = unsafe {

@@ -427,7 +427,7 @@ impl StreamTransport {
         }
         // Queued acks are whole frames unless one was cut short; a cut-short
         // data frame must be finished first.
-        let mid_ack = conn.acks_out.len() % HEADER_BYTES != 0;
+        let mid_ack = !conn.acks_out.len().is_multiple_of(HEADER_BYTES);
         if conn.unfinished_out > 0 && !mid_ack {
             return Ok(false);
         }
@@ -819,7 +819,7 @@ impl StreamTransport {
             if !self.spin.is_zero() {
                 // Busy pass: small messages live or die on wake-up latency.
                 passes = passes.wrapping_add(1);
-                self.busy_pass(xfers, p, passes % 64 == 0)?;
+                self.busy_pass(xfers, p, passes.is_multiple_of(64))?;
                 if p.remaining == 0 {
                     break;
                 }
