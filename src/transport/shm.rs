@@ -10,6 +10,7 @@
 
 use super::channel::Channel;
 use crate::error::{Error, Result};
+use std::cell::Cell;
 use std::ffi::CString;
 use std::io;
 use std::net::{Shutdown, TcpStream};
@@ -106,7 +107,7 @@ impl Segment {
     }
 
     /// The doorbell of the rank that owns this segment (in its own slot).
-    pub fn doorbell(self: &Arc<Self>, owner: usize) -> Doorbell {
+    pub fn doorbell(self: &Arc<Self>, owner: usize, asymmetric: bool) -> Doorbell {
         assert!(
             (owner + 1) * SLOT_BYTES <= self.len,
             "doorbell slot out of the segment"
@@ -118,6 +119,7 @@ impl Segment {
             bell: ctl.cast(),
             // SAFETY: 64 bytes in, inside the control block.
             sleeping: unsafe { ctl.add(64) }.cast(),
+            asymmetric,
         }
     }
 
@@ -130,11 +132,14 @@ impl Segment {
         let ctl = unsafe { self.base.add(slot * SLOT_BYTES) };
         Ring {
             _segment: self.clone(),
-            head: ctl.cast(),
             // SAFETY: the tail word sits 64 bytes in, inside the control block.
             tail: unsafe { ctl.add(64) }.cast(),
             // SAFETY: the data area follows the control block.
             data: unsafe { ctl.add(CTL_BYTES) },
+            tail_seen: Cell::new(0),
+            at: Cell::new(0),
+            number: Cell::new(1),
+            taken: Cell::new(0),
         }
     }
 }
@@ -147,6 +152,11 @@ pub struct Doorbell {
     _segment: Arc<Segment>,
     bell: *const AtomicU32,
     sleeping: *const AtomicU32,
+    /// Every rank registered for membarrier: the sleeper pays for the
+    /// store-load barrier (a syscall, on the way to sleep) so that ringing
+    /// needs none (a fence there waits for every store of the message to
+    /// reach the peer: most of a small message's cost).
+    asymmetric: bool,
 }
 
 // SAFETY: see Segment.
@@ -168,7 +178,11 @@ impl Doorbell {
     /// re-check sees what the caller just published, or the caller sees
     /// the owner's sleeping flag and bumps the counter its futex waits on.
     pub fn ring(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.asymmetric {
+            std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        } else {
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
         if self.sleeping().load(Ordering::SeqCst) != 0 {
             self.bell().fetch_add(1, Ordering::SeqCst);
             // SAFETY: futex wake on a shared (not private) word.
@@ -181,7 +195,14 @@ impl Doorbell {
     pub fn prepare(&self) -> u32 {
         let seen = self.bell().load(Ordering::SeqCst);
         self.sleeping().store(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.asymmetric {
+            // Every thread of every registered rank passes a full barrier:
+            // a peer's ring either sees the flag, or its message is
+            // visible to the re-check that follows.
+            global_barrier();
+        } else {
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
         seen
     }
 
@@ -210,73 +231,172 @@ impl Doorbell {
     }
 }
 
-/// One SPSC byte ring: `head` counts bytes ever written, `tail` bytes ever
-/// read; the writer owns head, the reader owns tail.
+/// Registers this process for expedited global membarriers; false where
+/// the kernel has none (then doorbells use a fence on both sides).
+fn register_membarrier() -> bool {
+    if std::env::var_os("RDIST_NO_MEMBARRIER").is_some() {
+        return false;
+    }
+    // SAFETY: membarrier takes plain integers.
+    unsafe {
+        libc::syscall(
+            libc::SYS_membarrier,
+            MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED,
+            0,
+            0,
+        ) == 0
+    }
+}
+
+const MEMBARRIER_CMD_GLOBAL_EXPEDITED: libc::c_int = 1 << 1;
+const MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED: libc::c_int = 1 << 2;
+
+fn global_barrier() {
+    // SAFETY: as above; registration succeeded on every rank.
+    let rc = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) };
+    if rc != 0 {
+        // Cannot happen after a successful registration; stay correct anyway.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+}
+
+/// One SPSC ring of records. Each record starts on a cache line with an
+/// 8-byte word (its number, low half; its length, high half) followed by
+/// its bytes, and is published by storing that word last. The reader polls
+/// the word where the next record starts, so a small message costs one
+/// cache-line transfer (word and bytes share the line) instead of one for
+/// an index and another for the data. `tail` (bytes freed by the reader)
+/// tells the writer which space it may reuse.
 struct Ring {
     _segment: Arc<Segment>,
-    head: *const AtomicU64,
     tail: *const AtomicU64,
     data: *mut u8,
+    /// The writer's last reading of `tail` (never ahead of the real one).
+    tail_seen: Cell<u64>,
+    /// Where this side is: the writer's next record (bytes ever used), or
+    /// the reader's current record.
+    at: Cell<u64>,
+    /// Number of the record at `at` (the first is 1; memory never written
+    /// reads as record 0, so it is never taken for one).
+    number: Cell<u32>,
+    /// Reader: bytes of the current record already handed out.
+    taken: Cell<usize>,
 }
+
+/// Records start on cache lines, so a small one shares its line with its word.
+const RECORD_ALIGN: u64 = 64;
+const RECORD_WORD: usize = 8;
+/// Largest record: big payloads go as several, so the reader can start on
+/// the first while the writer fills the next.
+const MAX_RECORD: usize = 64 << 10;
 
 // SAFETY: see Segment; each Ring is used by one side only.
 unsafe impl Send for Ring {}
 
 impl Ring {
-    fn head(&self) -> &AtomicU64 {
-        // SAFETY: points at an 8-aligned word of the live mapping.
-        unsafe { &*self.head }
-    }
-
     fn tail(&self) -> &AtomicU64 {
-        // SAFETY: as head.
+        // SAFETY: points at an 8-aligned word of the live mapping.
         unsafe { &*self.tail }
     }
 
+    /// The word of the record starting at byte `at` of the ring.
+    fn word(&self, at: u64) -> &AtomicU64 {
+        // SAFETY: `at % RING_BYTES` is a multiple of 64, inside the data
+        // area, so the word is aligned and mapped.
+        unsafe { &*self.data.add((at % RING_BYTES as u64) as usize).cast::<AtomicU64>() }
+    }
+
+    /// Length of the next unread record, if it has been published.
+    fn next_record(&self) -> Option<usize> {
+        let w = self.word(self.at.get()).load(Ordering::Acquire);
+        (w as u32 == self.number.get()).then_some((w >> 32) as usize)
+    }
+
     fn readable(&self) -> usize {
-        (self.head().load(Ordering::Acquire) - self.tail().load(Ordering::Relaxed)) as usize
+        self.next_record().map_or(0, |len| len - self.taken.get())
     }
 
-    /// Copies up to `buf.len()` bytes out; returns how many.
-    fn read(&self, buf: &mut [u8]) -> usize {
-        let tail = self.tail().load(Ordering::Relaxed);
-        let n = buf
-            .len()
-            .min((self.head().load(Ordering::Acquire) - tail) as usize);
-        let at = (tail % RING_BYTES as u64) as usize;
-        let first = n.min(RING_BYTES - at);
-        // SAFETY: both ranges lie inside the data area, and the writer does
-        // not touch bytes between tail and head until tail moves past them.
+    /// Copies `len` bytes starting at ring byte `from` (wrapping) into `to`.
+    fn copy_out(&self, from: u64, to: &mut [u8]) {
+        let at = (from % RING_BYTES as u64) as usize;
+        let first = to.len().min(RING_BYTES - at);
+        // SAFETY: both ranges lie inside the data area, in a published
+        // record that the writer does not touch until `tail` passes it.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(at), buf.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr().add(first), n - first);
+            std::ptr::copy_nonoverlapping(self.data.add(at), to.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, to.as_mut_ptr().add(first), to.len() - first);
         }
-        self.tail().store(tail + n as u64, Ordering::Release);
-        n
     }
 
-    /// Copies as much of `a` then `b` in as fits; returns how many bytes.
-    fn write2(&self, a: &[u8], b: &[u8]) -> usize {
-        let head = self.head().load(Ordering::Relaxed);
-        let free = RING_BYTES - (head - self.tail().load(Ordering::Acquire)) as usize;
+    /// Copies `from` into the ring starting at ring byte `to` (wrapping).
+    fn copy_in(&self, to: u64, from: &[u8]) {
+        let at = (to % RING_BYTES as u64) as usize;
+        let first = from.len().min(RING_BYTES - at);
+        // SAFETY: the range lies in space the reader has freed and that no
+        // published record covers until the word below is stored.
+        unsafe {
+            std::ptr::copy_nonoverlapping(from.as_ptr(), self.data.add(at), first);
+            std::ptr::copy_nonoverlapping(from.as_ptr().add(first), self.data, from.len() - first);
+        }
+    }
+
+    /// Copies up to `buf.len()` bytes out of published records; returns how
+    /// many.
+    fn read(&self, buf: &mut [u8]) -> usize {
         let mut done = 0;
-        for part in [a, b] {
-            let n = part.len().min(free - done);
-            let at = ((head + done as u64) % RING_BYTES as u64) as usize;
-            let first = n.min(RING_BYTES - at);
-            // SAFETY: the free region between head and tail+RING is ours
-            // until head is published below.
-            unsafe {
-                std::ptr::copy_nonoverlapping(part.as_ptr(), self.data.add(at), first);
-                std::ptr::copy_nonoverlapping(part.as_ptr().add(first), self.data, n - first);
-            }
+        while done < buf.len() {
+            let Some(len) = self.next_record() else { break };
+            let at = self.at.get();
+            let taken = self.taken.get();
+            let n = (len - taken).min(buf.len() - done);
+            self.copy_out(at + (RECORD_WORD + taken) as u64, &mut buf[done..done + n]);
             done += n;
-            if n < part.len() {
+            if taken + n < len {
+                self.taken.set(taken + n);
                 break;
             }
+            // Whole record consumed: free its space.
+            let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
+            self.at.set(next);
+            self.number.set(self.number.get().wrapping_add(1));
+            self.taken.set(0);
+            self.tail().store(next, Ordering::Release);
         }
-        self.head().store(head + done as u64, Ordering::Release);
         done
+    }
+
+    /// Publishes as much of `a` then `b` as fits as one record; returns how
+    /// many bytes.
+    fn write2(&self, a: &[u8], b: &[u8]) -> usize {
+        if a.is_empty() && b.is_empty() {
+            return 0;
+        }
+        let at = self.at.get();
+        let want = (RECORD_WORD + a.len() + b.len()).min(RECORD_WORD + MAX_RECORD);
+        // The reader's tail lives on a line the reader keeps writing: read
+        // it (one cache-line transfer) only when the last value seen leaves
+        // too little room.
+        let mut free = RING_BYTES - (at - self.tail_seen.get()) as usize;
+        if free < want {
+            self.tail_seen.set(self.tail().load(Ordering::Acquire));
+            free = RING_BYTES - (at - self.tail_seen.get()) as usize;
+        }
+        if free < RECORD_ALIGN as usize {
+            return 0;
+        }
+        // `free` is a multiple of the alignment, so the padded record fits.
+        let len = (want.min(free) - RECORD_WORD).min(a.len() + b.len());
+        let from_a = len.min(a.len());
+        let body = at + RECORD_WORD as u64;
+        self.copy_in(body, &a[..from_a]);
+        self.copy_in(body + from_a as u64, &b[..len - from_a]);
+        let number = self.number.get();
+        self.word(at)
+            .store(u64::from(number) | (len as u64) << 32, Ordering::Release);
+        self.number.set(number.wrapping_add(1));
+        self.at
+            .set(at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN));
+        len
     }
 }
 
@@ -304,12 +424,13 @@ impl ShmChannel {
         peer: usize,
         liveness: TcpStream,
         cma_pid: Option<i32>,
+        asymmetric: bool,
     ) -> ShmChannel {
         let _ = liveness.set_nonblocking(true);
         ShmChannel {
             from_peer: mine.ring(peer),
             to_peer: theirs.ring(rank),
-            peer_bell: theirs.doorbell(peer),
+            peer_bell: theirs.doorbell(peer, asymmetric),
             liveness,
             peer_closed: false,
             asked: 0,
@@ -482,6 +603,8 @@ pub fn attach(
         } else {
             None
         };
+        let asymmetric =
+            all_opened && everyone_ok(&mut streams, register_membarrier()).map_err(io_err)?;
         // Everyone has mapped it (or given up): the name is no longer needed.
         Segment::unlink(&mine_name);
         if let (true, Ok(mine)) = (all_opened, mine) {
@@ -493,15 +616,16 @@ pub fn attach(
                     s.map(|stream| {
                         let theirs = theirs[peer].as_ref().expect("mapped above");
                         let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
-                        Box::new(ShmChannel::new(&mine, theirs, rank, peer, stream, pid))
-                            as Box<dyn Channel>
+                        Box::new(ShmChannel::new(
+                            &mine, theirs, rank, peer, stream, pid, asymmetric,
+                        )) as Box<dyn Channel>
                     })
                 })
                 .collect();
             return Ok(Attached {
                 channels,
                 name: "shared memory",
-                doorbell: Some(mine.doorbell(rank)),
+                doorbell: Some(mine.doorbell(rank, asymmetric)),
             });
         }
     }
@@ -533,17 +657,33 @@ mod tests {
         let name = format!("/rdist-test-{}", std::process::id());
         let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
         Segment::unlink(&name);
-        let ring = seg.ring(1);
-        let pattern: Vec<u8> = (0..4 * RING_BYTES).map(|i| (i % 251) as u8).collect();
+        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        let pattern: Vec<u8> = (0..8 * RING_BYTES).map(|i| (i % 251) as u8).collect();
         let (mut sent, mut got) = (0usize, 0usize);
         let mut out = vec![0u8; 200_000];
-        while got < 3 * RING_BYTES {
+        // Writes of every size (tiny to several records), reads of every
+        // size (a few bytes of a record up to many records at once).
+        let (mut w, mut r) = (1usize, 1usize);
+        while got < 6 * RING_BYTES {
+            w = (w * 7 + 3) % 300_000;
+            r = (r * 13 + 5) % out.len();
             let rest = &pattern[sent..];
-            sent += ring.write2(&rest[..7.min(rest.len())], &rest[7.min(rest.len())..]);
-            let m = ring.read(&mut out);
+            let end = (w + 1).min(rest.len());
+            let split = 7.min(end);
+            sent += writer.write2(&rest[..split], &rest[split..end]);
+            let m = reader.read(&mut out[..r + 1]);
+            assert_eq!(&out[..m], &pattern[got..got + m]);
+            got += m;
+            assert!(got <= sent);
+        }
+        // Everything written is read, and an empty ring reads nothing.
+        while got < sent {
+            let m = reader.read(&mut out);
+            assert!(m > 0);
             assert_eq!(&out[..m], &pattern[got..got + m]);
             got += m;
         }
-        assert!(sent > RING_BYTES && got > 0);
+        assert_eq!(reader.read(&mut out), 0);
+        assert_eq!(reader.readable(), 0);
     }
 }

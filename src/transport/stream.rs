@@ -15,7 +15,7 @@ use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
 use crate::error::{describe_io, Error, ErrorKind, Result};
-use crate::op::Desc;
+use crate::op::{Desc, OpKind};
 use crate::reduce;
 use std::collections::VecDeque;
 use std::io;
@@ -319,8 +319,14 @@ impl StreamTransport {
             let Some((header, payload)) = self.conn(peer).inbox.pop_front() else {
                 break;
             };
-            self.accept_header(peer, &header, i, xfers)?;
-            deliver(&mut xfers[i].dir, &payload);
+            if header.kind == FrameKind::Remote {
+                let d = payload.try_into().expect("a deferred descriptor");
+                self.read_remote_into(peer, &header, d, i, xfers)?;
+                self.acknowledge(peer, p)?;
+            } else {
+                self.accept_header(peer, &header, i, xfers)?;
+                deliver(&mut xfers[i].dir, &payload);
+            }
             p.recvs[peer].pop_front();
             p.remaining -= 1;
         }
@@ -648,8 +654,13 @@ impl StreamTransport {
         Ok(())
     }
 
-    /// Copies a single-copy payload out of the sender's memory (into the
-    /// posted receive, or the inbox when none is posted) and acknowledges it.
+    /// Handles a single-copy descriptor: copies the payload out of the
+    /// sender's memory into the posted receive and acknowledges it. With no
+    /// receive posted yet, a collective's descriptor waits in the inbox
+    /// (every collective posts its receives, and the sender waits for the
+    /// ack anyway, so copying it twice through a fresh buffer would only
+    /// cost page faults and a memmove); a user send is copied out at once,
+    /// so that send-then-recv on both sides still completes.
     fn copy_remote(
         &mut self,
         peer: usize,
@@ -658,6 +669,40 @@ impl StreamTransport {
         xfers: &mut [Xfer<'_>],
         p: &mut Progress,
     ) -> Result<()> {
+        match p.recvs[peer].front() {
+            Some(&i) => {
+                self.read_remote_into(peer, &header, d, i, xfers)?;
+                p.recvs[peer].pop_front();
+                p.remaining -= 1;
+            }
+            None if header.desc.kind != OpKind::Send => {
+                self.conn(peer).inbox.push_back((header, d.to_vec()));
+                return Ok(());
+            }
+            None => {
+                let (pid, addr, len) = self.remote_source(peer, d)?;
+                let mut v = vec![0u8; len as usize];
+                super::channel::read_remote(pid, addr, &mut v)
+                    .map_err(|e| remote_failed(peer, len, &e))?;
+                let mut h = header;
+                h.kind = FrameKind::Data;
+                h.payload = len;
+                self.conn(peer).inbox.push_back((h, v));
+            }
+        }
+        self.acknowledge(peer, p)
+    }
+
+    /// Queues (and tries to write) the ack that frees a single-copy send.
+    fn acknowledge(&mut self, peer: usize, p: &Progress) -> Result<()> {
+        let ack = Header::control(FrameKind::Ack, 0).encode();
+        self.conn(peer).acks_out.extend_from_slice(&ack);
+        self.flush_acks(peer, p)?;
+        Ok(())
+    }
+
+    /// The sender's pid, and the address and length a descriptor names.
+    fn remote_source(&mut self, peer: usize, d: [u8; REMOTE_BYTES]) -> Result<(i32, u64, u64)> {
         let addr = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
         let len = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
         let pid = self
@@ -665,54 +710,39 @@ impl StreamTransport {
             .chan
             .peer_pid()
             .ok_or_else(|| Error::internal("single-copy frame on a channel without it"))?;
-        let fail = |e: io::Error| {
-            Error::new(
-                ErrorKind::PeerLost,
-                format!(
-                    "reading {len} bytes from rank {peer}'s memory failed ({}); did it exit?",
-                    describe_io(&e)
-                ),
-            )
-        };
-        match p.recvs[peer].front() {
-            Some(&i) => {
-                self.accept(peer, &header, len, i, xfers)?;
-                match &mut xfers[i].dir {
-                    Dir::Recv(buf) => super::channel::read_remote(pid, addr, buf).map_err(fail)?,
-                    Dir::RecvReduce(buf, dtype, op) => {
-                        // Cache-sized slices: copy one in, combine it, next.
-                        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
-                        if conn.stage.len() < STAGE_BYTES {
-                            conn.stage.resize(STAGE_BYTES, 0);
-                        }
-                        for (k, chunk) in buf.chunks_mut(STAGE_BYTES).enumerate() {
-                            let stage = &mut conn.stage[..chunk.len()];
-                            super::channel::read_remote(
-                                pid,
-                                addr + (k * STAGE_BYTES) as u64,
-                                stage,
-                            )
-                            .map_err(fail)?;
-                            reduce::reduce_into(chunk, stage, *dtype, *op);
-                        }
-                    }
-                    Dir::Send(_) => unreachable!("receive queue holds receives"),
+        Ok((pid, addr, len))
+    }
+
+    /// Copies the payload a descriptor names into receive `i` (combining
+    /// it, for receive-and-reduce, in cache-sized slices).
+    fn read_remote_into(
+        &mut self,
+        peer: usize,
+        header: &Header,
+        d: [u8; REMOTE_BYTES],
+        i: usize,
+        xfers: &mut [Xfer<'_>],
+    ) -> Result<()> {
+        let (pid, addr, len) = self.remote_source(peer, d)?;
+        self.accept(peer, header, len, i, xfers)?;
+        let fail = |e: io::Error| remote_failed(peer, len, &e);
+        match &mut xfers[i].dir {
+            Dir::Recv(buf) => super::channel::read_remote(pid, addr, buf).map_err(fail)?,
+            Dir::RecvReduce(buf, dtype, op) => {
+                // Cache-sized slices: copy one in, combine it, next.
+                let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+                if conn.stage.len() < STAGE_BYTES {
+                    conn.stage.resize(STAGE_BYTES, 0);
                 }
-                p.recvs[peer].pop_front();
-                p.remaining -= 1;
+                for (k, chunk) in buf.chunks_mut(STAGE_BYTES).enumerate() {
+                    let stage = &mut conn.stage[..chunk.len()];
+                    super::channel::read_remote(pid, addr + (k * STAGE_BYTES) as u64, stage)
+                        .map_err(fail)?;
+                    reduce::reduce_into(chunk, stage, *dtype, *op);
+                }
             }
-            None => {
-                let mut v = vec![0u8; len as usize];
-                super::channel::read_remote(pid, addr, &mut v).map_err(fail)?;
-                let mut h = header;
-                h.kind = FrameKind::Data;
-                h.payload = len;
-                self.conn(peer).inbox.push_back((h, v));
-            }
+            Dir::Send(_) => unreachable!("receive queue holds receives"),
         }
-        let ack = Header::control(FrameKind::Ack, 0).encode();
-        self.conn(peer).acks_out.extend_from_slice(&ack);
-        self.flush_acks(peer, p)?;
         Ok(())
     }
 
@@ -788,7 +818,9 @@ impl StreamTransport {
             }
         }
         self.start(xfers, p)?;
-        let deadline = Instant::now() + self.timeout;
+        // Clock reads cost as much as a small message: the deadline and the
+        // spin are counted from the first check, not before the first pass.
+        let mut deadline_at: Option<Instant> = None;
         // First pass: push sends and try the receives we expect.
         for peer in 0..self.size {
             if !p.sends[peer].is_empty() {
@@ -798,13 +830,21 @@ impl StreamTransport {
                 self.pump_reads(peer, xfers, p)?;
             }
         }
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + 1);
-        let mut peers_of: Vec<usize> = Vec::with_capacity(self.size);
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut peers_of: Vec<usize> = Vec::new();
         let mut last_moved = self.moved;
-        let mut idle_since = Instant::now();
+        let mut idle_since: Option<Instant> = None;
         let mut passes = 0u32;
         let mut nap_ms = 1;
         while p.remaining > 0 {
+            if !self.spin.is_zero() && passes % 16 != 15 {
+                // Between the checks below (a clock read each), pure busy
+                // passes: a small message's latency is a few of them.
+                passes = passes.wrapping_add(1);
+                self.busy_pass(xfers, p, false)?;
+                std::hint::spin_loop();
+                continue;
+            }
             self.check_departed(p)?;
             if self.signal.is_aborted() {
                 return Err(Error::new(
@@ -813,6 +853,7 @@ impl StreamTransport {
                 ));
             }
             let now = Instant::now();
+            let deadline = *deadline_at.get_or_insert(now + self.timeout);
             if now >= deadline {
                 return Err(self.timeout_error(p));
             }
@@ -825,10 +866,10 @@ impl StreamTransport {
                 }
                 if self.moved != last_moved {
                     last_moved = self.moved;
-                    idle_since = Instant::now();
+                    idle_since = Some(now);
                     nap_ms = 1;
                 }
-                if idle_since.elapsed() < self.spin {
+                if now.duration_since(*idle_since.get_or_insert(now)) < self.spin {
                     if self.yield_when_idle {
                         std::thread::yield_now();
                     } else {
@@ -1082,4 +1123,16 @@ pub fn ignore_sigpipe() {
             }
         }
     });
+}
+
+/// The error for a single-copy read that failed: the sender's memory is
+/// gone, which in practice means the sender is.
+fn remote_failed(peer: usize, len: u64, e: &io::Error) -> Error {
+    Error::new(
+        ErrorKind::PeerLost,
+        format!(
+            "reading {len} bytes from rank {peer}'s memory failed ({}); did it exit?",
+            describe_io(e)
+        ),
+    )
 }
