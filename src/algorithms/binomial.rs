@@ -53,7 +53,8 @@ pub fn reduce(
                 link.exchange(&mut [x])?;
             }
         } else {
-            return link.send(real(vr & !mask), acc);
+            let x = link.send_to_reduce_xfer(real(vr & !mask), acc);
+            return link.exchange(&mut [x]);
         }
         mask <<= 1;
     }

@@ -19,7 +19,8 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     // Fold: among the first 2*rem ranks, even ones hand their data to the
     // next odd one and wait for the result.
     if r < 2 * rem && r % 2 == 0 {
-        link.send(r + 1, buf)?;
+        let x = link.send_to_reduce_xfer(r + 1, buf);
+        link.exchange(&mut [x])?;
         return link.recv(r + 1, buf);
     }
     if r < 2 * rem {
@@ -31,7 +32,9 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     let mut mask = 1;
     while mask < p {
         let partner = real(virtual_rank ^ mask);
-        link.send_recv(partner, buf, partner, &mut scratch[..scratch_len])?;
+        let send = link.send_to_reduce_xfer(partner, buf);
+        let recv = link.recv_xfer(partner, &mut scratch[..scratch_len]);
+        link.exchange(&mut [send, recv])?;
         reduce::reduce_into(buf, &scratch[..scratch_len], dtype, op);
         mask <<= 1;
     }

@@ -303,7 +303,12 @@ impl Ring {
     fn word(&self, at: u64) -> &AtomicU64 {
         // SAFETY: `at % RING_BYTES` is a multiple of 64, inside the data
         // area, so the word is aligned and mapped.
-        unsafe { &*self.data.add((at % RING_BYTES as u64) as usize).cast::<AtomicU64>() }
+        unsafe {
+            &*self
+                .data
+                .add((at % RING_BYTES as u64) as usize)
+                .cast::<AtomicU64>()
+        }
     }
 
     /// Length of the next unread record, if it has been published.

@@ -13,7 +13,7 @@ use super::channel::Channel;
 use super::frame::{self, FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
-use super::{Dir, Transport, Xfer};
+use super::{Dir, SendUse, Transport, Xfer};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::op::{Desc, OpKind};
 use crate::reduce;
@@ -121,6 +121,31 @@ fn single_copy_min() -> usize {
             .ok()
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(256 << 10)
+    })
+}
+
+/// The same for payloads the receiver reduces
+/// (RDIST_SINGLE_COPY_REDUCE_MIN): the ring wins to a much larger size
+/// there, since the receiver combines straight out of it while it is in
+/// cache, where a single copy must stage every slice first.
+fn single_copy_reduce_min() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("RDIST_SINGLE_COPY_REDUCE_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(usize::MAX)
+    })
+}
+
+/// The same for blocks exchanged in a step (RDIST_SINGLE_COPY_EXCHANGE_MIN).
+fn single_copy_exchange_min() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("RDIST_SINGLE_COPY_EXCHANGE_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(16 << 20)
     })
 }
 
@@ -284,7 +309,16 @@ impl StreamTransport {
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
-                    let single_copy = data.len() >= single_copy_min()
+                    // With more ranks than cores, a ring transfer needs both
+                    // sides scheduled at once; a single copy needs only the
+                    // reader, so it wins for every use.
+                    let min = match x.use_ {
+                        _ if self.yield_when_idle => single_copy_min(),
+                        SendUse::Plain => single_copy_min(),
+                        SendUse::Reduced => single_copy_reduce_min(),
+                        SendUse::Exchanged => single_copy_exchange_min(),
+                    };
+                    let single_copy = data.len() >= min
                         && self.conns[x.peer]
                             .as_ref()
                             .is_some_and(|c| c.chan.peer_pid().is_some());
