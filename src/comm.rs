@@ -15,6 +15,7 @@ use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
 use crate::trace::Trace;
 use crate::transport::signal::AbortSignal;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -38,6 +39,9 @@ pub(crate) struct Shared {
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Non-blocking sends/receives not started yet (see `defer`).
     deferred: Mutex<Vec<(Call, Arc<Completion>)>>,
+    /// Whether `deferred` may hold calls (checked without the lock on
+    /// every call; set under it).
+    has_deferred: AtomicBool,
 }
 
 struct Engine {
@@ -213,7 +217,10 @@ impl Shared {
     /// as one exchange, so `irecv` before `isend` can't deadlock.
     fn defer(self: &Arc<Self>, call: Call) -> Request {
         let done = Arc::new(Completion::default());
-        lock(&self.deferred).push((call, done.clone()));
+        let mut held = lock(&self.deferred);
+        held.push((call, done.clone()));
+        self.has_deferred.store(true, Ordering::Release);
+        drop(held);
         Request {
             done,
             timeout: self.timeout,
@@ -223,7 +230,14 @@ impl Shared {
 
     /// Starts the held sends/receives on the worker.
     fn flush_deferred(self: &Arc<Self>) -> Result<()> {
-        let held = std::mem::take(&mut *lock(&self.deferred));
+        if !self.has_deferred.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let held = {
+            let mut d = lock(&self.deferred);
+            self.has_deferred.store(false, Ordering::Release);
+            std::mem::take(&mut *d)
+        };
         if held.is_empty() {
             return Ok(());
         }
@@ -421,6 +435,7 @@ impl Comm {
                 queue_changed: Condvar::new(),
                 worker: Mutex::new(None),
                 deferred: Mutex::new(Vec::new()),
+                has_deferred: AtomicBool::new(false),
             }),
         }
     }

@@ -183,7 +183,11 @@ impl Doorbell {
         } else {
             std::sync::atomic::fence(Ordering::SeqCst);
         }
-        if self.sleeping().load(Ordering::SeqCst) != 0 {
+        // Only the first ring after the owner announced its sleep pays for
+        // the wake-up; later ones (until it sleeps again) see the flag clear.
+        if self.sleeping().load(Ordering::SeqCst) != 0
+            && self.sleeping().swap(0, Ordering::SeqCst) != 0
+        {
             self.bell().fetch_add(1, Ordering::SeqCst);
             // SAFETY: futex wake on a shared (not private) word.
             unsafe { libc::syscall(libc::SYS_futex, self.bell, libc::FUTEX_WAKE, i32::MAX) };
@@ -329,7 +333,13 @@ impl Ring {
         // record that the writer does not touch until `tail` passes it.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data.add(at), to.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data, to.as_mut_ptr().add(first), to.len() - first);
+            if first < to.len() {
+                std::ptr::copy_nonoverlapping(
+                    self.data,
+                    to.as_mut_ptr().add(first),
+                    to.len() - first,
+                );
+            }
         }
     }
 
@@ -341,7 +351,13 @@ impl Ring {
         // published record covers until the word below is stored.
         unsafe {
             std::ptr::copy_nonoverlapping(from.as_ptr(), self.data.add(at), first);
-            std::ptr::copy_nonoverlapping(from.as_ptr().add(first), self.data, from.len() - first);
+            if first < from.len() {
+                std::ptr::copy_nonoverlapping(
+                    from.as_ptr().add(first),
+                    self.data,
+                    from.len() - first,
+                );
+            }
         }
     }
 

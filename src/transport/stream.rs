@@ -876,7 +876,12 @@ impl StreamTransport {
                 // passes: a small message's latency is a few of them.
                 passes = passes.wrapping_add(1);
                 self.busy_pass(xfers, p, false)?;
-                std::hint::spin_loop();
+                if self.yield_when_idle && p.remaining > 0 {
+                    // The peer may be waiting for this very core.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             self.check_departed(p)?;
