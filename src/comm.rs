@@ -377,7 +377,7 @@ impl Comm {
         let forced = opts.algo.as_deref().map(Algo::parse).transpose()?;
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
-        let settings = Settings::new(opts.timeout, forced, opts.transport);
+        let settings = Settings::new(opts.timeout, forced, opts.transport, opts.single_copy_min);
         let backend = SocketBackend::connect(
             rank,
             joined.roster.clone(),

@@ -425,6 +425,28 @@ fn every_allreduce_algorithm_forced() {
     }
 }
 
+// Single-copy transfers (process_vm_readv), off by default: forced on from
+// 4 KiB so that every collective's large payloads take that path.
+#[test]
+fn single_copy_world_of_2() {
+    single_copy_world(2);
+}
+
+#[test]
+fn single_copy_world_of_4() {
+    single_copy_world(4);
+}
+
+fn single_copy_world(n: usize) {
+    let mut o = common::opts(60_000);
+    o.set("single_copy_min", "4096").unwrap();
+    common::world(n, o, Duration::from_secs(240), move |comm| {
+        reductions(&comm, 70_000);
+        movement(&comm);
+        p2p(&comm);
+    });
+}
+
 // The cross-host path (TCP everywhere), as forced with RDIST_TRANSPORT=tcp.
 
 #[test]

@@ -53,7 +53,7 @@ pub fn reduce(
                 link.exchange(&mut [x])?;
             }
         } else {
-            let x = link.send_to_reduce_xfer(real(vr & !mask), acc);
+            let x = link.send_xfer(real(vr & !mask), acc);
             return link.exchange(&mut [x]);
         }
         mask <<= 1;

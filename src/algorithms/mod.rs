@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::op::{Desc, OpKind};
 use crate::reduce::ReduceOp;
-use crate::transport::{SendUse, Transport, Xfer};
+use crate::transport::{Transport, Xfer};
 use std::ops::Range;
 
 /// The algorithms rdist has (the wire value is the discriminant; ranks
@@ -153,16 +153,6 @@ impl<'t> Link<'t> {
 
     pub fn send_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {
         Xfer::send(peer, data, self.desc)
-    }
-
-    /// A send whose bytes `peer` reduces into its own.
-    pub fn send_to_reduce_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {
-        Xfer::send_for(peer, data, self.desc, SendUse::Reduced)
-    }
-
-    /// A send made in a step where every rank sends and receives a block.
-    pub fn exchange_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {
-        Xfer::send_for(peer, data, self.desc, SendUse::Exchanged)
     }
 
     pub fn recv_xfer<'a>(&self, peer: usize, buf: &'a mut [u8]) -> Xfer<'a> {

@@ -11,7 +11,7 @@ use crate::options::TransportKind;
 use crate::transport::mesh::{self, MeshSpec};
 use crate::transport::shm;
 use crate::transport::signal::AbortSignal;
-use crate::transport::stream::StreamTransport;
+use crate::transport::stream::{StreamTransport, Tuning};
 use crate::transport::{Transport, Xfer};
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener};
@@ -45,10 +45,18 @@ pub struct Settings {
     pub transport: TransportKind,
     /// Busy-wait before sleeping (RDIST_SPIN_US).
     pub spin: Duration,
+    /// Shared-memory payloads from this size travel single-copy (option
+    /// `single_copy_min`); usize::MAX: never.
+    pub single_copy_min: usize,
 }
 
 impl Settings {
-    pub fn new(timeout: Duration, forced: Option<Algo>, transport: TransportKind) -> Settings {
+    pub fn new(
+        timeout: Duration,
+        forced: Option<Algo>,
+        transport: TransportKind,
+        single_copy_min: Option<usize>,
+    ) -> Settings {
         let spin_us = std::env::var("RDIST_SPIN_US")
             .ok()
             .and_then(|v| v.trim().parse().ok())
@@ -58,6 +66,7 @@ impl Settings {
             forced,
             transport,
             spin: Duration::from_micros(spin_us),
+            single_copy_min: single_copy_min.unwrap_or(usize::MAX),
         }
     }
 }
@@ -137,9 +146,12 @@ impl SocketBackend {
                 attached.channels,
                 attached.doorbell,
                 signal,
-                timeout,
-                settings.spin,
-                oversubscribed,
+                Tuning {
+                    timeout,
+                    spin: settings.spin,
+                    yield_when_idle: oversubscribed,
+                    single_copy_min: settings.single_copy_min,
+                },
             ),
             rank,
             size,

@@ -39,25 +39,6 @@ pub struct Xfer<'a> {
     pub peer: usize,
     pub dir: Dir<'a>,
     pub desc: Desc,
-    /// What the receiver does with a send's bytes (picks how they travel).
-    pub use_: SendUse,
-}
-
-/// How a send's bytes are used at the other end. On shared memory, large
-/// plain payloads travel single-copy (the receiver reads the sender's
-/// memory); payloads the receiver reduces, or that both sides of a step
-/// exchange, go through the cache-resident rings up to a much larger size,
-/// because there the receiver consumes them while they are in cache, where
-/// a single copy pays page pinning and a trip through memory (measured
-/// here, 2 ranks: allreduce 4 MiB 2x and 16 MiB 1.8x faster that way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SendUse {
-    Plain,
-    /// The receiver combines them with its own (reduce-scatter steps).
-    Reduced,
-    /// Every rank sends and receives a block in the same step (ring
-    /// allgather, recursive doubling).
-    Exchanged,
 }
 
 impl<'a> Xfer<'a> {
@@ -66,15 +47,6 @@ impl<'a> Xfer<'a> {
             peer,
             dir: Dir::Send(data),
             desc,
-            use_: SendUse::Plain,
-        }
-    }
-
-    /// A send whose bytes the receiver uses as `use_` says.
-    pub fn send_for(peer: usize, data: &'a [u8], desc: Desc, use_: SendUse) -> Xfer<'a> {
-        Xfer {
-            use_,
-            ..Xfer::send(peer, data, desc)
         }
     }
 
@@ -89,7 +61,6 @@ impl<'a> Xfer<'a> {
             peer,
             dir: Dir::RecvReduce(buf, dtype, op),
             desc,
-            use_: SendUse::Plain,
         }
     }
 
@@ -98,7 +69,6 @@ impl<'a> Xfer<'a> {
             peer,
             dir: Dir::Recv(buf),
             desc,
-            use_: SendUse::Plain,
         }
     }
 }

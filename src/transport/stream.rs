@@ -13,7 +13,7 @@ use super::channel::Channel;
 use super::frame::{self, FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
-use super::{Dir, SendUse, Transport, Xfer};
+use super::{Dir, Transport, Xfer};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::op::{Desc, OpKind};
 use crate::reduce;
@@ -39,6 +39,9 @@ pub struct StreamTransport {
     doorbell: Option<Doorbell>,
     /// Yield the core between spins (when ranks outnumber cores).
     yield_when_idle: bool,
+    /// Payloads at least this large travel single-copy where the channel
+    /// allows (the receiver reads the sender's memory); usize::MAX: never.
+    single_copy_min: usize,
     /// Counts reads and writes that moved bytes (progress detection).
     moved: u64,
     /// Bookkeeping of the exchange in progress (reused).
@@ -61,6 +64,8 @@ enum Gone {
 struct Conn {
     chan: Box<dyn Channel>,
     inbox: VecDeque<(Header, Vec<u8>)>,
+    /// Buffers of delivered early payloads, for reuse.
+    spare: Vec<Vec<u8>>,
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
     unfinished_out: usize,
@@ -111,44 +116,6 @@ fn deliver(dir: &mut Dir<'_>, payload: &[u8]) {
     }
 }
 
-/// Payloads at least this large travel single-copy where the channel
-/// allows (RDIST_SINGLE_COPY_MIN overrides): below it, two copies through a
-/// cache-resident ring beat process_vm_readv's page pinning.
-fn single_copy_min() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("RDIST_SINGLE_COPY_MIN")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(256 << 10)
-    })
-}
-
-/// The same for payloads the receiver reduces
-/// (RDIST_SINGLE_COPY_REDUCE_MIN): the ring wins to a much larger size
-/// there, since the receiver combines straight out of it while it is in
-/// cache, where a single copy must stage every slice first.
-fn single_copy_reduce_min() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("RDIST_SINGLE_COPY_REDUCE_MIN")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(usize::MAX)
-    })
-}
-
-/// The same for blocks exchanged in a step (RDIST_SINGLE_COPY_EXCHANGE_MIN).
-fn single_copy_exchange_min() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("RDIST_SINGLE_COPY_EXCHANGE_MIN")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(16 << 20)
-    })
-}
-
 /// Per-exchange bookkeeping.
 #[derive(Default)]
 struct Progress {
@@ -168,18 +135,35 @@ struct Progress {
     desc: Option<Desc>,
 }
 
+/// How a transport waits and moves bytes.
+pub struct Tuning {
+    /// Bound on every wait.
+    pub timeout: Duration,
+    /// How long to busy-wait before sleeping (zero: sleep in poll() at once).
+    pub spin: Duration,
+    /// Yield the core between spins (when ranks outnumber cores).
+    pub yield_when_idle: bool,
+    /// Payloads from this size travel single-copy where the channel allows;
+    /// usize::MAX: never.
+    pub single_copy_min: usize,
+}
+
 impl StreamTransport {
     /// Takes over connected channels (index = peer rank; `None` for this
-    /// rank). `spin` is how long to busy-wait before sleeping.
+    /// rank).
     pub fn new(
         rank: usize,
         channels: Vec<Option<Box<dyn Channel>>>,
         doorbell: Option<Doorbell>,
         signal: Arc<AbortSignal>,
-        timeout: Duration,
-        spin: Duration,
-        yield_when_idle: bool,
+        tuning: Tuning,
     ) -> StreamTransport {
+        let Tuning {
+            timeout,
+            spin,
+            yield_when_idle,
+            single_copy_min,
+        } = tuning;
         let size = channels.len();
         let conns = channels
             .into_iter()
@@ -187,6 +171,7 @@ impl StreamTransport {
                 c.map(|chan| Conn {
                     chan,
                     inbox: VecDeque::new(),
+                    spare: Vec::new(),
                     incoming: Incoming::Header {
                         buf: [0; HEADER_BYTES],
                         got: 0,
@@ -209,6 +194,7 @@ impl StreamTransport {
             spin,
             doorbell,
             yield_when_idle,
+            single_copy_min,
             moved: 0,
             progress: Progress::default(),
             failed: None,
@@ -309,16 +295,7 @@ impl StreamTransport {
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
-                    // With more ranks than cores, a ring transfer needs both
-                    // sides scheduled at once; a single copy needs only the
-                    // reader, so it wins for every use.
-                    let min = match x.use_ {
-                        _ if self.yield_when_idle => single_copy_min(),
-                        SendUse::Plain => single_copy_min(),
-                        SendUse::Reduced => single_copy_reduce_min(),
-                        SendUse::Exchanged => single_copy_exchange_min(),
-                    };
-                    let single_copy = data.len() >= min
+                    let single_copy = data.len() >= self.single_copy_min
                         && self.conns[x.peer]
                             .as_ref()
                             .is_some_and(|c| c.chan.peer_pid().is_some());
@@ -360,6 +337,7 @@ impl StreamTransport {
             } else {
                 self.accept_header(peer, &header, i, xfers)?;
                 deliver(&mut xfers[i].dir, &payload);
+                self.conn(peer).recycle(payload);
             }
             p.recvs[peer].pop_front();
             p.remaining -= 1;
@@ -502,6 +480,12 @@ impl StreamTransport {
             if conn.gone.is_some() {
                 return Ok(());
             }
+            // Between frames, with this exchange complete, leave the next
+            // frames where they are: the next call reads them straight into
+            // its buffers, instead of into the inbox now and copied later.
+            if p.remaining == 0 && matches!(conn.incoming, Incoming::Header { got: 0, .. }) {
+                return Ok(());
+            }
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
                 Incoming::Payload { into, got, header } => {
@@ -602,7 +586,7 @@ impl StreamTransport {
                     self.accept_header(peer, &header, i, xfers)?;
                     Target::Posted(i)
                 }
-                None => Target::Early(vec![0; header.payload as usize]),
+                None => Target::Early(self.conn(peer).early_buffer(header.payload as usize)),
             },
             FrameKind::Bye => {
                 self.conn(peer).gone = Some(Gone::Bye);
@@ -1059,7 +1043,33 @@ impl Drop for StreamTransport {
     }
 }
 
+/// Early payloads kept for reuse per peer, and the largest kept: a rank
+/// that runs ahead sends many same-sized early frames, and a fresh
+/// allocation for each (zeroed, page-faulted, often handed back to the
+/// system) cost more than the copy itself (measured: 64 KiB broadcasts
+/// ran at a tenth of their speed).
+const SPARE_BUFFERS: usize = 32;
+const SPARE_MAX_BYTES: usize = 4 << 20;
+
 impl Conn {
+    /// A buffer of `len` bytes for an early payload.
+    fn early_buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.spare.pop().unwrap_or_default();
+        if v.len() < len {
+            v.resize(len, 0);
+        } else {
+            v.truncate(len);
+        }
+        v
+    }
+
+    /// Keeps a delivered early payload's buffer for the next one.
+    fn recycle(&mut self, v: Vec<u8>) {
+        if self.spare.len() < SPARE_BUFFERS && v.capacity() <= SPARE_MAX_BYTES {
+            self.spare.push(v);
+        }
+    }
+
     /// Best-effort, bounded write of a control frame. An interrupted data
     /// frame is first completed with zeros so the peer can parse what
     /// follows; if that can't be done in time the connection is shut down.
