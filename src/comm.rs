@@ -15,7 +15,7 @@ use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
 use crate::trace::Trace;
 use crate::transport::signal::AbortSignal;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -42,6 +42,9 @@ pub(crate) struct Shared {
     /// Whether `deferred` may hold calls (checked without the lock on
     /// every call; set under it).
     has_deferred: AtomicBool,
+    /// `queue.unfinished`, readable without the lock (written under it):
+    /// a blocking call runs inline only when nothing is queued.
+    queued: AtomicUsize,
 }
 
 struct Engine {
@@ -155,7 +158,7 @@ impl Shared {
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call) -> Result<()> {
         self.flush_deferred()?;
-        let busy = lock(&self.queue).unfinished > 0;
+        let busy = self.queued.load(Ordering::Acquire) > 0;
         if busy {
             return self.submit(vec![call])?.wait();
         }
@@ -253,6 +256,7 @@ impl Shared {
             }
             q.jobs.push_back(job);
             q.unfinished += 1;
+            self.queued.store(q.unfinished, Ordering::Release);
         }
         self.queue_changed.notify_all();
         self.ensure_worker()
@@ -299,7 +303,11 @@ impl Shared {
                 *lock(&done.result) = Some(result.clone());
                 done.ready.notify_all();
             }
-            lock(&self.queue).unfinished -= 1;
+            {
+                let mut q = lock(&self.queue);
+                q.unfinished -= 1;
+                self.queued.store(q.unfinished, Ordering::Release);
+            }
             self.queue_changed.notify_all();
         }
     }
@@ -436,6 +444,7 @@ impl Comm {
                 worker: Mutex::new(None),
                 deferred: Mutex::new(Vec::new()),
                 has_deferred: AtomicBool::new(false),
+                queued: AtomicUsize::new(0),
             }),
         }
     }

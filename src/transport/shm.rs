@@ -315,6 +315,11 @@ impl Ring {
         }
     }
 
+    /// Reader: bytes freed for the writer so far.
+    fn freed(&self) -> u64 {
+        self.at.get()
+    }
+
     /// Length of the next unread record, if it has been published.
     fn next_record(&self) -> Option<usize> {
         let w = self.word(self.at.get()).load(Ordering::Acquire);
@@ -487,10 +492,13 @@ impl Channel for ShmChannel {
         if buf.is_empty() {
             return Ok(0);
         }
+        let freed = self.from_peer.freed();
         let n = self.from_peer.read(buf);
         if n > 0 {
-            // Space freed: a peer waiting to write may go on.
-            self.peer_bell.ring();
+            if self.from_peer.freed() != freed {
+                // Space freed: a peer waiting to write may go on.
+                self.peer_bell.ring();
+            }
             return Ok(n);
         }
         // Empty: end of stream only once the peer is gone and everything
