@@ -140,6 +140,7 @@ impl Segment {
             at: Cell::new(0),
             number: Cell::new(1),
             taken: Cell::new(0),
+            payload_lines: std::cell::RefCell::new(Vec::new()),
         }
     }
 }
@@ -285,6 +286,9 @@ struct Ring {
     number: Cell<u32>,
     /// Reader: bytes of the current record already handed out.
     taken: Cell<usize>,
+    /// Writer: per 64-byte line of the ring, whether it was last written
+    /// with payload (1) rather than a record's word (0).
+    payload_lines: std::cell::RefCell<Vec<u8>>,
 }
 
 /// Records start on cache lines, so a small one shares its line with its word.
@@ -417,11 +421,48 @@ impl Ring {
         self.copy_in(body, &a[..from_a]);
         self.copy_in(body + from_a as u64, &b[..len - from_a]);
         let number = self.number.get();
+        let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
+        // Where the next record will start, the ring may still hold bytes of
+        // an older record's payload, which could read as that record's
+        // number (user data full of small integers does): overwrite them
+        // before publishing this record, so a reader that gets here early
+        // finds no record. A line that begins with an older record's word
+        // needs nothing (that number is from the previous lap, never the
+        // next one), so a stream of small records never pays for this; and
+        // when the ring is exactly full, the slot is the reader's unread
+        // record, which is such a word.
+        let mut lines = self.payload_lines.borrow_mut();
+        if lines.is_empty() {
+            lines.resize(RING_BYTES / RECORD_ALIGN as usize, 0);
+        }
+        let line = |pos: u64| ((pos % RING_BYTES as u64) / RECORD_ALIGN) as usize;
+        let next_line = line(next);
+        if lines[next_line] != 0 {
+            if next - self.tail_seen.get() >= RING_BYTES as u64 {
+                self.tail_seen.set(self.tail().load(Ordering::Acquire));
+            }
+            if next - self.tail_seen.get() < RING_BYTES as u64 {
+                let not_next = !number.wrapping_add(1);
+                self.word(next)
+                    .store(u64::from(not_next), Ordering::Relaxed);
+                lines[next_line] = 0;
+            }
+        }
+        // This record: a word on its first line, payload on the others.
+        let (first, end) = (line(at), line(at) + ((next - at) / RECORD_ALIGN) as usize);
+        lines[first] = 0;
+        if end <= lines.len() {
+            lines[first + 1..end].fill(1);
+        } else {
+            let wrap = end - lines.len();
+            lines[first + 1..].fill(1);
+            lines[..wrap].fill(1);
+        }
+        drop(lines);
         self.word(at)
             .store(u64::from(number) | (len as u64) << 32, Ordering::Release);
         self.number.set(number.wrapping_add(1));
-        self.at
-            .set(at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN));
+        self.at.set(next);
         len
     }
 }
@@ -714,5 +755,40 @@ mod tests {
         }
         assert_eq!(reader.read(&mut out), 0);
         assert_eq!(reader.readable(), 0);
+    }
+
+    #[test]
+    fn stale_payload_bytes_never_pass_for_a_record() {
+        let name = format!("/rdist-test-stale-{}", std::process::id());
+        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
+        Segment::unlink(&name);
+        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        // Lap 1: 16 records of 64 KiB fill the ring; every 8-byte word of
+        // their payload holds the number a lap-2 record starting there
+        // would carry (small records, one per cache line).
+        let per = MAX_RECORD - RECORD_WORD;
+        let laps_records = (RING_BYTES / MAX_RECORD) as u64;
+        let mut out = vec![0u8; MAX_RECORD];
+        for k in 0..laps_records {
+            let base = k * MAX_RECORD as u64 + RECORD_WORD as u64;
+            let payload: Vec<u8> = (0..per / 8)
+                .flat_map(|w| {
+                    let q = base + 8 * w as u64;
+                    (laps_records + 1 + q / RECORD_ALIGN).to_le_bytes()
+                })
+                .collect();
+            assert_eq!(writer.write2(&payload, &[]), per);
+            assert_eq!(reader.read(&mut out), per);
+            assert_eq!(&out[..per], &payload[..]);
+        }
+        // Lap 2: one small record; the slot after it held lap-1 payload
+        // equal to the next number, and must not read as a record.
+        assert_eq!(writer.write2(b"header-and-a-small-payload", &[]), 26);
+        assert_eq!(reader.read(&mut out), 26);
+        assert_eq!(reader.readable(), 0);
+        assert_eq!(reader.read(&mut out), 0);
+        assert_eq!(writer.write2(b"next", &[]), 4);
+        assert_eq!(reader.read(&mut out), 4);
+        assert_eq!(&out[..4], b"next");
     }
 }
