@@ -662,8 +662,15 @@ impl StreamTransport {
                 // The reporting rank tells everyone itself; don't echo it.
                 self.notified = true;
                 let (kind, text) = frame::decode_failure(&payload);
+                // Say what this rank itself was waiting for: in a chain of
+                // waits, the reporting rank names only its neighbour.
+                let waiting = self.waiting_for(p);
+                let waiting = match waiting.is_empty() {
+                    true => String::new(),
+                    false => format!(", waiting for {}", waiting.join(", ")),
+                };
                 let here = match p.desc {
-                    Some(d) => format!(" (rank {} was in {d})", self.rank),
+                    Some(d) => format!(" (rank {} was in {d}{waiting})", self.rank),
                     None => String::new(),
                 };
                 return Err(Error::new(kind, format!("{text}{here}")));
@@ -803,6 +810,21 @@ impl StreamTransport {
     }
 
     fn timeout_error(&self, p: &Progress) -> Error {
+        let waiting = self.waiting_for(p);
+        let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?",
+                self.rank,
+                self.timeout.as_secs_f64(),
+                waiting.join(", ")
+            ),
+        )
+    }
+
+    /// The peers this exchange still waits on, and for what.
+    fn waiting_for(&self, p: &Progress) -> Vec<String> {
         let mut waiting = Vec::new();
         for peer in 0..self.size {
             let r = p.recvs[peer].len();
@@ -816,16 +838,7 @@ impl StreamTransport {
                 waiting.push(format!("rank {peer} ({what})"));
             }
         }
-        let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
-        Error::new(
-            ErrorKind::Timeout,
-            format!(
-                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?",
-                self.rank,
-                self.timeout.as_secs_f64(),
-                waiting.join(", ")
-            ),
-        )
+        waiting
     }
 
     fn run(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
