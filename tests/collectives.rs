@@ -466,11 +466,18 @@ fn tcp_world_of_5() {
 
 #[test]
 fn large_broadcasts_pipeline_along_a_chain() {
-    for (n, algo) in [(3, "chain"), (4, "auto"), (5, "chain")] {
+    // (ranks, algo, transport, bytes): forced, and chosen by default (TCP,
+    // 16 MiB and up) with more than 16 chunks, not a multiple of one.
+    for (n, algo, transport, bytes) in [
+        (3, "chain", "auto", 5 << 20),
+        (4, "auto", "tcp", 16 << 20),
+        (5, "chain", "tcp", 5 << 20),
+    ] {
         let mut o = common::opts(60_000);
         o.set("algo", algo).unwrap();
+        o.set("transport", transport).unwrap();
         common::world(n, o, Duration::from_secs(120), move |comm| {
-            let len = (5 << 20) / 4 + 3; // more than 5 chunks, not a multiple of one
+            let len = bytes / 4 + 3;
             for root in [0, n - 1, 1] {
                 let want: Vec<f32> = (0..len).map(|i| ((i * 7 + root) % 1000) as f32).collect();
                 let mut buf = if comm.rank() == root {

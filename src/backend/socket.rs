@@ -196,7 +196,8 @@ impl SocketBackend {
     }
 
     fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
-        let algo = algorithms::choose(desc.kind, bytes, self.size, self.settings.forced);
+        let over_tcp = self.transport_name == "tcp";
+        let algo = algorithms::choose(desc.kind, bytes, self.size, self.settings.forced, over_tcp);
         desc.algo = algo as u8;
         (desc, algo)
     }
