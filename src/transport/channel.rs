@@ -24,6 +24,18 @@ pub trait Channel: Send {
     fn peer_pid(&self) -> Option<i32> {
         None
     }
+    /// Combines incoming bytes straight into `dst` (`combine(part of dst,
+    /// incoming)`), in whole multiples of `unit` bytes, where the channel
+    /// can lend them without a copy; returns how many bytes it combined
+    /// (0: none available that way, so read() them instead).
+    fn read_combine(
+        &mut self,
+        _dst: &mut [u8],
+        _unit: usize,
+        _combine: &mut dyn FnMut(&mut [u8], &[u8]),
+    ) -> usize {
+        0
+    }
 }
 
 /// Copies `dest.len()` bytes at `addr` in process `pid` into `dest`.

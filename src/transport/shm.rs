@@ -395,6 +395,47 @@ impl Ring {
         done
     }
 
+    /// Hands up to `dst.len()` bytes of the current record, in whole
+    /// `unit`s and without a copy, to `combine(dst part, ring bytes)`;
+    /// returns how many bytes it consumed (0 when none can go that way:
+    /// nothing published, or a unit straddles the record's end or the
+    /// ring's wrap).
+    fn combine(
+        &self,
+        dst: &mut [u8],
+        unit: usize,
+        combine: &mut dyn FnMut(&mut [u8], &[u8]),
+    ) -> usize {
+        let mut done = 0;
+        while done < dst.len() {
+            let Some(len) = self.next_record() else { break };
+            let at = self.at.get();
+            let taken = self.taken.get();
+            let from = ((at + (RECORD_WORD + taken) as u64) % RING_BYTES as u64) as usize;
+            let contiguous = (len - taken).min(RING_BYTES - from);
+            let n = contiguous.min(dst.len() - done);
+            let n = n - n % unit;
+            if n == 0 {
+                break;
+            }
+            // SAFETY: inside the data area, in a published record that the
+            // writer does not touch until `tail` passes it.
+            let src = unsafe { std::slice::from_raw_parts(self.data.add(from), n) };
+            combine(&mut dst[done..done + n], src);
+            done += n;
+            if taken + n < len {
+                self.taken.set(taken + n);
+                continue;
+            }
+            let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
+            self.at.set(next);
+            self.number.set(self.number.get().wrapping_add(1));
+            self.taken.set(0);
+            self.tail().store(next, Ordering::Release);
+        }
+        done
+    }
+
     /// Publishes as much of `a` then `b` as fits as one record; returns how
     /// many bytes.
     fn write2(&self, a: &[u8], b: &[u8]) -> usize {
@@ -559,6 +600,20 @@ impl Channel for ShmChannel {
                 Ok(n)
             }
         }
+    }
+
+    fn read_combine(
+        &mut self,
+        dst: &mut [u8],
+        unit: usize,
+        combine: &mut dyn FnMut(&mut [u8], &[u8]),
+    ) -> usize {
+        let freed = self.from_peer.freed();
+        let n = self.from_peer.combine(dst, unit, combine);
+        if self.from_peer.freed() != freed {
+            self.peer_bell.ring();
+        }
+        n
     }
 
     fn fd(&self) -> RawFd {

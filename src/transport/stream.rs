@@ -486,6 +486,31 @@ impl StreamTransport {
             if p.remaining == 0 && matches!(conn.incoming, Incoming::Header { got: 0, .. }) {
                 return Ok(());
             }
+            // Receive-and-reduce on a channel that can lend its bytes
+            // (shared memory): combine straight out of the ring, no staging.
+            if let Incoming::Payload {
+                into: Target::Posted(i),
+                got,
+                header,
+            } = &mut conn.incoming
+            {
+                if let (Dir::RecvReduce(buf, dtype, op), 0) = (&mut xfers[*i].dir, conn.staged) {
+                    let (dtype, op) = (*dtype, *op);
+                    let dst = &mut buf[*got..header.payload as usize];
+                    let n = conn.chan.read_combine(dst, dtype.size(), &mut |d, s| {
+                        reduce::reduce_into(d, s, dtype, op)
+                    });
+                    if n > 0 {
+                        self.moved = self.moved.wrapping_add(1);
+                        *got += n;
+                        if *got as u64 == header.payload {
+                            self.finish_frame(peer, xfers, p)?;
+                        }
+                        continue;
+                    }
+                }
+            }
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
                 Incoming::Payload { into, got, header } => {
