@@ -301,6 +301,11 @@ const MAX_RECORD: usize = 64 << 10;
 // SAFETY: see Segment; each Ring is used by one side only.
 unsafe impl Send for Ring {}
 
+/// Where the next record starts after one of `len` bytes at `at`.
+fn record_end(at: u64, len: usize) -> u64 {
+    at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN)
+}
+
 impl Ring {
     fn tail(&self) -> &AtomicU64 {
         // SAFETY: points at an 8-aligned word of the live mapping.
@@ -381,18 +386,24 @@ impl Ring {
             let n = (len - taken).min(buf.len() - done);
             self.copy_out(at + (RECORD_WORD + taken) as u64, &mut buf[done..done + n]);
             done += n;
-            if taken + n < len {
-                self.taken.set(taken + n);
-                break;
-            }
-            // Whole record consumed: free its space.
-            let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
-            self.at.set(next);
-            self.number.set(self.number.get().wrapping_add(1));
-            self.taken.set(0);
-            self.tail().store(next, Ordering::Release);
+            self.consumed(len, n);
         }
         done
+    }
+
+    /// Accounts for `n` more bytes handed out of the current record (of
+    /// `len` bytes), freeing its space once all of it is out.
+    fn consumed(&self, len: usize, n: usize) {
+        let taken = self.taken.get() + n;
+        if taken < len {
+            self.taken.set(taken);
+            return;
+        }
+        let next = record_end(self.at.get(), len);
+        self.at.set(next);
+        self.number.set(self.number.get().wrapping_add(1));
+        self.taken.set(0);
+        self.tail().store(next, Ordering::Release);
     }
 
     /// Hands up to `dst.len()` bytes of the current record, in whole
@@ -423,15 +434,7 @@ impl Ring {
             let src = unsafe { std::slice::from_raw_parts(self.data.add(from), n) };
             combine(&mut dst[done..done + n], src);
             done += n;
-            if taken + n < len {
-                self.taken.set(taken + n);
-                continue;
-            }
-            let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
-            self.at.set(next);
-            self.number.set(self.number.get().wrapping_add(1));
-            self.taken.set(0);
-            self.tail().store(next, Ordering::Release);
+            self.consumed(len, n);
         }
         done
     }
@@ -462,7 +465,7 @@ impl Ring {
         self.copy_in(body, &a[..from_a]);
         self.copy_in(body + from_a as u64, &b[..len - from_a]);
         let number = self.number.get();
-        let next = at + ((RECORD_WORD + len) as u64).next_multiple_of(RECORD_ALIGN);
+        let next = record_end(at, len);
         // Where the next record will start, the ring may still hold bytes of
         // an older record's payload, which could read as that record's
         // number (user data full of small integers does): overwrite them
