@@ -65,8 +65,7 @@ pub fn reduce(
                 link.exchange(&mut [x])?;
             }
         } else {
-            let x = link.send_xfer(real(vr & !mask), acc);
-            return link.exchange(&mut [x]);
+            return link.send(real(vr & !mask), acc);
         }
         mask <<= 1;
     }

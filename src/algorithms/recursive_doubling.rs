@@ -19,8 +19,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     // Fold: among the first 2*rem ranks, even ones hand their data to the
     // next odd one and wait for the result.
     if r < 2 * rem && r % 2 == 0 {
-        let x = link.send_xfer(r + 1, buf);
-        link.exchange(&mut [x])?;
+        link.send(r + 1, buf)?;
         return link.recv(r + 1, buf);
     }
     if r < 2 * rem {
@@ -32,9 +31,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     let mut mask = 1;
     while mask < p {
         let partner = real(virtual_rank ^ mask);
-        let send = link.send_xfer(partner, buf);
-        let recv = link.recv_xfer(partner, &mut scratch[..scratch_len]);
-        link.exchange(&mut [send, recv])?;
+        link.send_recv(partner, buf, partner, &mut scratch[..scratch_len])?;
         reduce::reduce_into(buf, &scratch[..scratch_len], dtype, op);
         mask <<= 1;
     }

@@ -38,9 +38,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
         let sb = block(count, n, (r + 1 + n - s) % n, es);
         let rb = block(count, n, (r + n - s) % n, es);
         let (out, into) = split_pair(buf, sb, rb);
-        let send = link.send_xfer(right, out);
-        let recv = link.recv_xfer(left, into);
-        link.exchange(&mut [send, recv])?;
+        link.send_recv(right, out, left, into)?;
     }
     Ok(())
 }
@@ -65,9 +63,7 @@ pub fn reduce_scatter(
         let mut partial = blk((r + n - 1) % n).to_vec();
         let mut incoming = vec![0u8; bb];
         for s in 0..n - 1 {
-            let send = link.send_xfer(right, &partial);
-            let recv = link.recv_xfer(left, &mut incoming);
-            link.exchange(&mut [send, recv])?;
+            link.send_recv(right, &partial, left, &mut incoming)?;
             let b = (r + 2 * n - s - 2) % n;
             if s + 2 < n {
                 reduce::reduce_to(&mut partial, &incoming, blk(b), dtype, op);
@@ -89,9 +85,7 @@ pub fn allgather(link: &mut Link<'_>, buf: &mut [u8], block_bytes: usize) -> Res
     let range = |i: usize| i * block_bytes..(i + 1) * block_bytes;
     for s in 0..n.saturating_sub(1) {
         let (out, into) = split_pair(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
-        let send = link.send_xfer(right, out);
-        let recv = link.recv_xfer(left, into);
-        link.exchange(&mut [send, recv])?;
+        link.send_recv(right, out, left, into)?;
     }
     Ok(())
 }

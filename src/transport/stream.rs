@@ -64,8 +64,6 @@ enum Gone {
 struct Conn {
     chan: Box<dyn Channel>,
     inbox: VecDeque<(Header, Vec<u8>)>,
-    /// Buffers of delivered early payloads, for reuse.
-    spare: Vec<Vec<u8>>,
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
     unfinished_out: usize,
@@ -171,7 +169,6 @@ impl StreamTransport {
                 c.map(|chan| Conn {
                     chan,
                     inbox: VecDeque::new(),
-                    spare: Vec::new(),
                     incoming: Incoming::Header {
                         buf: [0; HEADER_BYTES],
                         got: 0,
@@ -337,7 +334,6 @@ impl StreamTransport {
             } else {
                 self.accept_header(peer, &header, i, xfers)?;
                 deliver(&mut xfers[i].dir, &payload);
-                self.conn(peer).recycle(payload);
             }
             p.recvs[peer].pop_front();
             p.remaining -= 1;
@@ -611,7 +607,7 @@ impl StreamTransport {
                     self.accept_header(peer, &header, i, xfers)?;
                     Target::Posted(i)
                 }
-                None => Target::Early(self.conn(peer).early_buffer(header.payload as usize)),
+                None => Target::Early(vec![0; header.payload as usize]),
             },
             FrameKind::Bye => {
                 self.conn(peer).gone = Some(Gone::Bye);
@@ -1081,33 +1077,7 @@ impl Drop for StreamTransport {
     }
 }
 
-/// Early payloads kept for reuse per peer, and the largest kept: a rank
-/// that runs ahead sends many same-sized early frames, and a fresh
-/// allocation for each (zeroed, page-faulted, often handed back to the
-/// system) cost more than the copy itself (measured: 64 KiB broadcasts
-/// ran at a tenth of their speed).
-const SPARE_BUFFERS: usize = 32;
-const SPARE_MAX_BYTES: usize = 4 << 20;
-
 impl Conn {
-    /// A buffer of `len` bytes for an early payload.
-    fn early_buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut v = self.spare.pop().unwrap_or_default();
-        if v.len() < len {
-            v.resize(len, 0);
-        } else {
-            v.truncate(len);
-        }
-        v
-    }
-
-    /// Keeps a delivered early payload's buffer for the next one.
-    fn recycle(&mut self, v: Vec<u8>) {
-        if self.spare.len() < SPARE_BUFFERS && v.capacity() <= SPARE_MAX_BYTES {
-            self.spare.push(v);
-        }
-    }
-
     /// Best-effort, bounded write of a control frame. An interrupted data
     /// frame is first completed with zeros so the peer can parse what
     /// follows; if that can't be done in time the connection is shut down.
