@@ -317,6 +317,47 @@ impl Call {
         }
     }
 
+    /// The call's buffers, each with whether the call reads it (`true`) or
+    /// writes it (`false`).
+    pub fn buffers(&self) -> [(RawBuf, bool); 2] {
+        match *self {
+            Call::AllReduce { send, recv, .. }
+            | Call::Broadcast { send, recv, .. }
+            | Call::Reduce { send, recv, .. }
+            | Call::AllGather { send, recv, .. }
+            | Call::ReduceScatter { send, recv, .. }
+            | Call::Gather { send, recv, .. }
+            | Call::Scatter { send, recv, .. }
+            | Call::AllToAll { send, recv, .. } => [(send, true), (recv, false)],
+            Call::Barrier => [(RawBuf::EMPTY, true), (RawBuf::EMPTY, false)],
+            Call::Send { buf, .. } => [(buf, true), (RawBuf::EMPTY, false)],
+            Call::Recv { buf, .. } => [(RawBuf::EMPTY, true), (buf, false)],
+        }
+    }
+
+    /// The same call on other buffers: `f` maps each buffer (with whether
+    /// it is read) to its replacement.
+    pub fn with_buffers(&self, mut f: impl FnMut(RawBuf, bool) -> RawBuf) -> Call {
+        let mut c = *self;
+        match &mut c {
+            Call::AllReduce { send, recv, .. }
+            | Call::Broadcast { send, recv, .. }
+            | Call::Reduce { send, recv, .. }
+            | Call::AllGather { send, recv, .. }
+            | Call::ReduceScatter { send, recv, .. }
+            | Call::Gather { send, recv, .. }
+            | Call::Scatter { send, recv, .. }
+            | Call::AllToAll { send, recv, .. } => {
+                *send = f(*send, true);
+                *recv = f(*recv, false);
+            }
+            Call::Barrier => {}
+            Call::Send { buf, .. } => *buf = f(*buf, true),
+            Call::Recv { buf, .. } => *buf = f(*buf, false),
+        }
+        c
+    }
+
     /// The C function name, for messages.
     pub fn name(&self) -> &'static str {
         match self {

@@ -4,6 +4,9 @@
 //! keeps every call in issue order).
 
 use crate::algorithms::Algo;
+use crate::backend::cuda::{self, Cuda, Stream};
+use crate::backend::nccl::communicator::{NcclComm, Raw};
+use crate::backend::route::{self, Route};
 use crate::backend::socket::{Settings, SocketBackend};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
@@ -45,10 +48,17 @@ pub(crate) struct Shared {
     /// `queue.unfinished`, readable without the lock (written under it):
     /// a blocking call runs inline only when nothing is queued.
     queued: AtomicUsize,
+    /// NCCL's communicator, reachable without the engine's lock (which a
+    /// call stuck in NCCL holds) so that abort can end the call.
+    nccl_raw: Mutex<Option<Arc<Raw>>>,
 }
 
 struct Engine {
     backend: SocketBackend,
+    /// NCCL, for device buffers, when every rank could run it.
+    nccl: Option<NcclComm>,
+    /// The CUDA driver, when this process can have device buffers.
+    cuda: Option<&'static Cuda>,
     trace: Option<Trace>,
     /// The rendezvous store this rank hosts, if any (lives with the comm).
     _server: Option<TcpStoreServer>,
@@ -142,13 +152,17 @@ impl Shared {
     ///
     /// # Safety
     /// Buffers of `calls` valid until this returns.
-    pub(crate) unsafe fn run_batch(self: &Arc<Self>, calls: Vec<Call>) -> Result<()> {
+    pub(crate) unsafe fn run_batch(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Vec<Stream>,
+    ) -> Result<()> {
         self.flush_deferred()?;
         let busy = lock(&self.queue).unfinished > 0;
         if busy {
             return self.submit(calls)?.wait();
         }
-        self.run_now(&calls)
+        self.run_now(&calls, Some(&streams))
     }
 
     /// `run_batch` of one call, without allocating on the inline path
@@ -156,24 +170,78 @@ impl Shared {
     ///
     /// # Safety
     /// Buffers of `call` valid until this returns.
-    pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call) -> Result<()> {
+    pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
         self.flush_deferred()?;
         let busy = self.queued.load(Ordering::Acquire) > 0;
         if busy {
             return self.submit(vec![call])?.wait();
         }
-        self.run_now(std::slice::from_ref(&call))
+        self.run_now(std::slice::from_ref(&call), Some(&[stream]))
     }
 
-    unsafe fn run_now(&self, calls: &[Call]) -> Result<()> {
+    /// Runs calls where their buffers say (see `route`). `streams` are the
+    /// callers' streams, one per call; None for calls running on the
+    /// worker (non-blocking twins, which have no stream): their device
+    /// work runs on the default stream and is finished when they return.
+    unsafe fn run_now(&self, calls: &[Call], streams: Option<&[Stream]>) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        let Engine {
+            backend,
+            trace,
+            nccl,
+            cuda,
+            ..
+        } = &mut *engine;
+        if let Some(e) = nccl.as_ref().and_then(|n| n.failure()) {
+            backend.fail(e.clone());
+            return Err(e);
+        }
         if self.signal.is_aborted() {
             return Err(Error::new(
                 ErrorKind::Aborted,
                 format!("the communicator was aborted (rank {})", self.rank),
             ));
         }
-        let mut engine = lock(&self.engine);
-        let Engine { backend, trace, .. } = &mut *engine;
+        let Some(cuda) = cuda else {
+            return run_host(backend, trace, calls);
+        };
+        let background = streams.is_none();
+        let defaults;
+        let streams = match streams {
+            Some(s) => s,
+            None => {
+                defaults = vec![Stream::DEFAULT; calls.len()];
+                &defaults
+            }
+        };
+        if let (Some(n), [Call::Barrier]) = (nccl.as_mut(), calls) {
+            return n.barrier();
+        }
+        match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.ordinal)) {
+            Route::Host => run_host(backend, trace, calls),
+            Route::Device => match nccl.as_mut() {
+                Some(n) => n.run(calls, streams, background),
+                None => Err(Error::internal("device route without NCCL")),
+            },
+            Route::Staged(staging) => {
+                let deadline = Instant::now() + self.timeout;
+                staging.run(calls, deadline, |c| run_host(backend, trace, c))
+            }
+        }
+    }
+}
+
+/// Runs host-buffer calls on the socket backend (consecutive sends and
+/// receives as one exchange), recording them in the trace.
+///
+/// # Safety
+/// Buffers of `calls` valid until this returns.
+unsafe fn run_host(
+    backend: &mut SocketBackend,
+    trace: &mut Option<Trace>,
+    calls: &[Call],
+) -> Result<()> {
+    {
         let mut i = 0;
         while i < calls.len() {
             // Consecutive sends/receives run as one exchange.
@@ -198,9 +266,11 @@ impl Shared {
             result?;
             i = end;
         }
-        Ok(())
     }
+    Ok(())
+}
 
+impl Shared {
     fn submit(self: &Arc<Self>, calls: Vec<Call>) -> Result<Request> {
         self.flush_deferred()?;
         let done = Arc::new(Completion::default());
@@ -296,7 +366,7 @@ impl Shared {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: whoever submitted the job keeps its buffers valid
                 // until the request completes.
-                unsafe { self.run_now(&job.calls) }
+                unsafe { self.run_now(&job.calls, None) }
             }))
             .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
             for done in &job.done {
@@ -314,8 +384,16 @@ impl Shared {
 
     fn abort(&self) {
         self.signal.abort();
+        // NCCL's side first: an operation stuck on the GPU ends now.
+        if let Some(raw) = lock(&self.nccl_raw).as_ref() {
+            raw.abort();
+        }
         // The running call (if any) notices at once and lets go of the engine.
-        lock(&self.engine).backend.abort();
+        let mut engine = lock(&self.engine);
+        if let Some(n) = &engine.nccl {
+            n.abort();
+        }
+        engine.backend.abort();
     }
 
     fn stop_worker(&self) {
@@ -368,12 +446,6 @@ impl Comm {
     fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
         log::raise_level(opts.debug);
         let started = Instant::now();
-        // Every communicator runs on sockets for now; this says why (INFO)
-        // or refuses backend=nccl with the reason.
-        let why = crate::backend::nccl::select(opts.backend, log::enabled(LogLevel::Info))?;
-        if let Some(why) = why {
-            log::emit(LogLevel::Info, Some(rank), &why);
-        }
         if opts.auth_token.is_some() {
             // Refuse rather than run unauthenticated while the user asked
             // for authentication.
@@ -386,7 +458,7 @@ impl Comm {
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
         let settings = Settings::new(opts.timeout, forced, opts.transport, opts.single_copy_min);
-        let backend = SocketBackend::connect(
+        let mut backend = SocketBackend::connect(
             rank,
             joined.roster.clone(),
             &joined.listener,
@@ -405,8 +477,19 @@ impl Comm {
                 joined.roster.addrs[rank]
             ),
         );
+        let nccl = crate::backend::nccl::establish(
+            &mut backend,
+            opts.backend,
+            rank,
+            size,
+            joined.local_rank,
+            opts.device,
+            opts.timeout,
+        )?;
         let engine = Engine {
             backend,
+            nccl,
+            cuda: cuda::driver(),
             trace: opts
                 .trace_file
                 .as_deref()
@@ -431,7 +514,8 @@ impl Comm {
         signal: Arc<AbortSignal>,
         engine: Engine,
     ) -> Comm {
-        Comm {
+        let nccl_raw = engine.nccl.as_ref().map(|n| n.raw());
+        let comm = Comm {
             shared: Arc::new(Shared {
                 rank,
                 size,
@@ -445,8 +529,37 @@ impl Comm {
                 deferred: Mutex::new(Vec::new()),
                 has_deferred: AtomicBool::new(false),
                 queued: AtomicUsize::new(0),
+                nccl_raw: Mutex::new(nccl_raw),
             }),
-        }
+        };
+        comm.tell_peers_of_nccl_failures();
+        comm
+    }
+
+    /// Makes an NCCL failure found by the watchdog reach the peers at
+    /// once, through the sockets (a peer waiting on this rank there would
+    /// otherwise wait out its timeout).
+    fn tell_peers_of_nccl_failures(&self) {
+        let engine = lock(&self.shared.engine);
+        let Some(n) = &engine.nccl else {
+            return;
+        };
+        let weak = Arc::downgrade(&self.shared);
+        n.watchdog().on_failure(Box::new(move |e, stopping| {
+            // The engine may be held by a call that is about to notice the
+            // failure itself; it lets go within its own bounded wait.
+            while !stopping.load(Ordering::Acquire) {
+                let Some(shared) = weak.upgrade() else {
+                    return;
+                };
+                if let Ok(mut engine) = shared.engine.try_lock() {
+                    engine.backend.fail(e.clone());
+                    return;
+                }
+                drop(shared);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }));
     }
 
     pub fn rank(&self) -> usize {
@@ -462,7 +575,10 @@ impl Comm {
     }
 
     pub fn backend(&self) -> Backend {
-        Backend::Socket
+        match lock(&self.shared.engine).nccl {
+            Some(_) => Backend::Nccl,
+            None => Backend::Socket,
+        }
     }
 
     /// Runs a call now (or queues it in the current group).
@@ -471,11 +587,21 @@ impl Comm {
     /// The call's buffers must stay valid until it completes (for a call
     /// inside a group: until the group ends).
     pub unsafe fn run(&self, call: Call) -> Result<()> {
+        self.run_on(call, Stream::DEFAULT)
+    }
+
+    /// `run` with the caller's CUDA stream for device buffers (ignored for
+    /// host buffers): device work is enqueued on `stream` and this returns
+    /// once it is, as NCCL does.
+    ///
+    /// # Safety
+    /// As `run`; device buffers valid until the work on `stream` is done.
+    pub unsafe fn run_on(&self, call: Call, stream: Stream) -> Result<()> {
         if group::active() {
-            group::enqueue(self.shared.clone(), call);
+            group::enqueue(self.shared.clone(), call, stream);
             return Ok(());
         }
-        self.shared.run_one(call)
+        self.shared.run_one(call, stream)
     }
 
     /// Starts a call on the communicator's worker and returns at once.
@@ -522,13 +648,25 @@ impl Comm {
         }
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
         let mut engine = lock(&self.shared.engine);
-        let Some((rank, backend)) = engine.backend.split(color, key, signal.clone())? else {
+        let split = engine.backend.split(color, key, signal.clone())?;
+        let shape = split
+            .as_ref()
+            .map(|(rank, b)| (*rank, b.roster().addrs.len()));
+        // Every rank of an NCCL communicator splits NCCL's too (those
+        // without a color included, as ncclCommSplit requires).
+        let nccl = match &engine.nccl {
+            Some(n) => n.split(color, key, shape)?,
+            None => None,
+        };
+        let Some((rank, backend)) = split else {
             return Ok(None);
         };
         let size = backend.roster().addrs.len();
         let local_rank = backend.roster().local_rank(rank);
         let engine = Engine {
             backend,
+            nccl,
+            cuda: engine.cuda,
             trace: None,
             _server: None,
         };
@@ -576,6 +714,10 @@ impl Drop for Comm {
         let _ = self.shared.flush_deferred();
         self.shared.stop_worker();
         let mut engine = lock(&self.shared.engine);
+        // NCCL first: finalizing flushes work the peers take part in.
+        if let Some(n) = engine.nccl.as_mut() {
+            n.close();
+        }
         engine.backend.close();
         if let Some(t) = &engine.trace {
             t.write();

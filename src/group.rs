@@ -2,6 +2,7 @@
 //! are queued and run together at the outermost end, so that sends and
 //! receives between the same ranks can't deadlock each other.
 
+use crate::backend::cuda::Stream;
 use crate::call::Call;
 use crate::comm::Shared;
 use crate::error::{Error, Result};
@@ -11,7 +12,7 @@ use std::sync::Arc;
 #[derive(Default)]
 struct Group {
     depth: usize,
-    queued: Vec<(Arc<Shared>, Call)>,
+    queued: Vec<(Arc<Shared>, Call, Stream)>,
 }
 
 thread_local! {
@@ -27,8 +28,8 @@ pub fn active() -> bool {
 }
 
 /// Queues a call on `comm` for the current group.
-pub(crate) fn enqueue(comm: Arc<Shared>, call: Call) {
-    GROUP.with(|g| g.borrow_mut().queued.push((comm, call)));
+pub(crate) fn enqueue(comm: Arc<Shared>, call: Call, stream: Stream) {
+    GROUP.with(|g| g.borrow_mut().queued.push((comm, call, stream)));
 }
 
 /// Ends one level; the outermost end runs everything queued (each
@@ -53,27 +54,30 @@ pub unsafe fn end() -> Result<()> {
         })
     })?;
     // Split by communicator, keeping each one's order.
-    let mut per_comm: Vec<(Arc<Shared>, Vec<Call>)> = Vec::new();
-    for (comm, call) in queued {
-        match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &comm)) {
-            Some((_, calls)) => calls.push(call),
-            None => per_comm.push((comm, vec![call])),
+    let mut per_comm: Vec<(Arc<Shared>, Vec<Call>, Vec<Stream>)> = Vec::new();
+    for (comm, call, stream) in queued {
+        match per_comm.iter_mut().find(|(c, ..)| Arc::ptr_eq(c, &comm)) {
+            Some((_, calls, streams)) => {
+                calls.push(call);
+                streams.push(stream);
+            }
+            None => per_comm.push((comm, vec![call], vec![stream])),
         }
     }
     match per_comm.len() {
         0 => Ok(()),
         1 => {
-            let (comm, calls) = &per_comm[0];
-            comm.run_batch(calls.clone())
+            let (comm, calls, streams) = &per_comm[0];
+            comm.run_batch(calls.clone(), streams.clone())
         }
         _ => std::thread::scope(|s| {
             let handles: Vec<_> = per_comm
                 .iter()
-                .map(|(comm, calls)| {
-                    let calls = calls.clone();
+                .map(|(comm, calls, streams)| {
+                    let (calls, streams) = (calls.clone(), streams.clone());
                     // SAFETY: the caller keeps the buffers valid until end returns,
                     // and we join every thread before returning.
-                    s.spawn(move || unsafe { comm.run_batch(calls) })
+                    s.spawn(move || unsafe { comm.run_batch(calls, streams) })
                 })
                 .collect();
             let results: Vec<Result<()>> = handles

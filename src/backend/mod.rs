@@ -1,6 +1,9 @@
 //! Backends run calls: `socket` (the transport plus rdist's algorithms)
-//! today; `nccl` finds and checks NCCL (its collectives on device buffers
-//! come with the GPU work of its issue).
+//! for host buffers, `nccl` for device buffers when every rank can run it;
+//! `route` decides per call from where the buffers live, and `cuda` is the
+//! driver both use.
 
+pub mod cuda;
 pub mod nccl;
+pub(crate) mod route;
 pub mod socket;

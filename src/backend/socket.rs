@@ -189,6 +189,14 @@ impl SocketBackend {
         self.transport.close();
     }
 
+    /// Fails the communicator with `e` (another part of it failed, e.g.
+    /// NCCL) and tells every reachable peer.
+    pub fn fail(&mut self, e: Error) {
+        if self.transport.failure().is_none() {
+            self.transport.fail(e, true);
+        }
+    }
+
     fn next_desc(&mut self, kind: OpKind, data: Data) -> Desc {
         let d = Desc::new(kind, self.seq).data(data.count, data.dtype);
         self.seq += 1;

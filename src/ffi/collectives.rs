@@ -1,10 +1,13 @@
 //! Collectives and their non-blocking twins. Argument order and enum
 //! values are NCCL's. `stream` is for device buffers and ignored for host
-//! buffers; host calls return when the result is in recvbuf.
+//! buffers; host calls return when the result is in recvbuf, device calls
+//! once enqueued on `stream` (NCCL) or finished (staged through host
+//! memory on the socket backend).
 
 use super::comm::rank_of;
 use super::types::*;
 use super::{boundary, check_out, handle, write_out};
+use crate::backend::cuda::Stream;
 use crate::call::{Call, Data};
 use crate::comm::Comm;
 use crate::dtype::DType;
@@ -19,6 +22,7 @@ pub(crate) fn issue(
     func: &str,
     comm: *mut rdist_comm_t,
     req: Option<*mut *mut rdist_request_t>,
+    stream: *mut c_void,
     build: impl FnOnce(&Comm) -> Result<Call>,
 ) -> rdist_result_t {
     boundary(func, rank_of(comm), || {
@@ -30,7 +34,7 @@ pub(crate) fn issue(
         match req {
             // SAFETY: the C contract: buffers valid until the call returns
             // (or the group ends).
-            None => unsafe { c.run(call) },
+            None => unsafe { c.run_on(call, Stream::from_ptr(stream)) },
             Some(r) => {
                 // SAFETY: the C contract: buffers valid until the request completes.
                 let request = unsafe { c.submit(call) }?;
@@ -85,8 +89,7 @@ pub extern "C" fn rdist_allreduce(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_allreduce", comm, None, |c| {
+    issue("rdist_allreduce", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::AllReduce,
@@ -112,7 +115,7 @@ pub extern "C" fn rdist_iallreduce(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iallreduce", comm, Some(req), |c| {
+    issue("rdist_iallreduce", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::AllReduce,
@@ -138,8 +141,7 @@ pub extern "C" fn rdist_broadcast(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_broadcast", comm, None, |c| {
+    issue("rdist_broadcast", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::Broadcast,
@@ -165,7 +167,7 @@ pub extern "C" fn rdist_ibroadcast(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ibroadcast", comm, Some(req), |c| {
+    issue("rdist_ibroadcast", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::Broadcast,
@@ -191,8 +193,7 @@ pub extern "C" fn rdist_allgather(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_allgather", comm, None, |c| {
+    issue("rdist_allgather", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::AllGather,
@@ -217,7 +218,7 @@ pub extern "C" fn rdist_iallgather(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iallgather", comm, Some(req), |c| {
+    issue("rdist_iallgather", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::AllGather,
@@ -243,8 +244,7 @@ pub extern "C" fn rdist_reduce_scatter(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_reduce_scatter", comm, None, |c| {
+    issue("rdist_reduce_scatter", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::ReduceScatter,
@@ -270,7 +270,7 @@ pub extern "C" fn rdist_ireduce_scatter(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ireduce_scatter", comm, Some(req), |c| {
+    issue("rdist_ireduce_scatter", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::ReduceScatter,
@@ -296,8 +296,7 @@ pub extern "C" fn rdist_gather(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_gather", comm, None, |c| {
+    issue("rdist_gather", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::Gather,
@@ -323,7 +322,7 @@ pub extern "C" fn rdist_igather(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_igather", comm, Some(req), |c| {
+    issue("rdist_igather", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::Gather,
@@ -349,8 +348,7 @@ pub extern "C" fn rdist_scatter(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_scatter", comm, None, |c| {
+    issue("rdist_scatter", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::Scatter,
@@ -376,7 +374,7 @@ pub extern "C" fn rdist_iscatter(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iscatter", comm, Some(req), |c| {
+    issue("rdist_iscatter", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::Scatter,
@@ -401,8 +399,7 @@ pub extern "C" fn rdist_alltoall(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_alltoall", comm, None, |c| {
+    issue("rdist_alltoall", comm, None, stream, |c| {
         data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0)
     })
 }
@@ -418,7 +415,7 @@ pub extern "C" fn rdist_ialltoall(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ialltoall", comm, Some(req), |c| {
+    issue("rdist_ialltoall", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0)
     })
 }
@@ -436,8 +433,7 @@ pub extern "C" fn rdist_reduce(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_reduce", comm, None, |c| {
+    issue("rdist_reduce", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::Reduce,
@@ -463,7 +459,7 @@ pub extern "C" fn rdist_ireduce(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ireduce", comm, Some(req), |c| {
+    issue("rdist_ireduce", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::Reduce,
@@ -480,7 +476,7 @@ pub extern "C" fn rdist_ireduce(
 /// Returns when every rank of `comm` has entered the barrier.
 #[no_mangle]
 pub extern "C" fn rdist_barrier(comm: *mut rdist_comm_t) -> rdist_result_t {
-    issue("rdist_barrier", comm, None, |_| Ok(Call::Barrier))
+    issue("rdist_barrier", comm, None, std::ptr::null_mut(), |_| Ok(Call::Barrier))
 }
 
 /// Non-blocking barrier: the request completes when every rank entered it.
@@ -489,5 +485,5 @@ pub extern "C" fn rdist_ibarrier(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ibarrier", comm, Some(req), |_| Ok(Call::Barrier))
+    issue("rdist_ibarrier", comm, Some(req), std::ptr::null_mut(), |_| Ok(Call::Barrier))
 }

@@ -20,8 +20,7 @@ pub extern "C" fn rdist_send(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_send", comm, None, |c| {
+    issue("rdist_send", comm, None, stream, |c| {
         data_call(
             c,
             OpKind::Send,
@@ -45,8 +44,7 @@ pub extern "C" fn rdist_recv(
     comm: *mut rdist_comm_t,
     stream: *mut c_void,
 ) -> rdist_result_t {
-    let _ = stream; // host buffers: no stream
-    issue("rdist_recv", comm, None, |c| {
+    issue("rdist_recv", comm, None, stream, |c| {
         Call::recv(
             buf.cast(),
             Data {
@@ -73,7 +71,7 @@ pub extern "C" fn rdist_isend(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_isend", comm, Some(req), |c| {
+    issue("rdist_isend", comm, Some(req), std::ptr::null_mut(), |c| {
         data_call(
             c,
             OpKind::Send,
@@ -98,7 +96,7 @@ pub extern "C" fn rdist_irecv(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_irecv", comm, Some(req), |c| {
+    issue("rdist_irecv", comm, Some(req), std::ptr::null_mut(), |c| {
         Call::recv(
             buf.cast(),
             Data {

@@ -99,6 +99,7 @@ pub struct Api {
     >,
     pub ncclCommAbort: Option<unsafe extern "C" fn(ncclComm_t) -> RawResult>,
     pub ncclCommDestroy: Option<unsafe extern "C" fn(ncclComm_t) -> RawResult>,
+    pub ncclCommFinalize: Option<unsafe extern "C" fn(ncclComm_t) -> RawResult>,
     pub ncclCommGetAsyncError:
         Option<unsafe extern "C" fn(ncclComm_t, *mut RawResult) -> RawResult>,
     pub ncclCommSplit: Option<
@@ -190,11 +191,12 @@ pub struct Api {
 }
 
 /// The names of the optional entry points of [`Api`], in declaration order.
-pub const OPTIONAL_SYMBOLS: [&str; 15] = [
+pub const OPTIONAL_SYMBOLS: [&str; 16] = [
     "ncclGetLastError",
     "ncclCommInitRankConfig",
     "ncclCommAbort",
     "ncclCommDestroy",
+    "ncclCommFinalize",
     "ncclCommGetAsyncError",
     "ncclCommSplit",
     "ncclAllReduce",
@@ -229,6 +231,7 @@ impl NcclLibrary {
             a.ncclCommInitRankConfig.is_some(),
             a.ncclCommAbort.is_some(),
             a.ncclCommDestroy.is_some(),
+            a.ncclCommFinalize.is_some(),
             a.ncclCommGetAsyncError.is_some(),
             a.ncclCommSplit.is_some(),
             a.ncclAllReduce.is_some(),
@@ -491,6 +494,7 @@ fn resolve_api(lib: &libloading::Library) -> Result<Api, String> {
         ncclCommInitRankConfig: optional!(ncclCommInitRankConfig),
         ncclCommAbort: optional!(ncclCommAbort),
         ncclCommDestroy: optional!(ncclCommDestroy),
+        ncclCommFinalize: optional!(ncclCommFinalize),
         ncclCommGetAsyncError: optional!(ncclCommGetAsyncError),
         ncclCommSplit: optional!(ncclCommSplit),
         ncclAllReduce: optional!(ncclAllReduce),

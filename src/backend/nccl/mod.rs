@@ -1,52 +1,161 @@
-//! The NCCL backend, CPU side: finding and loading NCCL (`loader`),
-//! deciding whether it can run here (`probe`) and choosing a backend when
-//! a communicator is created (`select`). Collectives on device buffers
-//! come with the GPU work of the NCCL issue; until then every
-//! communicator runs on the socket backend.
+//! The NCCL backend: finding and loading NCCL (`loader`), deciding whether
+//! it can run here (`probe`, `readiness`), the communicator for device
+//! buffers (`communicator`) and its watchdog (`watchdog`). Host buffers
+//! always run on the socket backend, which every communicator also has.
 
+pub mod communicator;
 pub mod loader;
 pub mod probe;
+pub mod watchdog;
 
 pub use loader::{NcclLibrary, NcclVersion, Search};
 pub use probe::{availability, cuda_devices, NcclInfo};
 
+use crate::backend::socket::SocketBackend;
+use crate::call::{Call, Data, RawBuf};
+use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::options::Backend;
+use crate::log;
+use crate::options::{Backend, LogLevel};
+use communicator::NcclComm;
+use std::time::Duration;
 
-/// Chooses the backend for a new communicator. Returns the INFO line to
-/// log (if any), or `Unavailable` with the reason when `backend=nccl`
-/// cannot run. NCCL collectives are not built yet, so the choice is always
-/// the socket backend.
-///
-/// For `auto`, NCCL is probed only when `log_info` (the line is the only
-/// outcome today): the probe initialises the CUDA driver and loads NCCL,
-/// which a process that only wants host buffers should not pay for.
-pub(crate) fn select(requested: Backend, log_info: bool) -> Result<Option<String>> {
-    match requested {
-        Backend::Socket => Ok(None),
-        Backend::Auto if !log_info => Ok(None),
-        Backend::Auto => Ok(Some(match availability() {
-            Ok(info) => format!(
-                "NCCL {} found at {} ({} CUDA device{}), but this build of rdist runs collectives on sockets only (device buffers are not supported yet); using sockets",
-                info.version,
-                info.path.display(),
+/// What this rank can offer for an NCCL communicator: NCCL's library and
+/// the device to drive, or why not (for people).
+pub(crate) fn readiness(
+    requested: Backend,
+    local_rank: usize,
+    device: Option<i32>,
+) -> std::result::Result<(&'static NcclLibrary, i32), String> {
+    if requested == Backend::Socket {
+        return Err("backend=socket was requested".to_string());
+    }
+    let info = availability()?;
+    let lib = loader::load()?;
+    let missing: Vec<&str> = lib
+        .missing()
+        .into_iter()
+        .filter(|m| communicator::REQUIRED.contains(m))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "NCCL {} at {} lacks {} (rdist needs NCCL 2.14 or newer)",
+            lib.version,
+            lib.path.display(),
+            missing.join(", ")
+        ));
+    }
+    let ordinal = match device {
+        Some(d) => d,
+        None => local_rank as i32,
+    };
+    if ordinal as usize >= info.devices {
+        return Err(match device {
+            Some(d) => format!(
+                "device {d} does not exist (this node has {} CUDA device{})",
                 info.devices,
                 if info.devices == 1 { "" } else { "s" }
             ),
-            Err(why) => format!("NCCL unavailable: {why}; using sockets"),
-        })),
-        Backend::Nccl => Err(Error::new(
-            ErrorKind::Unavailable,
-            match availability() {
-                Ok(info) => format!(
-                    "backend 'nccl': NCCL {} found at {}, but this build of rdist does not implement the NCCL backend yet (use backend=auto or socket)",
-                    info.version,
-                    info.path.display()
-                ),
-                Err(why) => format!(
-                    "backend 'nccl' is unavailable: {why} (use backend=auto or socket to run on sockets)"
-                ),
-            },
-        )),
+            None => format!(
+                "local rank {local_rank} has no GPU of its own (this node has {} CUDA device{}; NCCL needs one per rank)",
+                info.devices,
+                if info.devices == 1 { "" } else { "s" }
+            ),
+        });
     }
+    Ok((lib, ordinal))
+}
+
+/// Decides, with every rank, whether the communicator gets NCCL, and
+/// creates it: each rank says whether it can run NCCL (an allgather over
+/// the sockets), rank 0 makes the unique id and broadcasts it, and every
+/// rank initialises NCCL on its device. `auto` falls back to sockets (one
+/// INFO line saying why) unless every rank can; `nccl` fails on every
+/// rank with Unavailable and the reason.
+pub(crate) fn establish(
+    socket: &mut SocketBackend,
+    requested: Backend,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    device: Option<i32>,
+    timeout: Duration,
+) -> Result<Option<NcclComm>> {
+    if requested == Backend::Socket {
+        return Ok(None);
+    }
+    let ready = readiness(requested, local_rank, device);
+    let mine = [ready.is_ok() as u8];
+    let mut all = vec![0u8; size];
+    let byte = Data {
+        count: 1,
+        dtype: DType::Uint8,
+    };
+    // SAFETY: local buffers, alive for the call.
+    unsafe {
+        socket.run(&Call::AllGather {
+            send: RawBuf::of(&mine),
+            recv: RawBuf::new(all.as_mut_ptr(), size),
+            data: byte,
+        })?;
+    }
+    let lacking: Vec<String> = (0..size)
+        .filter(|&r| all[r] == 0)
+        .map(|r| r.to_string())
+        .collect();
+    if !lacking.is_empty() {
+        let whose = match (&ready, lacking.len()) {
+            (Err(why), _) => why.clone(),
+            (Ok(_), 1) => format!("rank {} cannot run it (its log says why)", lacking[0]),
+            (Ok(_), _) => format!("ranks {} cannot run it (their logs say why)", lacking.join(", ")),
+        };
+        return match requested {
+            Backend::Nccl => Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("backend 'nccl' is unavailable: {whose} (use backend=auto or socket to run on sockets)"),
+            )),
+            _ => {
+                log::emit(
+                    LogLevel::Info,
+                    Some(rank),
+                    &format!("NCCL unavailable: {whose}; using sockets"),
+                );
+                Ok(None)
+            }
+        };
+    }
+    let (lib, ordinal) = ready.map_err(Error::internal)?;
+    let mut id = [0u8; 128];
+    if rank == 0 {
+        let made = lib
+            .unique_id()
+            .map_err(|e| Error::new(ErrorKind::Backend, e))?;
+        for (d, s) in id.iter_mut().zip(made.internal.iter()) {
+            *d = *s as u8;
+        }
+    }
+    // SAFETY: a local buffer, alive for the call.
+    unsafe {
+        socket.run(&Call::Broadcast {
+            send: RawBuf::new(id.as_ptr(), id.len()),
+            recv: RawBuf::new(id.as_mut_ptr(), id.len()),
+            data: Data {
+                count: id.len(),
+                dtype: DType::Uint8,
+            },
+            root: 0,
+        })?;
+    }
+    let comm = NcclComm::init(lib, &id, rank, size, ordinal, timeout)
+        .map_err(|e| e.context(format!("rank {rank}: creating the NCCL communicator on device {ordinal}")))?;
+    log::emit(
+        LogLevel::Info,
+        Some(rank),
+        &format!(
+            "NCCL {} from {} on device {ordinal}: device buffers run on NCCL, host buffers on sockets",
+            lib.version,
+            lib.path.display()
+        ),
+    );
+    Ok(Some(comm))
 }

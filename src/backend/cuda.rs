@@ -1,0 +1,288 @@
+//! The CUDA driver as rdist uses it: telling device buffers from host
+//! ones, copying between them on the caller's stream, events to wait on
+//! (always bounded) and contexts. The driver is loaded at run time by
+//! cudarc; nothing here is touched unless a CUDA device exists.
+//!
+//! cudarc panics when the driver lacks an entry point, so every driver
+//! call goes through [`check`], which turns a panic into a Backend error.
+
+use crate::error::{Error, ErrorKind, Result};
+use cudarc::driver::sys::{
+    self as cu, CUcontext, CUevent, CUpointer_attribute, CUresult, CUstream,
+};
+use std::ffi::{c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// A `cudaStream_t` / `CUstream` as the caller passed it (NULL: the legacy
+/// default stream).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stream(pub usize);
+
+impl Stream {
+    /// The legacy default stream.
+    pub const DEFAULT: Stream = Stream(0);
+
+    pub fn from_ptr(p: *mut c_void) -> Stream {
+        Stream(p as usize)
+    }
+
+    pub fn as_cu(self) -> CUstream {
+        self.0 as CUstream
+    }
+}
+
+/// Where a buffer lives, as the driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory (pageable, or pinned by CUDA): the CPU may touch it.
+    Host,
+    /// Device (or managed) memory of a device, owned by `context`.
+    Device { ordinal: i32, context: usize },
+}
+
+/// The driver, once it initialised with at least one device.
+#[derive(Debug)]
+pub struct Cuda {
+    pub devices: usize,
+}
+
+/// The driver when this process can have device buffers (a driver and at
+/// least one device); `None` otherwise. Probed once per process.
+pub fn driver() -> Option<&'static Cuda> {
+    static DRIVER: OnceLock<Option<Cuda>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            super::nccl::cuda_devices()
+                .ok()
+                .map(|devices| Cuda { devices })
+        })
+        .as_ref()
+}
+
+/// Runs one driver call; a failure becomes a Backend error naming `what`
+/// and the driver's text, a missing entry point too.
+pub fn check(what: &str, call: impl FnOnce() -> CUresult) -> Result<()> {
+    match catch_unwind(AssertUnwindSafe(call)) {
+        Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+        Ok(rc) => Err(Error::new(
+            ErrorKind::Backend,
+            format!("{what} failed: {}", describe(rc)),
+        )),
+        Err(_) => Err(Error::new(
+            ErrorKind::Backend,
+            format!("{what}: the CUDA driver could not be called (a missing entry point)"),
+        )),
+    }
+}
+
+/// The driver's name and text for a result ("CUDA_ERROR_X: text").
+pub fn describe(rc: CUresult) -> String {
+    let text = catch_unwind(|| {
+        let mut p: *const std::ffi::c_char = std::ptr::null();
+        // SAFETY: the driver writes a static string (or leaves NULL).
+        let ok = unsafe { cu::cuGetErrorString(rc, &mut p) } == CUresult::CUDA_SUCCESS;
+        // SAFETY: a non-NULL result is a NUL-terminated static string.
+        (ok && !p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    })
+    .ok()
+    .flatten();
+    match text {
+        Some(t) => format!("{rc:?}: {t}"),
+        None => format!("{rc:?}"),
+    }
+}
+
+impl Cuda {
+    /// Where `addr` points. Anything the driver does not know is host
+    /// memory (plain malloc'd buffers); managed memory counts as device
+    /// memory (NCCL takes it, and copies handle it).
+    pub fn memory(&self, addr: usize) -> Memory {
+        if addr == 0 {
+            return Memory::Host;
+        }
+        let mut attrs = [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        ];
+        let mut memory_type: u32 = 0;
+        let mut context: CUcontext = std::ptr::null_mut();
+        let mut ordinal: i32 = -1;
+        let mut managed: u32 = 0;
+        let mut data: [*mut c_void; 4] = [
+            (&mut memory_type as *mut u32).cast(),
+            (&mut context as *mut CUcontext).cast(),
+            (&mut ordinal as *mut i32).cast(),
+            (&mut managed as *mut u32).cast(),
+        ];
+        // SAFETY: four attributes, four outputs of the documented types.
+        // An address the driver does not know yields zeros and success.
+        let known = check("cuPointerGetAttributes", || unsafe {
+            cu::cuPointerGetAttributes(
+                attrs.len() as u32,
+                attrs.as_mut_ptr(),
+                data.as_mut_ptr(),
+                addr as cu::CUdeviceptr,
+            )
+        })
+        .is_ok();
+        let device = memory_type == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0;
+        match known && device {
+            true => Memory::Device {
+                ordinal,
+                context: context as usize,
+            },
+            false => Memory::Host,
+        }
+    }
+}
+
+/// Makes a context current on this thread until dropped (then restores
+/// whatever was current before).
+pub struct ContextGuard {
+    pushed: bool,
+}
+
+impl ContextGuard {
+    pub fn push(context: usize) -> Result<ContextGuard> {
+        if context == 0 {
+            return Ok(ContextGuard { pushed: false });
+        }
+        // SAFETY: a context handle the driver gave out.
+        check("cuCtxPushCurrent", || unsafe {
+            cu::cuCtxPushCurrent_v2(context as CUcontext)
+        })?;
+        Ok(ContextGuard { pushed: true })
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut old: CUcontext = std::ptr::null_mut();
+            // SAFETY: pops the context pushed above.
+            let _ = check("cuCtxPopCurrent", || unsafe {
+                cu::cuCtxPopCurrent_v2(&mut old)
+            });
+        }
+    }
+}
+
+/// The primary context of device `ordinal` (retained for the life of the
+/// process, as the CUDA runtime does).
+pub fn primary_context(ordinal: i32) -> Result<usize> {
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: out-pointers to locals.
+    check(&format!("cuDeviceGet({ordinal})"), || unsafe {
+        cu::cuDeviceGet(&mut dev, ordinal)
+    })?;
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    check("cuDevicePrimaryCtxRetain", || unsafe {
+        cu::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
+    Ok(ctx as usize)
+}
+
+/// An event marking a point on a stream; waiting on it is bounded.
+pub struct Event {
+    raw: CUevent,
+}
+
+// SAFETY: CUDA events may be used from any thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// An event recorded on `stream` now (a context must be current).
+    pub fn record(stream: Stream) -> Result<Event> {
+        let mut raw: CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check("cuEventCreate", || unsafe {
+            cu::cuEventCreate(
+                &mut raw,
+                cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        })?;
+        let event = Event { raw };
+        // SAFETY: a live event and the caller's stream.
+        check("cuEventRecord", || unsafe {
+            cu::cuEventRecord(event.raw, stream.as_cu())
+        })?;
+        Ok(event)
+    }
+
+    /// Whether the work before the event has finished.
+    pub fn done(&self) -> Result<bool> {
+        // SAFETY: a live event.
+        match catch_unwind(|| unsafe { cu::cuEventQuery(self.raw) }) {
+            Ok(CUresult::CUDA_SUCCESS) => Ok(true),
+            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+            Ok(rc) => Err(Error::new(
+                ErrorKind::Backend,
+                format!("cuEventQuery failed: {}", describe(rc)),
+            )),
+            Err(_) => Err(Error::new(
+                ErrorKind::Backend,
+                "cuEventQuery: the CUDA driver could not be called",
+            )),
+        }
+    }
+
+    /// Waits until the event completes or `deadline` passes (Timeout,
+    /// saying what was waited for). Polls, backing off to 1 ms.
+    pub fn wait(&self, deadline: Instant, what: &str) -> Result<()> {
+        let mut pause = Duration::from_micros(2);
+        loop {
+            if self.done()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{what} did not finish on the GPU before the timeout"),
+                ));
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is ours; destroying a pending event is allowed
+        // (it is freed once complete).
+        let _ = check("cuEventDestroy", || unsafe {
+            cu::cuEventDestroy_v2(self.raw)
+        });
+    }
+}
+
+/// Copies `len` bytes of device memory at `device` to `host`, on `stream`
+/// (the caller waits for an event before using the bytes).
+///
+/// # Safety
+/// `host` valid for `len` bytes of writes until the copy completes.
+pub unsafe fn copy_to_host(host: *mut u8, device: usize, len: usize, stream: Stream) -> Result<()> {
+    check("cuMemcpyDtoHAsync", || {
+        cu::cuMemcpyDtoHAsync_v2(host.cast(), device as cu::CUdeviceptr, len, stream.as_cu())
+    })
+}
+
+/// Copies `len` bytes from `host` to device memory at `device`, on `stream`.
+///
+/// # Safety
+/// `host` valid for `len` bytes of reads until the copy completes.
+pub unsafe fn copy_to_device(
+    device: usize,
+    host: *const u8,
+    len: usize,
+    stream: Stream,
+) -> Result<()> {
+    check("cuMemcpyHtoDAsync", || {
+        cu::cuMemcpyHtoDAsync_v2(device as cu::CUdeviceptr, host.cast(), len, stream.as_cu())
+    })
+}

@@ -1,0 +1,685 @@
+//! An NCCL communicator: created non-blocking (so no NCCL call can hang a
+//! thread past the timeout), driven for device buffers, watched by
+//! `watchdog`, aborted or finalized at the end.
+
+use super::loader::{NcclLibrary, RawResult, NCCL_SUCCESS};
+use super::watchdog::Watchdog;
+use crate::backend::cuda::{self, ContextGuard, Event, Stream};
+use crate::call::{Call, Data, RawBuf};
+use crate::dtype::DType;
+use crate::error::{Error, ErrorKind, Result};
+use crate::reduce::ReduceOp;
+use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `ncclInProgress`: a non-blocking call has not finished yet.
+const NCCL_IN_PROGRESS: RawResult = 7;
+/// `NCCL_SPLIT_NOCOLOR`.
+const NCCL_SPLIT_NOCOLOR: i32 = -1;
+
+/// The entry points the backend cannot run without (the others are
+/// optional: split, finalize, last error).
+pub const REQUIRED: [&str; 13] = [
+    "ncclCommInitRankConfig",
+    "ncclCommAbort",
+    "ncclCommDestroy",
+    "ncclCommGetAsyncError",
+    "ncclAllReduce",
+    "ncclBroadcast",
+    "ncclReduce",
+    "ncclAllGather",
+    "ncclReduceScatter",
+    "ncclSend",
+    "ncclRecv",
+    "ncclGroupStart",
+    "ncclGroupEnd",
+];
+
+/// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL copies `size` bytes of
+/// it and defaults the rest, so this prefix works with every NCCL since.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: i32,
+    cga_cluster_size: i32,
+    min_ctas: i32,
+    max_ctas: i32,
+    net_name: *const std::ffi::c_char,
+    split_share: i32,
+}
+
+impl Config {
+    /// NCCL_CONFIG_INITIALIZER with `blocking = 0`.
+    fn non_blocking() -> Config {
+        const UNDEF: i32 = i32::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 21_700,
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
+
+/// The raw communicator, shared with the watchdog.
+pub(crate) struct Raw {
+    pub lib: &'static NcclLibrary,
+    comm: usize,
+}
+
+impl Raw {
+    pub fn comm(&self) -> ncclComm_t {
+        self.comm as ncclComm_t
+    }
+
+    /// `ncclCommGetAsyncError`: Ok(true) when idle, Ok(false) while a
+    /// non-blocking call is still in progress, or the error.
+    pub fn async_state(&self) -> Result<bool> {
+        let f = self.lib.api.ncclCommGetAsyncError.expect("required");
+        let mut state: RawResult = NCCL_SUCCESS;
+        // SAFETY: a live communicator and an out-pointer to a local.
+        let rc = unsafe { f(self.comm(), &mut state) };
+        if rc != NCCL_SUCCESS {
+            return Err(self.error("ncclCommGetAsyncError", rc));
+        }
+        match state {
+            NCCL_SUCCESS => Ok(true),
+            NCCL_IN_PROGRESS => Ok(false),
+            e => Err(self.error("an NCCL operation", e)),
+        }
+    }
+
+    /// An error for NCCL's result `rc` from `what`, with NCCL's last error
+    /// text; its kind follows the result (a remote error is a lost peer).
+    pub fn error(&self, what: &str, rc: RawResult) -> Error {
+        let kind = match rc {
+            4 => ErrorKind::InvalidArgument,
+            5 => ErrorKind::InvalidUsage,
+            6 => ErrorKind::PeerLost,
+            _ => ErrorKind::Backend,
+        };
+        let last = match self.lib.api.ncclGetLastError {
+            // SAFETY: a live communicator; NCCL returns a string it owns.
+            Some(f) => unsafe { text(f(self.comm())) },
+            None => String::new(),
+        };
+        let mut msg = format!("{what} failed: {}", self.lib.error_string(rc));
+        if !last.is_empty() {
+            msg.push_str(&format!(" ({last})"));
+        }
+        Error::new(kind, msg)
+    }
+
+    /// Waits out `ncclInProgress` (bounded by `deadline`).
+    pub fn settle(&self, what: &str, rc: RawResult, deadline: Instant) -> Result<()> {
+        match rc {
+            NCCL_SUCCESS => return Ok(()),
+            NCCL_IN_PROGRESS => {}
+            e => return Err(self.error(what, e)),
+        }
+        let mut pause = Duration::from_micros(1);
+        loop {
+            if self.async_state()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{what} was still in progress in NCCL at the timeout"),
+                ));
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// `ncclCommAbort`: ends every operation in flight (safe from any
+    /// thread).
+    pub fn abort(&self) {
+        if let Some(f) = self.lib.api.ncclCommAbort {
+            // SAFETY: a live communicator; aborting is allowed while other
+            // threads are inside NCCL calls on it.
+            unsafe { f(self.comm()) };
+        }
+    }
+}
+
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+unsafe fn text(p: *const std::ffi::c_char) -> String {
+    match p.is_null() {
+        true => String::new(),
+        false => std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned(),
+    }
+}
+
+/// An NCCL communicator for one device.
+pub(crate) struct NcclComm {
+    raw: Arc<Raw>,
+    pub ordinal: i32,
+    context: usize,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    watchdog: Watchdog,
+    /// A one-element device buffer and a stream for barriers (made at the
+    /// first barrier).
+    barrier: Option<(usize, Stream)>,
+    finished: bool,
+}
+
+fn dtype(d: DType) -> ncclDataType_t {
+    use ncclDataType_t as T;
+    match d {
+        DType::Int8 => T::ncclInt8,
+        DType::Uint8 => T::ncclUint8,
+        DType::Int32 => T::ncclInt32,
+        DType::Uint32 => T::ncclUint32,
+        DType::Int64 => T::ncclInt64,
+        DType::Uint64 => T::ncclUint64,
+        DType::Float16 => T::ncclFloat16,
+        DType::Float32 => T::ncclFloat32,
+        DType::Float64 => T::ncclFloat64,
+        DType::Bfloat16 => T::ncclBfloat16,
+    }
+}
+
+fn op(o: ReduceOp) -> ncclRedOp_t {
+    match o {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Prod => ncclRedOp_t::ncclProd,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+    }
+}
+
+fn ptr(b: RawBuf) -> *mut c_void {
+    b.addr() as *mut c_void
+}
+
+impl NcclComm {
+    /// `ncclCommInitRankConfig` (non-blocking) on device `ordinal`, waited
+    /// for until `timeout`.
+    pub fn init(
+        lib: &'static NcclLibrary,
+        id: &[u8; 128],
+        rank: usize,
+        size: usize,
+        ordinal: i32,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
+        let deadline = Instant::now() + timeout;
+        let context = cuda::primary_context(ordinal)?;
+        let _ctx = ContextGuard::push(context)?;
+        let mut unique = ncclUniqueId { internal: [0; 128] };
+        for (d, s) in unique.internal.iter_mut().zip(id) {
+            *d = *s as _;
+        }
+        let init = lib.api.ncclCommInitRankConfig.expect("required");
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let mut config = Config::non_blocking();
+        // SAFETY: out-pointer to a local; the config outlives the call
+        // (NCCL copies it).
+        let rc = unsafe {
+            init(
+                &mut comm,
+                size as i32,
+                unique,
+                rank as i32,
+                (&mut config as *mut Config).cast::<ncclConfig_t>(),
+            )
+        };
+        if comm.is_null() {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                format!(
+                    "ncclCommInitRankConfig failed: {}",
+                    lib.describe_failure("ncclCommInitRankConfig", rc)
+                ),
+            ));
+        }
+        let raw = Arc::new(Raw {
+            lib,
+            comm: comm as usize,
+        });
+        if let Err(e) = raw.settle("ncclCommInitRankConfig", rc, deadline) {
+            raw.abort();
+            return Err(e);
+        }
+        let watchdog = Watchdog::start(raw.clone(), context, timeout, rank)?;
+        Ok(NcclComm {
+            raw,
+            ordinal,
+            context,
+            rank,
+            size,
+            timeout,
+            watchdog,
+            barrier: None,
+            finished: false,
+        })
+    }
+
+    /// The watchdog's failure, if NCCL failed or stalled.
+    pub fn failure(&self) -> Option<Error> {
+        self.watchdog.failure()
+    }
+
+    /// The watchdog, to hear about failures.
+    pub fn watchdog(&self) -> &Watchdog {
+        &self.watchdog
+    }
+
+    /// Enqueues `calls` on their streams (one NCCL group when more than one
+    /// call, or when a call is itself several sends and receives). With
+    /// `wait`, returns once they finished on the GPU (bounded); otherwise
+    /// once enqueued, as NCCL does.
+    ///
+    /// # Safety
+    /// Device buffers valid until the work completes on the streams.
+    pub unsafe fn run(&mut self, calls: &[Call], streams: &[Stream], wait: bool) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let deadline = Instant::now() + self.timeout;
+        let _ctx = ContextGuard::push(self.context)?;
+        let grouped = calls.len() > 1
+            || calls.iter().any(|c| {
+                matches!(
+                    c,
+                    Call::Gather { .. } | Call::Scatter { .. } | Call::AllToAll { .. }
+                ) || c.is_p2p()
+            });
+        let api = &self.raw.lib.api;
+        if grouped {
+            self.raw.settle(
+                "ncclGroupStart",
+                (api.ncclGroupStart.expect("required"))(),
+                deadline,
+            )?;
+        }
+        let mut first_error = None;
+        for (call, &stream) in calls.iter().zip(streams) {
+            if let Err(e) = self.enqueue(call, stream, deadline) {
+                first_error = Some(e);
+                break;
+            }
+        }
+        if grouped {
+            let rc = (api.ncclGroupEnd.expect("required"))();
+            let ended = self.raw.settle("ncclGroupEnd", rc, deadline);
+            if first_error.is_none() {
+                first_error = ended.err();
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        let mut seen: Vec<Stream> = Vec::new();
+        for (call, &stream) in calls.iter().zip(streams) {
+            if seen.contains(&stream) {
+                continue;
+            }
+            seen.push(stream);
+            let event = Event::record(stream)?;
+            if wait {
+                event.wait(deadline, &format!("NCCL {}", call.name()))?;
+            } else {
+                self.watchdog.watch(event, describe(call));
+            }
+        }
+        Ok(())
+    }
+
+    /// One call's NCCL operations (inside a group when several).
+    unsafe fn enqueue(&self, call: &Call, stream: Stream, deadline: Instant) -> Result<()> {
+        let api = &self.raw.lib.api;
+        let comm = self.raw.comm();
+        let s = stream.as_cu().cast();
+        let run = |what: &str, rc: RawResult| self.raw.settle(what, rc, deadline);
+        match *call {
+            Call::AllReduce {
+                send,
+                recv,
+                data,
+                op: o,
+            } => run(
+                "ncclAllReduce",
+                (api.ncclAllReduce.expect("required"))(
+                    ptr(send),
+                    ptr(recv),
+                    data.count,
+                    dtype(data.dtype),
+                    op(o),
+                    comm,
+                    s,
+                ),
+            ),
+            Call::Broadcast {
+                send,
+                recv,
+                data,
+                root,
+            } => run(
+                "ncclBroadcast",
+                (api.ncclBroadcast.expect("required"))(
+                    ptr(send),
+                    ptr(recv),
+                    data.count,
+                    dtype(data.dtype),
+                    root as i32,
+                    comm,
+                    s,
+                ),
+            ),
+            Call::Reduce {
+                send,
+                recv,
+                data,
+                op: o,
+                root,
+            } => run(
+                "ncclReduce",
+                (api.ncclReduce.expect("required"))(
+                    ptr(send),
+                    ptr(recv),
+                    data.count,
+                    dtype(data.dtype),
+                    op(o),
+                    root as i32,
+                    comm,
+                    s,
+                ),
+            ),
+            Call::AllGather { send, recv, data } => run(
+                "ncclAllGather",
+                (api.ncclAllGather.expect("required"))(
+                    ptr(send),
+                    ptr(recv),
+                    data.count,
+                    dtype(data.dtype),
+                    comm,
+                    s,
+                ),
+            ),
+            Call::ReduceScatter {
+                send,
+                recv,
+                data,
+                op: o,
+            } => run(
+                "ncclReduceScatter",
+                (api.ncclReduceScatter.expect("required"))(
+                    ptr(send),
+                    ptr(recv),
+                    data.count,
+                    dtype(data.dtype),
+                    op(o),
+                    comm,
+                    s,
+                ),
+            ),
+            Call::Gather {
+                send,
+                recv,
+                data,
+                root,
+            } => {
+                if self.rank == root {
+                    for r in 0..self.size {
+                        self.recv(block(recv, r, data), data, r, stream, deadline)?;
+                    }
+                }
+                self.send(send, data, root, stream, deadline)
+            }
+            Call::Scatter {
+                send,
+                recv,
+                data,
+                root,
+            } => {
+                if self.rank == root {
+                    for r in 0..self.size {
+                        self.send(block(send, r, data), data, r, stream, deadline)?;
+                    }
+                }
+                self.recv(recv, data, root, stream, deadline)
+            }
+            Call::AllToAll { send, recv, data } => {
+                for r in 0..self.size {
+                    self.send(block(send, r, data), data, r, stream, deadline)?;
+                    self.recv(block(recv, r, data), data, r, stream, deadline)?;
+                }
+                Ok(())
+            }
+            Call::Send { buf, data, peer } => self.send(buf, data, peer, stream, deadline),
+            Call::Recv { buf, data, peer } => self.recv(buf, data, peer, stream, deadline),
+            Call::Barrier => Err(Error::internal("barrier reached NCCL's enqueue")),
+        }
+    }
+
+    unsafe fn send(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+        stream: Stream,
+        deadline: Instant,
+    ) -> Result<()> {
+        let f = self.raw.lib.api.ncclSend.expect("required");
+        let rc = f(
+            ptr(buf),
+            data.count,
+            dtype(data.dtype),
+            peer as i32,
+            self.raw.comm(),
+            stream.as_cu().cast(),
+        );
+        self.raw.settle("ncclSend", rc, deadline)
+    }
+
+    unsafe fn recv(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+        stream: Stream,
+        deadline: Instant,
+    ) -> Result<()> {
+        let f = self.raw.lib.api.ncclRecv.expect("required");
+        let rc = f(
+            ptr(buf),
+            data.count,
+            dtype(data.dtype),
+            peer as i32,
+            self.raw.comm(),
+            stream.as_cu().cast(),
+        );
+        self.raw.settle("ncclRecv", rc, deadline)
+    }
+
+    /// A barrier as NCCL users make one: a one-element allreduce on the
+    /// device, waited for on the host (bounded).
+    pub fn barrier(&mut self) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let (scratch, stream) = match self.barrier {
+            Some(b) => b,
+            None => {
+                let _ctx = ContextGuard::push(self.context)?;
+                let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+                // SAFETY: out-pointer to a local.
+                cuda::check("cuMemAlloc (barrier scratch)", || unsafe {
+                    cudarc::driver::sys::cuMemAlloc_v2(&mut dev, 4)
+                })?;
+                let mut s: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+                // SAFETY: out-pointer to a local. Non-blocking: the
+                // barrier never waits on the legacy default stream.
+                cuda::check("cuStreamCreate (barrier)", || unsafe {
+                    cudarc::driver::sys::cuStreamCreate(&mut s, 1)
+                })?;
+                self.barrier = Some((dev as usize, Stream(s as usize)));
+                (dev as usize, Stream(s as usize))
+            }
+        };
+        let one = RawBuf::new(scratch as *const u8, 4);
+        let call = Call::AllReduce {
+            send: one,
+            recv: one,
+            data: Data {
+                count: 1,
+                dtype: DType::Float32,
+            },
+            op: ReduceOp::Sum,
+        };
+        // SAFETY: the scratch buffer lives as long as the communicator.
+        unsafe { self.run(&[call], &[stream], true) }
+    }
+
+    /// `ncclCommSplit`, collective over this communicator (every rank
+    /// calls it; a negative color opts out). `shape` is this rank's
+    /// (rank, size) in the new group, as the socket side's split computed
+    /// it with the same (color, key) order NCCL uses.
+    pub fn split(
+        &self,
+        color: i32,
+        key: i32,
+        shape: Option<(usize, usize)>,
+    ) -> Result<Option<NcclComm>> {
+        let lib = self.raw.lib;
+        let Some(split) = lib.api.ncclCommSplit else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "NCCL {} has no ncclCommSplit (it came in NCCL 2.18)",
+                    lib.version
+                ),
+            ));
+        };
+        let deadline = Instant::now() + self.timeout;
+        let _ctx = ContextGuard::push(self.context)?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let mut config = Config::non_blocking();
+        let color = if color < 0 { NCCL_SPLIT_NOCOLOR } else { color };
+        // SAFETY: a live communicator, an out-pointer and a config NCCL
+        // copies.
+        let rc = unsafe {
+            split(
+                self.raw.comm(),
+                color,
+                key,
+                &mut comm,
+                (&mut config as *mut Config).cast::<ncclConfig_t>(),
+            )
+        };
+        if comm.is_null() {
+            // No color, or it failed before making a communicator.
+            self.raw.settle("ncclCommSplit", rc, deadline)?;
+            return Ok(None);
+        }
+        let raw = Arc::new(Raw {
+            lib,
+            comm: comm as usize,
+        });
+        if let Err(e) = raw.settle("ncclCommSplit", rc, deadline) {
+            raw.abort();
+            return Err(e);
+        }
+        let Some((rank, size)) = shape else {
+            raw.abort();
+            return Err(Error::internal(
+                "NCCL made a communicator for a rank that opted out of the split",
+            ));
+        };
+        let watchdog = Watchdog::start(raw.clone(), self.context, self.timeout, rank)?;
+        Ok(Some(NcclComm {
+            raw,
+            ordinal: self.ordinal,
+            context: self.context,
+            rank,
+            size,
+            timeout: self.timeout,
+            watchdog,
+            barrier: None,
+            finished: false,
+        }))
+    }
+
+    /// Aborts NCCL's side (from any thread; see `Raw::abort`).
+    pub fn abort(&self) {
+        self.watchdog.abort();
+    }
+
+    /// A handle on the raw communicator for aborting from another thread.
+    pub fn raw(&self) -> Arc<Raw> {
+        self.raw.clone()
+    }
+
+    /// Finalizes (flushing enqueued work, bounded) and destroys; aborts
+    /// instead when NCCL failed, stalled or the finalize times out.
+    pub fn close(&mut self) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        let failed = self.watchdog.stop();
+        let _ctx = ContextGuard::push(self.context);
+        if let Some((scratch, stream)) = self.barrier.take() {
+            // SAFETY: ours, made in `barrier`.
+            unsafe {
+                cudarc::driver::sys::cuMemFree_v2(scratch as _);
+                cudarc::driver::sys::cuStreamDestroy_v2(stream.as_cu());
+            }
+        }
+        let api = &self.raw.lib.api;
+        let clean = !failed
+            && match api.ncclCommFinalize {
+                // SAFETY: a live communicator.
+                Some(f) => self
+                    .raw
+                    .settle(
+                        "ncclCommFinalize",
+                        unsafe { f(self.raw.comm()) },
+                        Instant::now() + self.timeout,
+                    )
+                    .is_ok(),
+                None => true,
+            };
+        match clean {
+            // SAFETY: a finalized (or blocking-idle) communicator.
+            true => unsafe {
+                (api.ncclCommDestroy.expect("required"))(self.raw.comm());
+            },
+            false => self.raw.abort(),
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn block(b: RawBuf, i: usize, data: Data) -> RawBuf {
+    let len = data.dtype.size() * data.count;
+    RawBuf::new((b.addr() + i * len) as *const u8, len)
+}
+
+/// What the watchdog names when an operation stalls.
+fn describe(call: &Call) -> String {
+    let [(a, _), (b, _)] = call.buffers();
+    format!("NCCL {} ({} bytes)", call.name(), a.len().max(b.len()))
+}

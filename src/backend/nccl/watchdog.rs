@@ -1,0 +1,186 @@
+//! Watches an NCCL communicator from a thread of its own, so that nothing
+//! hangs silently: NCCL's asynchronous errors, and operations that do not
+//! finish on the GPU within the timeout (a peer died, or never called),
+//! abort the communicator (`ncclCommAbort`) and become the error of the
+//! next call, on this rank and, through `on_failure`, on its peers.
+
+use super::communicator::Raw;
+use crate::backend::cuda::{ContextGuard, Event};
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often the watchdog looks.
+const PERIOD: Duration = Duration::from_millis(20);
+
+/// What to do when NCCL fails (tell the peers): given the error and a
+/// flag that turns true when the watchdog is being stopped.
+pub(crate) type OnFailure = Box<dyn Fn(&Error, &AtomicBool) + Send + Sync>;
+
+pub(crate) struct Watchdog {
+    inner: Arc<Inner>,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Inner {
+    raw: Arc<Raw>,
+    timeout: Duration,
+    rank: usize,
+    /// Work enqueued and not known to be finished, oldest first.
+    pending: Mutex<VecDeque<Pending>>,
+    changed: Condvar,
+    failed: Mutex<Option<Error>>,
+    stopping: AtomicBool,
+    on_failure: Mutex<Option<OnFailure>>,
+}
+
+struct Pending {
+    event: Event,
+    since: Instant,
+    what: String,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Watchdog {
+    pub fn start(raw: Arc<Raw>, context: usize, timeout: Duration, rank: usize) -> Result<Watchdog> {
+        let inner = Arc::new(Inner {
+            raw,
+            timeout,
+            rank,
+            pending: Mutex::new(VecDeque::new()),
+            changed: Condvar::new(),
+            failed: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+            on_failure: Mutex::new(None),
+        });
+        let me = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("rdist-nccl{rank}"))
+            .spawn(move || me.run(context))
+            .map_err(|e| Error::system("starting the NCCL watchdog thread", &e))?;
+        Ok(Watchdog {
+            inner,
+            thread: Some(thread),
+        })
+    }
+
+    /// Sets what to do on a failure (after the communicator exists).
+    pub fn on_failure(&self, f: OnFailure) {
+        *lock(&self.inner.on_failure) = Some(f);
+    }
+
+    /// Watches work up to `event` (named `what` in a timeout).
+    pub fn watch(&self, event: Event, what: String) {
+        lock(&self.inner.pending).push_back(Pending {
+            event,
+            since: Instant::now(),
+            what,
+        });
+    }
+
+    pub fn failure(&self) -> Option<Error> {
+        lock(&self.inner.failed).clone()
+    }
+
+    /// `rdist_comm_abort`: aborts NCCL's side now.
+    pub fn abort(&self) {
+        let e = Error::new(
+            ErrorKind::Aborted,
+            format!("rdist_comm_abort was called on rank {}", self.inner.rank),
+        );
+        self.inner.fail(e, false);
+    }
+
+    /// Stops the thread; returns whether the communicator failed (then
+    /// it was aborted and must not be finalized).
+    pub fn stop(&mut self) -> bool {
+        self.inner.stopping.store(true, Ordering::Release);
+        self.inner.changed.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        lock(&self.inner.pending).clear();
+        self.failure().is_some()
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Inner {
+    fn run(&self, context: usize) {
+        // Events and the communicator belong to this context.
+        let _ctx = ContextGuard::push(context);
+        while !self.stopping.load(Ordering::Acquire) {
+            if let Some(e) = self.check() {
+                self.fail(e, true);
+                return;
+            }
+            let pending = lock(&self.pending);
+            let _ = self.changed.wait_timeout(pending, PERIOD);
+        }
+    }
+
+    /// An error if NCCL reported one or the oldest work is overdue.
+    fn check(&self) -> Option<Error> {
+        if let Err(e) = self.raw.async_state() {
+            return Some(e.context(&format!("rank {}", self.rank)));
+        }
+        let mut pending = lock(&self.pending);
+        while let Some(p) = pending.front() {
+            match p.event.done() {
+                Ok(true) => {
+                    pending.pop_front();
+                }
+                Ok(false) if p.since.elapsed() > self.timeout => {
+                    return Some(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "rank {}: {} enqueued {:.1} s ago has not finished on the GPU (timeout {:.1} s; a peer may have died or not made the same call); the NCCL communicator was aborted",
+                            self.rank,
+                            p.what,
+                            p.since.elapsed().as_secs_f64(),
+                            self.timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                Ok(false) => break,
+                Err(e) => return Some(e),
+            }
+        }
+        None
+    }
+
+    /// Records the first failure, aborts NCCL and (for failures found
+    /// here) tells the peers.
+    fn fail(&self, e: Error, tell: bool) {
+        {
+            let mut failed = lock(&self.failed);
+            if failed.is_some() {
+                return;
+            }
+            *failed = Some(e.clone());
+        }
+        self.raw.abort();
+        lock(&self.pending).clear();
+        crate::log::emit(
+            crate::options::LogLevel::Warn,
+            Some(self.rank),
+            &format!("NCCL failed: {}", e.message()),
+        );
+        if tell {
+            if let Some(f) = lock(&self.on_failure).as_ref() {
+                f(&e, &self.stopping);
+            }
+        }
+    }
+}

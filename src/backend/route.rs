@@ -1,0 +1,150 @@
+//! Where a call's buffers live decides where it runs: host buffers on the
+//! socket backend; device buffers on NCCL when the communicator has it;
+//! device buffers anywhere else through host copies ("staging"), so a
+//! program never needs to know which backend it got.
+
+use super::cuda::{self, ContextGuard, Cuda, Event, Memory, Stream};
+use crate::call::{Call, RawBuf};
+use crate::error::Result;
+use std::time::Instant;
+
+/// How a batch of calls runs.
+pub(crate) enum Route {
+    /// Every buffer is host memory.
+    Host,
+    /// Every buffer is device memory of NCCL's device.
+    Device,
+    /// Device buffers that the socket backend reaches through host copies.
+    Staged(Staging),
+}
+
+/// Classifies the buffers of `calls` (`streams[i]` is call i's stream).
+/// `nccl_ordinal` is the device of the communicator's NCCL, if any.
+pub(crate) fn route(
+    cuda: &Cuda,
+    calls: &[Call],
+    streams: &[Stream],
+    nccl_ordinal: Option<i32>,
+) -> Route {
+    let mut device: Vec<(RawBuf, bool, usize, Stream)> = Vec::new();
+    let mut host = 0usize;
+    let mut ordinals = Vec::new();
+    for (call, &stream) in calls.iter().zip(streams) {
+        for (buf, read) in call.buffers() {
+            if buf.is_empty() {
+                continue;
+            }
+            match cuda.memory(buf.addr()) {
+                Memory::Host => host += 1,
+                Memory::Device { ordinal, context } => {
+                    device.push((buf, read, context, stream));
+                    if !ordinals.contains(&ordinal) {
+                        ordinals.push(ordinal);
+                    }
+                }
+            }
+        }
+    }
+    if device.is_empty() {
+        return Route::Host;
+    }
+    if host == 0 && ordinals.len() == 1 && nccl_ordinal == Some(ordinals[0]) {
+        return Route::Device;
+    }
+    Route::Staged(Staging::new(device))
+}
+
+/// Host copies of a batch's device buffers. Overlapping buffers (in-place
+/// calls) share one copy, so the host call sees the same aliasing.
+pub(crate) struct Staging {
+    regions: Vec<Region>,
+}
+
+struct Region {
+    device: usize,
+    len: usize,
+    context: usize,
+    stream: Stream,
+    /// Some call reads from it: copy in before the host call.
+    read: bool,
+    /// Some call writes to it: copy back after.
+    written: bool,
+    host: Vec<u8>,
+}
+
+impl Staging {
+    fn new(mut bufs: Vec<(RawBuf, bool, usize, Stream)>) -> Staging {
+        bufs.sort_by_key(|(b, ..)| b.addr());
+        let mut regions: Vec<Region> = Vec::new();
+        for (buf, read, context, stream) in bufs {
+            let end = buf.addr() + buf.len();
+            match regions.last_mut() {
+                Some(r) if buf.addr() < r.device + r.len && r.context == context => {
+                    r.len = r.len.max(end - r.device);
+                    r.read |= read;
+                    r.written |= !read;
+                }
+                _ => regions.push(Region {
+                    device: buf.addr(),
+                    len: buf.len(),
+                    context,
+                    stream,
+                    read,
+                    written: !read,
+                    host: Vec::new(),
+                }),
+            }
+        }
+        Staging { regions }
+    }
+
+    /// Copies the device buffers in, runs `host` on calls rewritten to the
+    /// host copies, copies the results back. Every GPU wait ends by
+    /// `deadline`. Returns once the results are in device memory.
+    ///
+    /// # Safety
+    /// The calls' buffers valid until this returns.
+    pub(crate) unsafe fn run(
+        mut self,
+        calls: &[Call],
+        deadline: Instant,
+        host: impl FnOnce(&[Call]) -> Result<()>,
+    ) -> Result<()> {
+        for r in &mut self.regions {
+            r.host = vec![0u8; r.len];
+            if r.read {
+                let _ctx = ContextGuard::push(r.context)?;
+                cuda::copy_to_host(r.host.as_mut_ptr(), r.device, r.len, r.stream)?;
+                Event::record(r.stream)?.wait(deadline, "copying a device buffer to the host")?;
+            }
+        }
+        let staged: Vec<Call> = calls
+            .iter()
+            .map(|c| c.with_buffers(|b, _| self.host_view(b)))
+            .collect();
+        host(&staged)?;
+        for r in &self.regions {
+            if r.written {
+                let _ctx = ContextGuard::push(r.context)?;
+                cuda::copy_to_device(r.device, r.host.as_ptr(), r.len, r.stream)?;
+                Event::record(r.stream)?.wait(deadline, "copying a result back to the device")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The host copy standing for `buf` (`buf` itself when it is host
+    /// memory).
+    fn host_view(&self, buf: RawBuf) -> RawBuf {
+        if buf.is_empty() {
+            return buf;
+        }
+        for r in &self.regions {
+            if buf.addr() >= r.device && buf.addr() + buf.len() <= r.device + r.len {
+                let at = buf.addr() - r.device;
+                return RawBuf::new(r.host[at..].as_ptr(), buf.len());
+            }
+        }
+        buf
+    }
+}
