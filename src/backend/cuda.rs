@@ -200,10 +200,7 @@ impl Event {
         let mut raw: CUevent = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         check("cuEventCreate", || unsafe {
-            cu::cuEventCreate(
-                &mut raw,
-                cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            )
+            cu::cuEventCreate(&mut raw, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
         })?;
         let event = Event { raw };
         // SAFETY: a live event and the caller's stream.

@@ -115,18 +115,24 @@ pub extern "C" fn rdist_iallreduce(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iallreduce", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::AllReduce,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            Some(op),
-            0,
-        )
-    })
+    issue(
+        "rdist_iallreduce",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::AllReduce,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                Some(op),
+                0,
+            )
+        },
+    )
 }
 
 /// recvbuf on every rank = sendbuf of `root` (sendbuf is read on the root
@@ -167,18 +173,24 @@ pub extern "C" fn rdist_ibroadcast(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ibroadcast", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::Broadcast,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            None,
-            root,
-        )
-    })
+    issue(
+        "rdist_ibroadcast",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::Broadcast,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                None,
+                root,
+            )
+        },
+    )
 }
 
 /// recvbuf holds size*count elements: every rank's sendbuf (count
@@ -218,18 +230,24 @@ pub extern "C" fn rdist_iallgather(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iallgather", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::AllGather,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            None,
-            0,
-        )
-    })
+    issue(
+        "rdist_iallgather",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::AllGather,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                None,
+                0,
+            )
+        },
+    )
 }
 
 /// recvbuf (count elements) = block `rank` of the element-wise `op` over
@@ -270,18 +288,24 @@ pub extern "C" fn rdist_ireduce_scatter(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ireduce_scatter", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::ReduceScatter,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            Some(op),
-            0,
-        )
-    })
+    issue(
+        "rdist_ireduce_scatter",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::ReduceScatter,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                Some(op),
+                0,
+            )
+        },
+    )
 }
 
 /// recvbuf (root only; may be NULL elsewhere) receives size*count
@@ -322,18 +346,24 @@ pub extern "C" fn rdist_igather(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_igather", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::Gather,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            None,
-            root,
-        )
-    })
+    issue(
+        "rdist_igather",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::Gather,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                None,
+                root,
+            )
+        },
+    )
 }
 
 /// sendbuf (root only; may be NULL elsewhere) holds size*count elements;
@@ -374,18 +404,24 @@ pub extern "C" fn rdist_iscatter(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_iscatter", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::Scatter,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            None,
-            root,
-        )
-    })
+    issue(
+        "rdist_iscatter",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::Scatter,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                None,
+                root,
+            )
+        },
+    )
 }
 
 /// Block j (count elements) of sendbuf goes to rank j; block i of recvbuf
@@ -415,9 +451,13 @@ pub extern "C" fn rdist_ialltoall(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ialltoall", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0)
-    })
+    issue(
+        "rdist_ialltoall",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| data_call(c, OpKind::AllToAll, sendbuf, recvbuf, count, dtype, None, 0),
+    )
 }
 
 /// recvbuf on `root` (may be NULL elsewhere) = element-wise `op` over every
@@ -459,24 +499,32 @@ pub extern "C" fn rdist_ireduce(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ireduce", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::Reduce,
-            sendbuf,
-            recvbuf,
-            count,
-            dtype,
-            Some(op),
-            root,
-        )
-    })
+    issue(
+        "rdist_ireduce",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            data_call(
+                c,
+                OpKind::Reduce,
+                sendbuf,
+                recvbuf,
+                count,
+                dtype,
+                Some(op),
+                root,
+            )
+        },
+    )
 }
 
 /// Returns when every rank of `comm` has entered the barrier.
 #[no_mangle]
 pub extern "C" fn rdist_barrier(comm: *mut rdist_comm_t) -> rdist_result_t {
-    issue("rdist_barrier", comm, None, std::ptr::null_mut(), |_| Ok(Call::Barrier))
+    issue("rdist_barrier", comm, None, std::ptr::null_mut(), |_| {
+        Ok(Call::Barrier)
+    })
 }
 
 /// Non-blocking barrier: the request completes when every rank entered it.
@@ -485,5 +533,11 @@ pub extern "C" fn rdist_ibarrier(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_ibarrier", comm, Some(req), std::ptr::null_mut(), |_| Ok(Call::Barrier))
+    issue(
+        "rdist_ibarrier",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |_| Ok(Call::Barrier),
+    )
 }

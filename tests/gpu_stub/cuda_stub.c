@@ -365,9 +365,9 @@ static struct stub_event *event_live(CUevent h)
     return s && s->e.magic == MAGIC_EVENT && s->e.live ? &s->e : NULL;
 }
 
-/* The stall state behind a stream argument (NULL stream included), or
- * NULL when the handle is invalid. NULL stream needs a current context.
- * Lock held. */
+/* The stall state behind a stream argument (the NULL stream included);
+ * CUDA_ERROR_INVALID_HANDLE for a handle that is not a live stream. The
+ * NULL stream needs a current context. Lock held. */
 static CUresult stream_state(CUstream h, struct stall_state **out)
 {
     if (is_default_stream(h)) {
@@ -1137,4 +1137,15 @@ EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent h, unsigned flags)
         set_stalled(st, 1);
     unlock();
     return r;
+}
+
+/* rdist_stub_stream_is_stalled: 1 when the stream (or the NULL stream)
+ * is stalled, 0 otherwise (invalid handles included). */
+EXPORT int rdist_stub_stream_is_stalled(void *stream)
+{
+    lock();
+    struct stub_stream *s = is_default_stream(stream) ? NULL : stream_any(stream);
+    int stalled = is_default_stream(stream) ? g_null_stream.stalled : s ? s->st.stalled : 0;
+    unlock();
+    return stalled;
 }

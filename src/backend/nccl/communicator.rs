@@ -11,6 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::ReduceOp;
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,8 @@ impl Config {
 pub(crate) struct Raw {
     pub lib: &'static NcclLibrary,
     comm: usize,
+    /// Aborted: NCCL freed the communicator; it must not be touched again.
+    aborted: AtomicBool,
 }
 
 impl Raw {
@@ -143,9 +146,24 @@ impl Raw {
         }
     }
 
-    /// `ncclCommAbort`: ends every operation in flight (safe from any
-    /// thread).
+    fn new(lib: &'static NcclLibrary, comm: ncclComm_t) -> Raw {
+        Raw {
+            lib,
+            comm: comm as usize,
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// `ncclCommAbort`, once: ends every operation in flight (safe from
+    /// any thread) and frees the communicator.
     pub fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
         if let Some(f) = self.lib.api.ncclCommAbort {
             // SAFETY: a live communicator; aborting is allowed while other
             // threads are inside NCCL calls on it.
@@ -249,10 +267,7 @@ impl NcclComm {
                 ),
             ));
         }
-        let raw = Arc::new(Raw {
-            lib,
-            comm: comm as usize,
-        });
+        let raw = Arc::new(Raw::new(lib, comm));
         if let Err(e) = raw.settle("ncclCommInitRankConfig", rc, deadline) {
             raw.abort();
             return Err(e);
@@ -589,10 +604,7 @@ impl NcclComm {
             self.raw.settle("ncclCommSplit", rc, deadline)?;
             return Ok(None);
         }
-        let raw = Arc::new(Raw {
-            lib,
-            comm: comm as usize,
-        });
+        let raw = Arc::new(Raw::new(lib, comm));
         if let Err(e) = raw.settle("ncclCommSplit", rc, deadline) {
             raw.abort();
             return Err(e);
@@ -634,7 +646,7 @@ impl NcclComm {
             return;
         }
         self.finished = true;
-        let failed = self.watchdog.stop();
+        let failed = self.watchdog.stop() || self.raw.is_aborted();
         let _ctx = ContextGuard::push(self.context);
         if let Some((scratch, stream)) = self.barrier.take() {
             // SAFETY: ours, made in `barrier`.
@@ -662,6 +674,7 @@ impl NcclComm {
             true => unsafe {
                 (api.ncclCommDestroy.expect("required"))(self.raw.comm());
             },
+            // Aborting an aborted communicator is a no-op (see Raw::abort).
             false => self.raw.abort(),
         }
     }

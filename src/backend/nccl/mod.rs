@@ -107,7 +107,10 @@ pub(crate) fn establish(
         let whose = match (&ready, lacking.len()) {
             (Err(why), _) => why.clone(),
             (Ok(_), 1) => format!("rank {} cannot run it (its log says why)", lacking[0]),
-            (Ok(_), _) => format!("ranks {} cannot run it (their logs say why)", lacking.join(", ")),
+            (Ok(_), _) => format!(
+                "ranks {} cannot run it (their logs say why)",
+                lacking.join(", ")
+            ),
         };
         return match requested {
             Backend::Nccl => Err(Error::new(
@@ -146,8 +149,11 @@ pub(crate) fn establish(
             root: 0,
         })?;
     }
-    let comm = NcclComm::init(lib, &id, rank, size, ordinal, timeout)
-        .map_err(|e| e.context(format!("rank {rank}: creating the NCCL communicator on device {ordinal}")))?;
+    let comm = NcclComm::init(lib, &id, rank, size, ordinal, timeout).map_err(|e| {
+        e.context(format!(
+            "rank {rank}: creating the NCCL communicator on device {ordinal}"
+        ))
+    })?;
     log::emit(
         LogLevel::Info,
         Some(rank),

@@ -48,7 +48,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Watchdog {
-    pub fn start(raw: Arc<Raw>, context: usize, timeout: Duration, rank: usize) -> Result<Watchdog> {
+    pub fn start(
+        raw: Arc<Raw>,
+        context: usize,
+        timeout: Duration,
+        rank: usize,
+    ) -> Result<Watchdog> {
         let inner = Arc::new(Inner {
             raw,
             timeout,
@@ -133,7 +138,7 @@ impl Inner {
     /// An error if NCCL reported one or the oldest work is overdue.
     fn check(&self) -> Option<Error> {
         if let Err(e) = self.raw.async_state() {
-            return Some(e.context(&format!("rank {}", self.rank)));
+            return Some(e.context(format!("rank {}", self.rank)));
         }
         let mut pending = lock(&self.pending);
         while let Some(p) = pending.front() {

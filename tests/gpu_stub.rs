@@ -1,0 +1,939 @@
+//! rdist's GPU code paths on a machine with no GPU, against test doubles of
+//! the CUDA driver and NCCL (tests/gpu_stub: C libraries named
+//! libcuda.so.1 and libnccl.so.2 whose "device memory" is address space
+//! the CPU cannot touch, so a device buffer read or written by the CPU
+//! crashes the test). They check what rdist does with device buffers:
+//! which backend gets them, that NCCL is driven as documented (one
+//! unique id, non-blocking communicators, groups, streams), that the
+//! socket backend stages them through host memory with correct results
+//! on several ranks, and that a stalled or failing NCCL becomes an error
+//! instead of a hang. Real GPUs: see tests/nccl.rs (`skipped: no CUDA
+//! device` without one).
+//!
+//! Every test runs this binary again as a child process with the doubles
+//! on LD_LIBRARY_PATH (the dynamic loader reads it at start), bounded in
+//! time.
+
+mod common;
+
+use cudarc::driver::sys as cu;
+use rdist::backend::cuda::Stream;
+use rdist::call::{Call, Data};
+use rdist::op::OpKind;
+use rdist::{Backend, Comm, DType, Options, ReduceOp};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Builds the doubles once per test binary (tests/gpu_stub/build.sh).
+fn stub_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = root.join("target/gpu-stub");
+        let out = Command::new("bash")
+            .arg(root.join("tests/gpu_stub/build.sh"))
+            .arg(&dir)
+            .output()
+            .expect("running tests/gpu_stub/build.sh");
+        assert!(
+            out.status.success(),
+            "building the GPU test doubles failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
+}
+
+static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Runs this binary as `worker_process` in `role` with the doubles loaded
+/// (`env` added); returns its output and the doubles' call log. Fails
+/// past 60 s; `expect_ok` asserts the exit status.
+fn run_role(role: &str, env: &[(&str, &str)], expect_ok: bool) -> (Output, String) {
+    let dir = stub_dir();
+    let log = std::env::temp_dir().join(format!(
+        "rdist-gpu-stub-{role}-{}-{}.log",
+        std::process::id(),
+        RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&log);
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "worker_process",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env("RDIST_TEST_ROLE", role)
+    .env("LD_LIBRARY_PATH", dir)
+    .env("RDIST_NCCL_LIBRARY", dir.join("libnccl.so.2"))
+    .env("RDIST_STUB_LOG", &log)
+    .env_remove("RDIST_DEBUG")
+    .env_remove("RDIST_BACKEND")
+    .env_remove("RDIST_DEVICE")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("role {role} took longer than 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let calls = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    if expect_ok {
+        assert!(
+            out.status.success(),
+            "role {role} failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (out, calls)
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+// ---------------------------------------------------------------- device
+
+/// The CUDA driver as a test program uses it (the doubles, here).
+mod device {
+    use super::cu;
+
+    fn ok(what: &str, rc: cu::CUresult) {
+        assert_eq!(rc, cu::CUresult::CUDA_SUCCESS, "{what}");
+    }
+
+    /// Initialises the driver and makes device `ordinal`'s primary context
+    /// current on this thread.
+    pub fn use_device(ordinal: i32) {
+        // SAFETY: plain driver calls with out-pointers to locals.
+        unsafe {
+            ok("cuInit", cu::cuInit(0));
+            let mut dev = 0;
+            ok("cuDeviceGet", cu::cuDeviceGet(&mut dev, ordinal));
+            let mut ctx = std::ptr::null_mut();
+            ok(
+                "cuDevicePrimaryCtxRetain",
+                cu::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            );
+            ok("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx));
+        }
+    }
+
+    /// Device memory holding `bytes`.
+    pub struct Buffer {
+        pub ptr: u64,
+        pub len: usize,
+    }
+
+    impl Buffer {
+        pub fn new(bytes: &[u8]) -> Buffer {
+            let len = bytes.len().max(1);
+            let mut ptr = 0;
+            // SAFETY: out-pointer to a local; a host source of `len` bytes.
+            unsafe {
+                ok("cuMemAlloc", cu::cuMemAlloc_v2(&mut ptr, len));
+                if !bytes.is_empty() {
+                    ok(
+                        "cuMemcpyHtoD",
+                        cu::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), bytes.len()),
+                    );
+                }
+            }
+            Buffer {
+                ptr,
+                len: bytes.len(),
+            }
+        }
+
+        pub fn zeroed(len: usize) -> Buffer {
+            Buffer::new(&vec![0u8; len])
+        }
+
+        pub fn read(&self) -> Vec<u8> {
+            let mut out = vec![0u8; self.len];
+            if self.len > 0 {
+                // SAFETY: a host destination of `len` bytes.
+                unsafe {
+                    ok(
+                        "cuMemcpyDtoH",
+                        cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, self.len),
+                    );
+                }
+            }
+            out
+        }
+
+        pub fn ptr(&self) -> *mut u8 {
+            self.ptr as *mut u8
+        }
+    }
+
+    impl Drop for Buffer {
+        fn drop(&mut self) {
+            // SAFETY: ours.
+            unsafe { cu::cuMemFree_v2(self.ptr) };
+        }
+    }
+
+    pub fn stream() -> usize {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        unsafe { ok("cuStreamCreate", cu::cuStreamCreate(&mut s, 0)) };
+        s as usize
+    }
+
+    /// Waits for `stream` (the doubles finish work at once unless stalled).
+    pub fn sync(stream: usize) {
+        // SAFETY: a stream made by `stream()` (or 0).
+        unsafe {
+            ok(
+                "cuStreamSynchronize",
+                cu::cuStreamSynchronize(stream as cu::CUstream),
+            )
+        };
+    }
+}
+
+// ------------------------------------------------------------- reference
+
+/// Element i of rank r's input: small integers, exact in every dtype and
+/// their sums over 4 ranks too (even int8).
+fn value(r: usize, i: usize) -> i64 {
+    ((r * 3 + i) % 11 + 1) as i64
+}
+
+/// `v` as one element of `dtype` (v small and exact).
+fn encode(dtype: DType, v: i64) -> Vec<u8> {
+    match dtype {
+        DType::Int8 => (v as i8).to_le_bytes().to_vec(),
+        DType::Uint8 => (v as u8).to_le_bytes().to_vec(),
+        DType::Int32 => (v as i32).to_le_bytes().to_vec(),
+        DType::Uint32 => (v as u32).to_le_bytes().to_vec(),
+        DType::Int64 => v.to_le_bytes().to_vec(),
+        DType::Uint64 => (v as u64).to_le_bytes().to_vec(),
+        DType::Float32 => (v as f32).to_le_bytes().to_vec(),
+        DType::Float64 => (v as f64).to_le_bytes().to_vec(),
+        // bfloat16: the top half of the float32 (exact for small ints).
+        DType::Bfloat16 => (((v as f32).to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+        DType::Float16 => f16_bits(v).to_le_bytes().to_vec(),
+    }
+}
+
+/// IEEE half-precision bits of a small non-negative integer.
+fn f16_bits(v: i64) -> u16 {
+    assert!((0..2048).contains(&v));
+    if v == 0 {
+        return 0;
+    }
+    let e = 63 - (v as u64).leading_zeros() as i64; // v = 1.m * 2^e
+    let mantissa = ((v << (10 - e)) & 0x3ff) as u16;
+    (((e + 15) as u16) << 10) | mantissa
+}
+
+fn encode_all(dtype: DType, vals: impl IntoIterator<Item = i64>) -> Vec<u8> {
+    vals.into_iter().flat_map(|v| encode(dtype, v)).collect()
+}
+
+/// Runs every collective (and grouped send/recv) on device buffers on
+/// `comm`, `count` elements of `dtype`, and checks the results against the
+/// reference. Returns the number of calls made.
+fn every_collective(comm: &Comm, dtype: DType, count: usize, stream: usize) -> usize {
+    let (me, n) = (comm.rank(), comm.size());
+    let data = Data { count, dtype };
+    let root = n - 1;
+    let mine = |k: usize| encode_all(dtype, (0..count * k).map(|i| value(me, i)));
+    let run = |kind: OpKind, send: *const u8, recv: *mut u8, root: usize| {
+        let call = Call::new(kind, send, recv, data, ReduceOp::Sum, root as i64, me, n)
+            .unwrap_or_else(|e| panic!("{kind:?} {dtype}: {e}"));
+        // SAFETY: device buffers alive until the stream is synchronised below.
+        unsafe { comm.run_on(call, Stream(stream)) }
+            .unwrap_or_else(|e| panic!("rank {me}: {kind:?} {dtype} x {count}: {e}"));
+        device::sync(stream);
+    };
+    let sum = |i: usize| (0..n).map(|r| value(r, i)).sum::<i64>();
+    let check = |what: &str, got: Vec<u8>, want: Vec<u8>| {
+        assert!(
+            got == want,
+            "rank {me}: {what} {dtype} x {count}: got {got:?}, want {want:?}"
+        );
+    };
+
+    let send = device::Buffer::new(&mine(1));
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    run(OpKind::AllReduce, send.ptr(), recv.ptr(), 0);
+    check(
+        "allreduce",
+        recv.read(),
+        encode_all(dtype, (0..count).map(sum)),
+    );
+
+    // In place.
+    let both = device::Buffer::new(&mine(1));
+    run(OpKind::AllReduce, both.ptr(), both.ptr(), 0);
+    check(
+        "allreduce in place",
+        both.read(),
+        encode_all(dtype, (0..count).map(sum)),
+    );
+
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    run(OpKind::Broadcast, send.ptr(), recv.ptr(), root);
+    check(
+        "broadcast",
+        recv.read(),
+        encode_all(dtype, (0..count).map(|i| value(root, i))),
+    );
+
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    run(OpKind::Reduce, send.ptr(), recv.ptr(), root);
+    if me == root {
+        check(
+            "reduce",
+            recv.read(),
+            encode_all(dtype, (0..count).map(sum)),
+        );
+    }
+
+    let recv = device::Buffer::zeroed(n * count * dtype.size());
+    run(OpKind::AllGather, send.ptr(), recv.ptr(), 0);
+    let gathered = encode_all(
+        dtype,
+        (0..n).flat_map(|r| (0..count).map(move |i| value(r, i))),
+    );
+    check("allgather", recv.read(), gathered.clone());
+
+    let big = device::Buffer::new(&mine(n));
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    run(OpKind::ReduceScatter, big.ptr(), recv.ptr(), 0);
+    check(
+        "reduce_scatter",
+        recv.read(),
+        encode_all(dtype, (0..count).map(|i| sum(me * count + i))),
+    );
+
+    let recv = device::Buffer::zeroed(n * count * dtype.size());
+    run(OpKind::Gather, send.ptr(), recv.ptr(), root);
+    if me == root {
+        check("gather", recv.read(), gathered);
+    }
+
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    run(OpKind::Scatter, big.ptr(), recv.ptr(), root);
+    check(
+        "scatter",
+        recv.read(),
+        encode_all(dtype, (0..count).map(|i| value(root, me * count + i))),
+    );
+
+    let recv = device::Buffer::zeroed(n * count * dtype.size());
+    run(OpKind::AllToAll, big.ptr(), recv.ptr(), 0);
+    check(
+        "alltoall",
+        recv.read(),
+        encode_all(
+            dtype,
+            (0..n).flat_map(|r| (0..count).map(move |i| value(r, me * count + i))),
+        ),
+    );
+
+    // A ring of sends and receives in one group.
+    let recv = device::Buffer::zeroed(count * dtype.size());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    rdist::group::start();
+    let s = Call::new(
+        OpKind::Send,
+        send.ptr(),
+        std::ptr::null_mut(),
+        data,
+        ReduceOp::Sum,
+        next as i64,
+        me,
+        n,
+    )
+    .unwrap();
+    let r = Call::recv(recv.ptr(), data, prev as i64, n).unwrap();
+    // SAFETY: buffers alive until the group ends and the stream is synced.
+    unsafe {
+        comm.run_on(s, Stream(stream)).unwrap();
+        comm.run_on(r, Stream(stream)).unwrap();
+        rdist::group::end().unwrap_or_else(|e| panic!("rank {me}: send/recv group: {e}"));
+    }
+    device::sync(stream);
+    check(
+        "send/recv",
+        recv.read(),
+        encode_all(dtype, (0..count).map(|i| value(prev, i))),
+    );
+
+    comm.barrier()
+        .unwrap_or_else(|e| panic!("rank {me}: barrier: {e}"));
+    12
+}
+
+/// rdist_allreduce through the C ABI on device buffers, on a one-rank
+/// NCCL communicator made with rdist_comm_init_rank.
+fn c_abi_allreduce_on_device(stream: usize) {
+    use rdist::ffi::{comm::*, options::*, types::*};
+    let mut id = rdist_unique_id_t { internal: [0; 128] };
+    assert_eq!(rdist_get_unique_id(&mut id), rdist_result_t::RDIST_SUCCESS);
+    let mut opts = std::ptr::null_mut();
+    assert_eq!(
+        rdist_options_create(&mut opts),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    assert_eq!(
+        rdist_options_set(opts, c"backend".as_ptr(), c"nccl".as_ptr()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    let mut comm = std::ptr::null_mut();
+    assert_eq!(
+        rdist_comm_init_rank(&mut comm, 1, id, 0, opts),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    let mut backend = rdist_backend_t::RDIST_BACKEND_AUTO;
+    assert_eq!(
+        rdist_comm_backend(comm, &mut backend),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    assert!(matches!(backend, rdist_backend_t::RDIST_BACKEND_NCCL));
+    let send = device::Buffer::new(&encode_all(DType::Bfloat16, [1, 2, 3, 4]));
+    let recv = device::Buffer::zeroed(8);
+    let rc = rdist::ffi::collectives::rdist_allreduce(
+        send.ptr().cast(),
+        recv.ptr().cast(),
+        4,
+        DType::Bfloat16 as i32,
+        ReduceOp::Max as i32,
+        comm,
+        stream as *mut std::ffi::c_void,
+    );
+    assert_eq!(rc, rdist_result_t::RDIST_SUCCESS);
+    device::sync(stream);
+    assert_eq!(recv.read(), encode_all(DType::Bfloat16, [1, 2, 3, 4]));
+    assert_eq!(rdist_comm_destroy(comm), rdist_result_t::RDIST_SUCCESS);
+    rdist_options_destroy(opts);
+}
+
+fn options(pairs: &[(&str, &str)]) -> Options {
+    let mut o = common::opts(10_000);
+    for (k, v) in pairs {
+        o.set(k, v).unwrap();
+    }
+    o
+}
+
+/// Not a test of its own: the body of the child processes the tests
+/// start (does nothing without RDIST_TEST_ROLE).
+#[test]
+fn worker_process() {
+    let Ok(role) = std::env::var("RDIST_TEST_ROLE") else {
+        return;
+    };
+    match role.as_str() {
+        // World 1 on NCCL: every collective and dtype on device buffers.
+        "nccl_world1" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl")]),
+            )
+            .unwrap();
+            assert_eq!(comm.backend(), Backend::Nccl);
+            let stream = device::stream();
+            let mut calls = 0;
+            for dtype in DType::ALL {
+                for count in [0, 1, 1000] {
+                    calls += every_collective(&comm, dtype, count, stream);
+                }
+            }
+            // A non-blocking twin on device buffers (no stream: the default
+            // stream, finished when the request completes).
+            let send = device::Buffer::new(&encode_all(DType::Float32, [3, 4, 5]));
+            let recv = device::Buffer::zeroed(12);
+            let call = Call::new(
+                OpKind::AllReduce,
+                send.ptr(),
+                recv.ptr(),
+                Data {
+                    count: 3,
+                    dtype: DType::Float32,
+                },
+                ReduceOp::Avg,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            // SAFETY: buffers alive until the request completes.
+            let req = unsafe { comm.submit(call) }.unwrap();
+            req.wait().unwrap();
+            assert_eq!(recv.read(), encode_all(DType::Float32, [3, 4, 5]));
+            // Through the C ABI, with a stream.
+            c_abi_allreduce_on_device(stream);
+            // Split: NCCL's communicator splits too.
+            let sub = comm.split(7, 0).unwrap().expect("a color");
+            assert_eq!(sub.backend(), Backend::Nccl);
+            let both = device::Buffer::new(&encode_all(DType::Int64, [9, 8]));
+            let call = Call::new(
+                OpKind::Broadcast,
+                both.ptr(),
+                both.ptr(),
+                Data {
+                    count: 2,
+                    dtype: DType::Int64,
+                },
+                ReduceOp::Sum,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            // SAFETY: the buffer is alive until the stream is synchronised.
+            unsafe { sub.run_on(call, Stream(stream)) }.unwrap();
+            device::sync(stream);
+            assert_eq!(both.read(), encode_all(DType::Int64, [9, 8]));
+            drop(sub);
+            // Host buffers on the same communicator run on the sockets.
+            let mut host = [1.5f32, 2.5];
+            comm.allreduce(&mut host, ReduceOp::Sum).unwrap();
+            assert_eq!(host, [1.5, 2.5]);
+            println!("CALLS {calls}");
+        }
+        // N ranks (threads) on sockets with device buffers: staged.
+        "socket_world" => {
+            let n: usize = std::env::var("RANKS").unwrap().parse().unwrap();
+            common::world(
+                n,
+                options(&[("backend", "socket")]),
+                Duration::from_secs(50),
+                |comm| {
+                    device::use_device(0);
+                    assert_eq!(comm.backend(), Backend::Socket);
+                    let stream = device::stream();
+                    for dtype in [
+                        DType::Float32,
+                        DType::Int8,
+                        DType::Bfloat16,
+                        DType::Float16,
+                        DType::Uint64,
+                    ] {
+                        for count in [0, 1, 3, 5000] {
+                            every_collective(&comm, dtype, count, stream);
+                        }
+                    }
+                    // Mixed: host input, device output.
+                    let host = encode_all(DType::Int32, (0..4).map(|i| value(comm.rank(), i)));
+                    let out = device::Buffer::zeroed(16);
+                    let call = Call::new(
+                        OpKind::AllReduce,
+                        host.as_ptr(),
+                        out.ptr(),
+                        Data {
+                            count: 4,
+                            dtype: DType::Int32,
+                        },
+                        ReduceOp::Max,
+                        0,
+                        comm.rank(),
+                        comm.size(),
+                    )
+                    .unwrap();
+                    // SAFETY: buffers alive for the call.
+                    unsafe { comm.run_on(call, Stream(stream)) }.unwrap();
+                    let n = comm.size();
+                    let want = encode_all(
+                        DType::Int32,
+                        (0..4).map(|i| (0..n).map(|r| value(r, i)).max().unwrap()),
+                    );
+                    assert_eq!(out.read(), want, "mixed host/device allreduce");
+                },
+            );
+            println!("DONE");
+        }
+        // backend=auto with the doubles: NCCL for one rank per device.
+        "auto" => {
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("debug", "INFO")]),
+            )
+            .unwrap();
+            println!("BACKEND {:?}", comm.backend());
+        }
+        // Two ranks (threads), one NCCL each, or refusing it together.
+        "two_ranks" => {
+            let backend = std::env::var("BACKEND").unwrap();
+            let id = Comm::unique_id().unwrap();
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let backend = backend.clone();
+                    std::thread::spawn(move || {
+                        let mut o = options(&[("backend", &backend), ("debug", "INFO")]);
+                        o.set("timeout_ms", "10000").unwrap();
+                        // Two local ranks: local ranks 0 and 1 (devices 0 and 1).
+                        match Comm::init_rank(&id, rank, 2, &o) {
+                            Ok(c) => format!("rank {rank} {:?}", c.backend()),
+                            Err(e) => format!("rank {rank} error {:?} {}", e.kind(), e.message()),
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                println!("RESULT {}", h.join().unwrap());
+            }
+        }
+        // NCCL work that never finishes on the GPU: the watchdog aborts it.
+        "stall" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl"), ("timeout_ms", "1500")]),
+            )
+            .unwrap();
+            let stream = device::stream();
+            let buf = device::Buffer::zeroed(64);
+            let call = Call::new(
+                OpKind::AllReduce,
+                buf.ptr(),
+                buf.ptr(),
+                Data {
+                    count: 16,
+                    dtype: DType::Float32,
+                },
+                ReduceOp::Sum,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            let started = Instant::now();
+            // SAFETY: the buffer outlives the communicator's work (aborted).
+            unsafe { comm.run_on(call, Stream(stream)) }.expect("enqueueing succeeds");
+            // The next call fails once the watchdog gave up on the first.
+            let err = loop {
+                std::thread::sleep(Duration::from_millis(100));
+                // SAFETY: as above.
+                if let Err(e) = unsafe { comm.run_on(call, Stream(stream)) } {
+                    break e;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "no timeout after 10 s"
+                );
+            };
+            println!("KIND {:?}", err.kind());
+            println!("ERROR {}", err.message());
+            println!("AFTER {:.1}", started.elapsed().as_secs_f64());
+        }
+        // An asynchronous NCCL error (the doubles inject a remote error).
+        "async_error" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl")]),
+            )
+            .unwrap();
+            let buf = device::Buffer::zeroed(64);
+            let call = Call::new(
+                OpKind::AllReduce,
+                buf.ptr(),
+                buf.ptr(),
+                Data {
+                    count: 16,
+                    dtype: DType::Float32,
+                },
+                ReduceOp::Sum,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            // SAFETY: the buffer outlives the call.
+            let first = unsafe { comm.run_on(call, Stream::DEFAULT) };
+            let started = Instant::now();
+            let err = loop {
+                // SAFETY: as above.
+                if let Err(e) = unsafe { comm.run_on(call, Stream::DEFAULT) } {
+                    break e;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "no error after 10 s"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            };
+            println!("FIRST {}", first.is_ok());
+            println!("KIND {:?}", err.kind());
+            println!("ERROR {}", err.message());
+        }
+        // rdist_comm_abort on an NCCL communicator.
+        "abort" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl")]),
+            )
+            .unwrap();
+            comm.abort();
+            let buf = device::Buffer::zeroed(4);
+            let call = Call::new(
+                OpKind::AllReduce,
+                buf.ptr(),
+                buf.ptr(),
+                Data {
+                    count: 1,
+                    dtype: DType::Float32,
+                },
+                ReduceOp::Sum,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            // SAFETY: the buffer outlives the call.
+            let err = unsafe { comm.run_on(call, Stream::DEFAULT) }.unwrap_err();
+            println!("KIND {:?}", err.kind());
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Lines of the doubles' log from NCCL naming `event`.
+fn nccl_lines<'a>(log: &'a str, event: &str) -> Vec<&'a str> {
+    log.lines()
+        .filter(|l| l.starts_with("nccl ") && l.split_whitespace().any(|w| w == event))
+        .collect()
+}
+
+#[test]
+fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
+    let (out, log) = run_role("nccl_world1", &[], true);
+    let calls: usize = stdout(&out)
+        .lines()
+        .find_map(|l| l.split_once("CALLS ").map(|x| x.1))
+        .expect("CALLS line")
+        .parse()
+        .unwrap();
+    assert_eq!(calls, 12 * 10 * 3);
+    // Device buffers went to NCCL, on non-blocking communicators (the
+    // Rust API's and the C ABI's).
+    let inits = nccl_lines(&log, "init");
+    assert_eq!(inits.len(), 2, "{log}");
+    assert!(inits.iter().all(|l| l.contains("blocking=0")), "{log}");
+    for op in [
+        "ncclAllReduce",
+        "ncclBroadcast",
+        "ncclReduce",
+        "ncclAllGather",
+        "ncclReduceScatter",
+        "ncclSend",
+        "ncclRecv",
+    ] {
+        assert!(
+            !nccl_lines(&log, op).is_empty(),
+            "no {op} in the NCCL log:\n{log}"
+        );
+    }
+    // On the caller's stream (not only the default one).
+    assert!(
+        nccl_lines(&log, "ncclAllReduce")
+            .iter()
+            .any(|l| !l.contains("stream=(nil)") && !l.contains("stream=0x0 ")),
+        "{log}"
+    );
+    // NCCL reported no error to any call (0 success, 7 in progress).
+    for l in log.lines().filter(|l| l.starts_with("nccl ")) {
+        let rc = l.split_whitespace().find_map(|w| w.strip_prefix("result="));
+        assert!(
+            matches!(rc, None | Some("0") | Some("7")),
+            "NCCL failed a call: {l}"
+        );
+    }
+    // Split, and every communicator finalized and destroyed at the end,
+    // none aborted: the main one, the C ABI's and the split's.
+    assert_eq!(nccl_lines(&log, "split").len(), 1, "{log}");
+    assert_eq!(nccl_lines(&log, "destroy").len(), 3, "{log}");
+    assert!(nccl_lines(&log, "abort").is_empty(), "{log}");
+}
+
+#[test]
+fn device_buffers_on_the_socket_backend_are_staged_through_host_memory() {
+    for ranks in ["2", "3"] {
+        let (out, log) = run_role("socket_world", &[("RANKS", ranks)], true);
+        assert!(stdout(&out).contains("DONE"));
+        // No NCCL communicator was made; data crossed through host copies.
+        assert!(nccl_lines(&log, "init").is_empty(), "{log}");
+        assert!(
+            log.lines()
+                .any(|l| l.starts_with("cuda ") && l.contains("DtoH")),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn auto_picks_nccl_when_every_rank_has_a_device() {
+    let (out, _) = run_role("auto", &[], true);
+    assert!(stdout(&out).contains("BACKEND Nccl"), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("NCCL 2.21.5 from"), "{err}");
+    assert!(err.contains("device buffers run on NCCL"), "{err}");
+
+    let (out, _) = run_role("auto", &[("RDIST_STUB_DEVICES", "0")], true);
+    assert!(stdout(&out).contains("BACKEND Socket"), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("NCCL unavailable: no CUDA device; using sockets"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn two_ranks_share_one_unique_id_or_agree_to_fall_back() {
+    // Two devices: one NCCL communicator per rank, on devices 0 and 1,
+    // from the same unique id.
+    let (out, log) = run_role(
+        "two_ranks",
+        &[("BACKEND", "nccl"), ("RDIST_STUB_DEVICES", "2")],
+        true,
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains("RESULT rank 0 Nccl") && text.contains("RESULT rank 1 Nccl"),
+        "{text}\n{}",
+        stderr(&out)
+    );
+    let inits = nccl_lines(&log, "init");
+    assert_eq!(inits.len(), 2, "{log}");
+    let id = |l: &str| {
+        l.split_whitespace()
+            .find(|w| w.starts_with("id="))
+            .map(str::to_string)
+    };
+    assert!(
+        id(inits[0]).is_some() && id(inits[0]) == id(inits[1]),
+        "{log}"
+    );
+    assert!(
+        inits.iter().any(|l| l.contains("device=0"))
+            && inits.iter().any(|l| l.contains("device=1")),
+        "{log}"
+    );
+
+    // One device: rank 1 has none of its own. auto: both fall back, each
+    // saying why; nccl: both fail with Unavailable.
+    let (out, log) = run_role(
+        "two_ranks",
+        &[("BACKEND", "auto"), ("RDIST_STUB_DEVICES", "1")],
+        true,
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains("RESULT rank 0 Socket") && text.contains("RESULT rank 1 Socket"),
+        "{text}"
+    );
+    let err = stderr(&out);
+    assert!(err.contains("local rank 1 has no GPU of its own"), "{err}");
+    assert!(err.contains("rank 1 cannot run it"), "{err}");
+    assert!(nccl_lines(&log, "init").is_empty(), "{log}");
+
+    let (out, _) = run_role(
+        "two_ranks",
+        &[("BACKEND", "nccl"), ("RDIST_STUB_DEVICES", "1")],
+        true,
+    );
+    let text = stdout(&out);
+    for rank in 0..2 {
+        assert!(
+            text.contains(&format!(
+                "RESULT rank {rank} error Unavailable backend 'nccl' is unavailable"
+            )),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn a_stalled_nccl_operation_times_out_and_is_aborted() {
+    let (out, log) = run_role("stall", &[("RDIST_STUB_NCCL_HANG", "1")], true);
+    let text = stdout(&out);
+    assert!(text.contains("KIND Timeout"), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("allreduce") && text.contains("has not finished on the GPU"),
+        "{text}"
+    );
+    let after: f64 = text
+        .lines()
+        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1.4..6.0).contains(&after),
+        "timed out after {after} s (timeout 1.5 s)"
+    );
+    let aborts = nccl_lines(&log, "abort");
+    assert_eq!(aborts.len(), 1, "ncclCommAbort must be called once:\n{log}");
+    assert!(aborts[0].contains("result=0"), "{log}");
+}
+
+#[test]
+fn an_asynchronous_nccl_error_is_reported_with_nccl_text() {
+    let (out, log) = run_role("async_error", &[("RDIST_STUB_NCCL_ASYNC_ERROR", "6")], true);
+    let text = stdout(&out);
+    assert!(text.contains("KIND PeerLost"), "{text}\n{}", stderr(&out));
+    assert!(text.contains("injected asynchronous error 6"), "{text}");
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
+}
+
+#[test]
+fn comm_abort_aborts_nccl() {
+    let (out, log) = run_role("abort", &[], true);
+    assert!(stdout(&out).contains("KIND Aborted"), "{}", stdout(&out));
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
+    assert!(
+        nccl_lines(&log, "destroy").is_empty(),
+        "an aborted communicator must not be destroyed:\n{log}"
+    );
+}
+
+#[test]
+fn the_doubles_keep_device_memory_away_from_the_cpu() {
+    // Guards the guard: if the doubles let the CPU read device memory, the
+    // tests above could not catch rdist doing so.
+    let dir = stub_dir();
+    let out = Command::new(dir.join("smoke")).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
