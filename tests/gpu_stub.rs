@@ -53,7 +53,23 @@ static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 /// (`env` added); returns its output and the doubles' call log. Fails
 /// past 60 s; `expect_ok` asserts the exit status.
 fn run_role(role: &str, env: &[(&str, &str)], expect_ok: bool) -> (Output, String) {
-    let dir = stub_dir();
+    run_with(Libraries::Doubles, role, env, expect_ok)
+}
+
+/// Which CUDA driver and NCCL a child loads.
+enum Libraries {
+    /// The test doubles.
+    Doubles,
+    /// The machine's driver and the NCCL wheel scripts/setup.sh installs.
+    Real,
+}
+
+fn run_with(
+    libs: Libraries,
+    role: &str,
+    env: &[(&str, &str)],
+    expect_ok: bool,
+) -> (Output, String) {
     let log = std::env::temp_dir().join(format!(
         "rdist-gpu-stub-{role}-{}-{}.log",
         std::process::id(),
@@ -69,14 +85,26 @@ fn run_role(role: &str, env: &[(&str, &str)], expect_ok: bool) -> (Output, Strin
         "1",
     ])
     .env("RDIST_TEST_ROLE", role)
-    .env("LD_LIBRARY_PATH", dir)
-    .env("RDIST_NCCL_LIBRARY", dir.join("libnccl.so.2"))
     .env("RDIST_STUB_LOG", &log)
     .env_remove("RDIST_DEBUG")
     .env_remove("RDIST_BACKEND")
     .env_remove("RDIST_DEVICE")
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
+    match libs {
+        Libraries::Doubles => {
+            let dir = stub_dir();
+            cmd.env("LD_LIBRARY_PATH", dir)
+                .env("RDIST_NCCL_LIBRARY", dir.join("libnccl.so.2"));
+        }
+        Libraries::Real => {
+            let wheel = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("build/nccl/nvidia/nccl/lib/libnccl.so.2");
+            if wheel.is_file() {
+                cmd.env("RDIST_NCCL_LIBRARY", wheel);
+            }
+        }
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -936,4 +964,36 @@ fn the_doubles_keep_device_memory_away_from_the_cpu() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A real CUDA device, or None after printing why the test skips.
+fn real_device() -> Option<usize> {
+    match rdist::backend::nccl::cuda_devices() {
+        Ok(n) => Some(n),
+        Err(why) => {
+            eprintln!("skipped: no CUDA device ({why})");
+            None
+        }
+    }
+}
+
+#[test]
+fn real_gpu_world_of_one_runs_every_collective_and_dtype_on_nccl() {
+    if real_device().is_none() {
+        return;
+    }
+    let (out, _) = run_with(Libraries::Real, "nccl_world1", &[], true);
+    eprintln!("{}", stdout(&out));
+}
+
+#[test]
+fn real_gpu_ranks_sharing_one_device_stage_through_the_socket_backend() {
+    if real_device().is_none() {
+        return;
+    }
+    for ranks in ["2", "4"] {
+        let (out, _) = run_with(Libraries::Real, "socket_world", &[("RANKS", ranks)], true);
+        assert!(stdout(&out).contains("DONE"));
+        eprintln!("{ranks} ranks on one GPU through sockets: every collective correct");
+    }
 }

@@ -375,10 +375,11 @@ fn auto_falls_back_to_sockets_with_one_info_line() {
     assert!(!stderr.contains("NCCL"), "{stderr}");
 }
 
-/// The placeholder for the GPU session: collectives on device buffers
-/// through NCCL. Without a CUDA device it says so and passes.
+/// On a GPU machine NCCL must be found and report its version; the
+/// collectives on device buffers are tests/gpu_stub.rs's `real_gpu_*`.
+/// Without a CUDA device it says so and passes.
 #[test]
-fn gpu_collectives_on_device_buffers() {
+fn gpu_nccl_is_found_where_there_is_a_device() {
     let devices = match nccl::cuda_devices() {
         Ok(n) => n,
         Err(why) => {
@@ -386,8 +387,6 @@ fn gpu_collectives_on_device_buffers() {
             return;
         }
     };
-    // A GPU is here: NCCL must at least be found and report its version
-    // (collectives on device buffers are not built yet).
     let info = nccl::availability()
         .or_else(|why| {
             let lib = wheel_library().ok_or(why)?;
@@ -403,7 +402,7 @@ fn gpu_collectives_on_device_buffers() {
         })
         .expect("NCCL found on a GPU machine");
     eprintln!(
-        "{devices} CUDA device(s), NCCL {} at {}: device-buffer collectives are not implemented yet",
+        "{devices} CUDA device(s), NCCL {} at {}",
         info.version,
         info.path.display()
     );
