@@ -997,3 +997,37 @@ fn real_gpu_ranks_sharing_one_device_stage_through_the_socket_backend() {
         eprintln!("{ranks} ranks on one GPU through sockets: every collective correct");
     }
 }
+
+#[test]
+fn the_benchmark_compares_rdist_and_direct_nccl_on_device_buffers() {
+    let dir = stub_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_rdistrun"))
+        .args(["--nproc-per-node", "1", env!("CARGO_BIN_EXE_rdist-bench")])
+        .args([
+            "--device",
+            "--nccl-direct",
+            "--max-bytes",
+            "4K",
+            "--seconds",
+            "0.01",
+            "--reps",
+            "1",
+        ])
+        .env("LD_LIBRARY_PATH", dir)
+        .env("RDIST_NCCL_LIBRARY", dir.join("libnccl.so.2"))
+        .env_remove("RDIST_BACKEND")
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("rdist backend nccl"), "{text}");
+    // Sizes 8 B .. 2 KiB by 4 (up to 4 KiB): five rows, each with both
+    // times and no wrong element.
+    let rows: Vec<&str> = text.lines().filter(|l| !l.contains('#')).collect();
+    assert_eq!(rows.len(), 5, "{text}");
+    for row in rows {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols.last(), Some(&"0"), "{row}");
+        assert_ne!(cols[cols.len() - 3], "-", "no direct NCCL time: {row}");
+    }
+}

@@ -3,7 +3,11 @@
 //!   rdistrun --nproc-per-node 4 rdist-bench [--op allreduce,broadcast|all]
 //!       [--min-bytes 8] [--max-bytes 64M] [--factor 4] [--dtype float32]
 //!       [--redop sum] [--root 0] [--seconds 0.2] [--reps 5] [--no-check]
-//!       [--json FILE]
+//!       [--json FILE] [--device [--nccl-direct]]
+//!
+//! --device: allreduce on device buffers on a CUDA stream (NCCL when the
+//! communicator has it, else staged through the sockets); --nccl-direct
+//! adds NCCL called directly, side by side (see device.rs).
 //!
 //! Each size is warmed up, then timed in `--reps` batches of about
 //! `--seconds`; a batch's time is the maximum over ranks and the reported
@@ -11,6 +15,8 @@
 //! factor per collective (allreduce 2(n-1)/n; allgather, reduce_scatter,
 //! alltoall (n-1)/n; broadcast, reduce 1). #wrong counts elements that
 //! differ from an independently computed reference on a checked run.
+
+mod device;
 
 use rdist::{Comm, Options, ReduceOp};
 use std::fmt::Write as _;
@@ -71,6 +77,9 @@ struct Args {
     redop: ReduceOp,
     check: bool,
     json: Option<String>,
+    /// Device buffers (allreduce only).
+    device: bool,
+    nccl_direct: bool,
 }
 
 fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -98,6 +107,8 @@ fn parse_args() -> Result<Args, String> {
         redop: ReduceOp::Sum,
         check: true,
         json: None,
+        device: false,
+        nccl_direct: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -141,11 +152,13 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or(format!("unknown redop '{v}'"))?;
             }
             "--no-check" => a.check = false,
+            "--device" => a.device = true,
+            "--nccl-direct" => a.nccl_direct = true,
             "--json" => a.json = Some(value()?),
             "-h" | "--help" => {
                 println!(
                     "{}",
-                    include_str!("rdist-bench.rs")
+                    include_str!("main.rs")
                         .lines()
                         .take_while(|l| l.starts_with("//!"))
                         .map(|l| l.trim_start_matches("//!").trim_start_matches(' '))
@@ -285,6 +298,20 @@ fn main() {
             std::process::exit(1);
         }
     };
+    if a.device {
+        let sizes: Vec<usize> =
+            std::iter::successors(Some(a.min_bytes), |s| s.checked_mul(a.factor))
+                .take_while(|s| *s <= a.max_bytes)
+                .collect();
+        match device::bench(&comm, &sizes, a.seconds, a.reps, a.nccl_direct) {
+            Ok(0) => return,
+            Ok(_) => std::process::exit(3),
+            Err(e) => {
+                eprintln!("rdist-bench: rank {}: {e}", comm.rank());
+                std::process::exit(1);
+            }
+        }
+    }
     if let Err(e) = bench(&a, &comm) {
         eprintln!("rdist-bench: rank {}: {e}", comm.rank());
         std::process::exit(1);
