@@ -74,6 +74,9 @@ struct Queue {
 
 struct Job {
     calls: Vec<Call>,
+    /// The callers' streams for blocking calls queued behind non-blocking
+    /// ones (None for non-blocking calls, which have none).
+    streams: Option<Vec<Stream>>,
     /// One per call (a batch of deferred sends/receives completes together).
     done: Vec<Arc<Completion>>,
 }
@@ -160,7 +163,7 @@ impl Shared {
         self.flush_deferred()?;
         let busy = lock(&self.queue).unfinished > 0;
         if busy {
-            return self.submit(calls)?.wait();
+            return self.submit(calls, Some(streams))?.wait();
         }
         self.run_now(&calls, Some(&streams))
     }
@@ -174,7 +177,7 @@ impl Shared {
         self.flush_deferred()?;
         let busy = self.queued.load(Ordering::Acquire) > 0;
         if busy {
-            return self.submit(vec![call])?.wait();
+            return self.submit(vec![call], Some(vec![stream]))?.wait();
         }
         self.run_now(std::slice::from_ref(&call), Some(&[stream]))
     }
@@ -214,13 +217,25 @@ impl Shared {
                 &defaults
             }
         };
+        let on_nccl = |n: &mut NcclComm, backend: &mut SocketBackend, r: Result<()>| {
+            // An error that failed NCCL's communicator fails the whole
+            // communicator, and the peers hear of it now.
+            if let (Err(e), Some(_)) = (&r, n.failure()) {
+                backend.fail(e.clone());
+            }
+            r
+        };
         if let (Some(n), [Call::Barrier]) = (nccl.as_mut(), calls) {
-            return n.barrier();
+            let r = n.barrier();
+            return on_nccl(n, backend, r);
         }
-        match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.ordinal)) {
+        match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.place())) {
             Route::Host => run_host(backend, trace, calls),
             Route::Device => match nccl.as_mut() {
-                Some(n) => n.run(calls, streams, background),
+                Some(n) => {
+                    let r = n.run(calls, streams, background);
+                    on_nccl(n, backend, r)
+                }
                 None => Err(Error::internal("device route without NCCL")),
             },
             Route::Staged(staging) => {
@@ -271,11 +286,12 @@ unsafe fn run_host(
 }
 
 impl Shared {
-    fn submit(self: &Arc<Self>, calls: Vec<Call>) -> Result<Request> {
+    fn submit(self: &Arc<Self>, calls: Vec<Call>, streams: Option<Vec<Stream>>) -> Result<Request> {
         self.flush_deferred()?;
         let done = Arc::new(Completion::default());
         self.enqueue(Job {
             calls,
+            streams,
             done: vec![done.clone()],
         })?;
         Ok(Request {
@@ -315,7 +331,11 @@ impl Shared {
             return Ok(());
         }
         let (calls, done) = held.into_iter().unzip();
-        self.enqueue(Job { calls, done })
+        self.enqueue(Job {
+            calls,
+            streams: None,
+            done,
+        })
     }
 
     fn enqueue(self: &Arc<Self>, job: Job) -> Result<()> {
@@ -366,7 +386,7 @@ impl Shared {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: whoever submitted the job keeps its buffers valid
                 // until the request completes.
-                unsafe { self.run_now(&job.calls, None) }
+                unsafe { self.run_now(&job.calls, job.streams.as_deref()) }
             }))
             .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
             for done in &job.done {
@@ -618,7 +638,7 @@ impl Comm {
         if call.is_p2p() {
             return Ok(self.shared.defer(call));
         }
-        self.shared.submit(vec![call])
+        self.shared.submit(vec![call], None)
     }
 
     /// Collective: ranks with equal `color` form a new communicator ordered

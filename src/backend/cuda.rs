@@ -131,9 +131,14 @@ impl Cuda {
         .is_ok();
         let device = memory_type == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0;
         match known && device {
+            // Memory mapped with cuMemMap (e.g. PyTorch's expandable
+            // segments) has no context: use its device's primary one.
             true => Memory::Device {
                 ordinal,
-                context: context as usize,
+                context: match context.is_null() {
+                    false => context as usize,
+                    true => primary_context(ordinal).unwrap_or(0),
+                },
             },
             false => Memory::Host,
         }

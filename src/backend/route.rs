@@ -19,16 +19,16 @@ pub(crate) enum Route {
 }
 
 /// Classifies the buffers of `calls` (`streams[i]` is call i's stream).
-/// `nccl_ordinal` is the device of the communicator's NCCL, if any.
+/// `nccl` is the device and context of the communicator's NCCL, if any.
 pub(crate) fn route(
     cuda: &Cuda,
     calls: &[Call],
     streams: &[Stream],
-    nccl_ordinal: Option<i32>,
+    nccl: Option<(i32, usize)>,
 ) -> Route {
     let mut device: Vec<(RawBuf, bool, usize, Stream)> = Vec::new();
     let mut host = 0usize;
-    let mut ordinals = Vec::new();
+    let mut places = Vec::new();
     for (call, &stream) in calls.iter().zip(streams) {
         for (buf, read) in call.buffers() {
             if buf.is_empty() {
@@ -38,8 +38,8 @@ pub(crate) fn route(
                 Memory::Host => host += 1,
                 Memory::Device { ordinal, context } => {
                     device.push((buf, read, context, stream));
-                    if !ordinals.contains(&ordinal) {
-                        ordinals.push(ordinal);
+                    if !places.contains(&(ordinal, context)) {
+                        places.push((ordinal, context));
                     }
                 }
             }
@@ -48,7 +48,7 @@ pub(crate) fn route(
     if device.is_empty() {
         return Route::Host;
     }
-    if host == 0 && ordinals.len() == 1 && nccl_ordinal == Some(ordinals[0]) {
+    if host == 0 && places.len() == 1 && nccl == Some(places[0]) {
         return Route::Device;
     }
     Route::Staged(Staging::new(device))
@@ -112,7 +112,10 @@ impl Staging {
     ) -> Result<()> {
         for r in &mut self.regions {
             r.host = vec![0u8; r.len];
-            if r.read {
+            // Written regions are copied in too: the copy back writes the
+            // whole region, including bytes the call leaves alone (a
+            // non-root's receive buffer).
+            if r.read || r.written {
                 let _ctx = ContextGuard::push(r.context)?;
                 cuda::copy_to_host(r.host.as_mut_ptr(), r.device, r.len, r.stream)?;
                 Event::record(r.stream)?.wait(deadline, "copying a device buffer to the host")?;
@@ -135,14 +138,15 @@ impl Staging {
 
     /// The host copy standing for `buf` (`buf` itself when it is host
     /// memory).
-    fn host_view(&self, buf: RawBuf) -> RawBuf {
+    fn host_view(&mut self, buf: RawBuf) -> RawBuf {
         if buf.is_empty() {
             return buf;
         }
-        for r in &self.regions {
+        for r in &mut self.regions {
             if buf.addr() >= r.device && buf.addr() + buf.len() <= r.device + r.len {
                 let at = buf.addr() - r.device;
-                return RawBuf::new(r.host[at..].as_ptr(), buf.len());
+                // Derived from a mutable borrow: the host call writes here.
+                return RawBuf::new(r.host[at..].as_mut_ptr(), buf.len());
             }
         }
         buf

@@ -12,7 +12,7 @@ use crate::reduce::ReduceOp;
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// `ncclInProgress`: a non-blocking call has not finished yet.
@@ -74,14 +74,26 @@ impl Config {
 /// The raw communicator, shared with the watchdog.
 pub(crate) struct Raw {
     pub lib: &'static NcclLibrary,
-    comm: usize,
-    /// Aborted: NCCL freed the communicator; it must not be touched again.
+    /// The communicator; 0 once aborted or destroyed (NCCL freed it). Each
+    /// NCCL call holds the lock for its (short, non-blocking) duration, so
+    /// abort and destroy never free it under another thread's call.
+    comm: Mutex<usize>,
+    /// Aborted (as opposed to destroyed).
     aborted: AtomicBool,
 }
 
 impl Raw {
-    pub fn comm(&self) -> ncclComm_t {
-        self.comm as ncclComm_t
+    /// Runs one NCCL call on the communicator, or fails with Aborted when
+    /// it is gone.
+    pub fn call<T>(&self, f: impl FnOnce(ncclComm_t) -> T) -> Result<T> {
+        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        if *comm == 0 {
+            return Err(Error::new(
+                ErrorKind::Aborted,
+                "the NCCL communicator was aborted",
+            ));
+        }
+        Ok(f(*comm as ncclComm_t))
     }
 
     /// `ncclCommGetAsyncError`: Ok(true) when idle, Ok(false) while a
@@ -90,7 +102,7 @@ impl Raw {
         let f = self.lib.api.ncclCommGetAsyncError.expect("required");
         let mut state: RawResult = NCCL_SUCCESS;
         // SAFETY: a live communicator and an out-pointer to a local.
-        let rc = unsafe { f(self.comm(), &mut state) };
+        let rc = self.call(|comm| unsafe { f(comm, &mut state) })?;
         if rc != NCCL_SUCCESS {
             return Err(self.error("ncclCommGetAsyncError", rc));
         }
@@ -112,7 +124,9 @@ impl Raw {
         };
         let last = match self.lib.api.ncclGetLastError {
             // SAFETY: a live communicator; NCCL returns a string it owns.
-            Some(f) => unsafe { text(f(self.comm())) },
+            Some(f) => self
+                .call(|comm| unsafe { text(f(comm)) })
+                .unwrap_or_default(),
             None => String::new(),
         };
         let mut msg = format!("{what} failed: {}", self.lib.error_string(rc));
@@ -149,8 +163,20 @@ impl Raw {
     fn new(lib: &'static NcclLibrary, comm: ncclComm_t) -> Raw {
         Raw {
             lib,
-            comm: comm as usize,
+            comm: Mutex::new(comm as usize),
             aborted: AtomicBool::new(false),
+        }
+    }
+
+    /// `ncclCommDestroy` (after a finalize), once.
+    fn destroy(&self) {
+        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        if *comm != 0 {
+            if let Some(f) = self.lib.api.ncclCommDestroy {
+                // SAFETY: a live, finalized communicator, freed once.
+                unsafe { f(*comm as ncclComm_t) };
+            }
+            *comm = 0;
         }
     }
 
@@ -161,14 +187,16 @@ impl Raw {
     /// `ncclCommAbort`, once: ends every operation in flight (safe from
     /// any thread) and frees the communicator.
     pub fn abort(&self) {
-        if self.aborted.swap(true, Ordering::AcqRel) {
+        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        if *comm == 0 {
             return;
         }
+        self.aborted.store(true, Ordering::Release);
         if let Some(f) = self.lib.api.ncclCommAbort {
-            // SAFETY: a live communicator; aborting is allowed while other
-            // threads are inside NCCL calls on it.
-            unsafe { f(self.comm()) };
+            // SAFETY: a live communicator, freed here once.
+            unsafe { f(*comm as ncclComm_t) };
         }
+        *comm = 0;
     }
 }
 
@@ -286,6 +314,11 @@ impl NcclComm {
         })
     }
 
+    /// The device and context NCCL runs on.
+    pub fn place(&self) -> (i32, usize) {
+        (self.ordinal, self.context)
+    }
+
     /// The watchdog's failure, if NCCL failed or stalled.
     pub fn failure(&self) -> Option<Error> {
         self.watchdog.failure()
@@ -307,6 +340,19 @@ impl NcclComm {
         if let Some(e) = self.failure() {
             return Err(e);
         }
+        let result = self.issue(calls, streams, wait);
+        if let Err(e) = &result {
+            // A wait that timed out leaves work stuck on the GPU, and a
+            // group that failed halfway leaves this rank out of step with
+            // its peers: either way the communicator cannot go on.
+            if self.failure().is_none() {
+                self.watchdog.fail(e.clone());
+            }
+        }
+        result
+    }
+
+    unsafe fn issue(&mut self, calls: &[Call], streams: &[Stream], wait: bool) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         let _ctx = ContextGuard::push(self.context)?;
         let grouped = calls.len() > 1
@@ -360,7 +406,6 @@ impl NcclComm {
     /// One call's NCCL operations (inside a group when several).
     unsafe fn enqueue(&self, call: &Call, stream: Stream, deadline: Instant) -> Result<()> {
         let api = &self.raw.lib.api;
-        let comm = self.raw.comm();
         let s = stream.as_cu().cast();
         let run = |what: &str, rc: RawResult| self.raw.settle(what, rc, deadline);
         match *call {
@@ -371,15 +416,17 @@ impl NcclComm {
                 op: o,
             } => run(
                 "ncclAllReduce",
-                (api.ncclAllReduce.expect("required"))(
-                    ptr(send),
-                    ptr(recv),
-                    data.count,
-                    dtype(data.dtype),
-                    op(o),
-                    comm,
-                    s,
-                ),
+                self.raw.call(|comm| {
+                    (api.ncclAllReduce.expect("required"))(
+                        ptr(send),
+                        ptr(recv),
+                        data.count,
+                        dtype(data.dtype),
+                        op(o),
+                        comm,
+                        s,
+                    )
+                })?,
             ),
             Call::Broadcast {
                 send,
@@ -388,15 +435,17 @@ impl NcclComm {
                 root,
             } => run(
                 "ncclBroadcast",
-                (api.ncclBroadcast.expect("required"))(
-                    ptr(send),
-                    ptr(recv),
-                    data.count,
-                    dtype(data.dtype),
-                    root as i32,
-                    comm,
-                    s,
-                ),
+                self.raw.call(|comm| {
+                    (api.ncclBroadcast.expect("required"))(
+                        ptr(send),
+                        ptr(recv),
+                        data.count,
+                        dtype(data.dtype),
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })?,
             ),
             Call::Reduce {
                 send,
@@ -406,27 +455,31 @@ impl NcclComm {
                 root,
             } => run(
                 "ncclReduce",
-                (api.ncclReduce.expect("required"))(
-                    ptr(send),
-                    ptr(recv),
-                    data.count,
-                    dtype(data.dtype),
-                    op(o),
-                    root as i32,
-                    comm,
-                    s,
-                ),
+                self.raw.call(|comm| {
+                    (api.ncclReduce.expect("required"))(
+                        ptr(send),
+                        ptr(recv),
+                        data.count,
+                        dtype(data.dtype),
+                        op(o),
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })?,
             ),
             Call::AllGather { send, recv, data } => run(
                 "ncclAllGather",
-                (api.ncclAllGather.expect("required"))(
-                    ptr(send),
-                    ptr(recv),
-                    data.count,
-                    dtype(data.dtype),
-                    comm,
-                    s,
-                ),
+                self.raw.call(|comm| {
+                    (api.ncclAllGather.expect("required"))(
+                        ptr(send),
+                        ptr(recv),
+                        data.count,
+                        dtype(data.dtype),
+                        comm,
+                        s,
+                    )
+                })?,
             ),
             Call::ReduceScatter {
                 send,
@@ -435,15 +488,17 @@ impl NcclComm {
                 op: o,
             } => run(
                 "ncclReduceScatter",
-                (api.ncclReduceScatter.expect("required"))(
-                    ptr(send),
-                    ptr(recv),
-                    data.count,
-                    dtype(data.dtype),
-                    op(o),
-                    comm,
-                    s,
-                ),
+                self.raw.call(|comm| {
+                    (api.ncclReduceScatter.expect("required"))(
+                        ptr(send),
+                        ptr(recv),
+                        data.count,
+                        dtype(data.dtype),
+                        op(o),
+                        comm,
+                        s,
+                    )
+                })?,
             ),
             Call::Gather {
                 send,
@@ -493,14 +548,16 @@ impl NcclComm {
         deadline: Instant,
     ) -> Result<()> {
         let f = self.raw.lib.api.ncclSend.expect("required");
-        let rc = f(
-            ptr(buf),
-            data.count,
-            dtype(data.dtype),
-            peer as i32,
-            self.raw.comm(),
-            stream.as_cu().cast(),
-        );
+        let rc = self.raw.call(|comm| {
+            f(
+                ptr(buf),
+                data.count,
+                dtype(data.dtype),
+                peer as i32,
+                comm,
+                stream.as_cu().cast(),
+            )
+        })?;
         self.raw.settle("ncclSend", rc, deadline)
     }
 
@@ -513,14 +570,16 @@ impl NcclComm {
         deadline: Instant,
     ) -> Result<()> {
         let f = self.raw.lib.api.ncclRecv.expect("required");
-        let rc = f(
-            ptr(buf),
-            data.count,
-            dtype(data.dtype),
-            peer as i32,
-            self.raw.comm(),
-            stream.as_cu().cast(),
-        );
+        let rc = self.raw.call(|comm| {
+            f(
+                ptr(buf),
+                data.count,
+                dtype(data.dtype),
+                peer as i32,
+                comm,
+                stream.as_cu().cast(),
+            )
+        })?;
         self.raw.settle("ncclRecv", rc, deadline)
     }
 
@@ -590,15 +649,15 @@ impl NcclComm {
         let color = if color < 0 { NCCL_SPLIT_NOCOLOR } else { color };
         // SAFETY: a live communicator, an out-pointer and a config NCCL
         // copies.
-        let rc = unsafe {
+        let rc = self.raw.call(|parent| unsafe {
             split(
-                self.raw.comm(),
+                parent,
                 color,
                 key,
                 &mut comm,
                 (&mut config as *mut Config).cast::<ncclConfig_t>(),
             )
-        };
+        })?;
         if comm.is_null() {
             // No color, or it failed before making a communicator.
             self.raw.settle("ncclCommSplit", rc, deadline)?;
@@ -648,34 +707,33 @@ impl NcclComm {
         self.finished = true;
         let failed = self.watchdog.stop() || self.raw.is_aborted();
         let _ctx = ContextGuard::push(self.context);
+        let api = &self.raw.lib.api;
+        let clean = !failed
+            && match api.ncclCommFinalize {
+                Some(f) => self
+                    .raw
+                    // SAFETY: a live communicator.
+                    .call(|comm| unsafe { f(comm) })
+                    .and_then(|rc| {
+                        self.raw
+                            .settle("ncclCommFinalize", rc, Instant::now() + self.timeout)
+                    })
+                    .is_ok(),
+                None => true,
+            };
+        match clean {
+            true => self.raw.destroy(),
+            // Ends work stuck on the GPU; a no-op when already aborted.
+            false => self.raw.abort(),
+        }
+        // Only now: freeing device memory waits for the device, which a
+        // stuck kernel (ended by the abort above) would block forever.
         if let Some((scratch, stream)) = self.barrier.take() {
             // SAFETY: ours, made in `barrier`.
             unsafe {
                 cudarc::driver::sys::cuMemFree_v2(scratch as _);
                 cudarc::driver::sys::cuStreamDestroy_v2(stream.as_cu());
             }
-        }
-        let api = &self.raw.lib.api;
-        let clean = !failed
-            && match api.ncclCommFinalize {
-                // SAFETY: a live communicator.
-                Some(f) => self
-                    .raw
-                    .settle(
-                        "ncclCommFinalize",
-                        unsafe { f(self.raw.comm()) },
-                        Instant::now() + self.timeout,
-                    )
-                    .is_ok(),
-                None => true,
-            };
-        match clean {
-            // SAFETY: a finalized (or blocking-idle) communicator.
-            true => unsafe {
-                (api.ncclCommDestroy.expect("required"))(self.raw.comm());
-            },
-            // Aborting an aborted communicator is a no-op (see Raw::abort).
-            false => self.raw.abort(),
         }
     }
 }

@@ -140,7 +140,7 @@ pub(crate) fn establish(
     // SAFETY: a local buffer, alive for the call.
     unsafe {
         socket.run(&Call::Broadcast {
-            send: RawBuf::new(id.as_ptr(), id.len()),
+            send: RawBuf::new(id.as_mut_ptr(), id.len()),
             recv: RawBuf::new(id.as_mut_ptr(), id.len()),
             data: Data {
                 count: id.len(),

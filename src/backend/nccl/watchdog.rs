@@ -102,6 +102,13 @@ impl Watchdog {
         self.inner.fail(e, false);
     }
 
+    /// Fails the communicator with `e` found by a call (a wait that timed
+    /// out, an error in a group): aborts NCCL. The caller holds the
+    /// communicator's engine and tells the peers itself.
+    pub fn fail(&self, e: Error) {
+        self.inner.fail(e, false);
+    }
+
     /// Stops the thread; returns whether the communicator failed (then
     /// it was aborted and must not be finalized).
     pub fn stop(&mut self) -> bool {
@@ -126,6 +133,9 @@ impl Inner {
         // Events and the communicator belong to this context.
         let _ctx = ContextGuard::push(context);
         while !self.stopping.load(Ordering::Acquire) {
+            if lock(&self.failed).is_some() {
+                return; // aborted: nothing left to watch
+            }
             if let Some(e) = self.check() {
                 self.fail(e, true);
                 return;
