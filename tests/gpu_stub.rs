@@ -461,6 +461,26 @@ fn c_abi_allreduce_on_device(stream: usize) {
     rdist_options_destroy(opts);
 }
 
+/// An in-place float32 sum of `count` elements of `buf` on a one-rank
+/// communicator.
+fn in_place_sum(buf: &device::Buffer, count: usize) -> Call {
+    let data = Data {
+        count,
+        dtype: DType::Float32,
+    };
+    Call::new(
+        OpKind::AllReduce,
+        buf.ptr(),
+        buf.ptr(),
+        data,
+        ReduceOp::Sum,
+        0,
+        0,
+        1,
+    )
+    .unwrap()
+}
+
 fn options(pairs: &[(&str, &str)]) -> Options {
     let mut o = common::opts(10_000);
     for (k, v) in pairs {
@@ -644,20 +664,7 @@ fn worker_process() {
             .unwrap();
             let stream = device::stream();
             let buf = device::Buffer::zeroed(64);
-            let call = Call::new(
-                OpKind::AllReduce,
-                buf.ptr(),
-                buf.ptr(),
-                Data {
-                    count: 16,
-                    dtype: DType::Float32,
-                },
-                ReduceOp::Sum,
-                0,
-                0,
-                1,
-            )
-            .unwrap();
+            let call = in_place_sum(&buf, 16);
             let started = Instant::now();
             // SAFETY: the buffer outlives the communicator's work (aborted).
             unsafe { comm.run_on(call, Stream(stream)) }.expect("enqueueing succeeds");
@@ -688,20 +695,7 @@ fn worker_process() {
             )
             .unwrap();
             let buf = device::Buffer::zeroed(64);
-            let call = Call::new(
-                OpKind::AllReduce,
-                buf.ptr(),
-                buf.ptr(),
-                Data {
-                    count: 16,
-                    dtype: DType::Float32,
-                },
-                ReduceOp::Sum,
-                0,
-                0,
-                1,
-            )
-            .unwrap();
+            let call = in_place_sum(&buf, 16);
             // SAFETY: the buffer outlives the call.
             let first = unsafe { comm.run_on(call, Stream::DEFAULT) };
             let started = Instant::now();
@@ -732,20 +726,7 @@ fn worker_process() {
             .unwrap();
             comm.abort();
             let buf = device::Buffer::zeroed(4);
-            let call = Call::new(
-                OpKind::AllReduce,
-                buf.ptr(),
-                buf.ptr(),
-                Data {
-                    count: 1,
-                    dtype: DType::Float32,
-                },
-                ReduceOp::Sum,
-                0,
-                0,
-                1,
-            )
-            .unwrap();
+            let call = in_place_sum(&buf, 1);
             // SAFETY: the buffer outlives the call.
             let err = unsafe { comm.run_on(call, Stream::DEFAULT) }.unwrap_err();
             println!("KIND {:?}", err.kind());

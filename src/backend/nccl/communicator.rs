@@ -547,18 +547,7 @@ impl NcclComm {
         stream: Stream,
         deadline: Instant,
     ) -> Result<()> {
-        let f = self.raw.lib.api.ncclSend.expect("required");
-        let rc = self.raw.call(|comm| {
-            f(
-                ptr(buf),
-                data.count,
-                dtype(data.dtype),
-                peer as i32,
-                comm,
-                stream.as_cu().cast(),
-            )
-        })?;
-        self.raw.settle("ncclSend", rc, deadline)
+        self.p2p(true, buf, data, peer, stream, deadline)
     }
 
     unsafe fn recv(
@@ -569,18 +558,32 @@ impl NcclComm {
         stream: Stream,
         deadline: Instant,
     ) -> Result<()> {
-        let f = self.raw.lib.api.ncclRecv.expect("required");
-        let rc = self.raw.call(|comm| {
-            f(
-                ptr(buf),
-                data.count,
-                dtype(data.dtype),
-                peer as i32,
-                comm,
-                stream.as_cu().cast(),
-            )
+        self.p2p(false, buf, data, peer, stream, deadline)
+    }
+
+    /// One ncclSend (`send`) or ncclRecv, waited out of ncclInProgress.
+    unsafe fn p2p(
+        &self,
+        send: bool,
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+        stream: Stream,
+        deadline: Instant,
+    ) -> Result<()> {
+        let api = &self.raw.lib.api;
+        let (n, t, p, s) = (
+            data.count,
+            dtype(data.dtype),
+            peer as i32,
+            stream.as_cu().cast(),
+        );
+        let rc = self.raw.call(|comm| match send {
+            true => (api.ncclSend.expect("required"))(ptr(buf), n, t, p, comm, s),
+            false => (api.ncclRecv.expect("required"))(ptr(buf), n, t, p, comm, s),
         })?;
-        self.raw.settle("ncclRecv", rc, deadline)
+        self.raw
+            .settle(if send { "ncclSend" } else { "ncclRecv" }, rc, deadline)
     }
 
     /// A barrier as NCCL users make one: a one-element allreduce on the
