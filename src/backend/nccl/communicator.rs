@@ -508,10 +508,10 @@ impl NcclComm {
             } => {
                 if self.rank == root {
                     for r in 0..self.size {
-                        self.recv(block(recv, r, data), data, r, stream, deadline)?;
+                        self.p2p(false, block(recv, r, data), data, r, stream, deadline)?;
                     }
                 }
-                self.send(send, data, root, stream, deadline)
+                self.p2p(true, send, data, root, stream, deadline)
             }
             Call::Scatter {
                 send,
@@ -521,44 +521,22 @@ impl NcclComm {
             } => {
                 if self.rank == root {
                     for r in 0..self.size {
-                        self.send(block(send, r, data), data, r, stream, deadline)?;
+                        self.p2p(true, block(send, r, data), data, r, stream, deadline)?;
                     }
                 }
-                self.recv(recv, data, root, stream, deadline)
+                self.p2p(false, recv, data, root, stream, deadline)
             }
             Call::AllToAll { send, recv, data } => {
                 for r in 0..self.size {
-                    self.send(block(send, r, data), data, r, stream, deadline)?;
-                    self.recv(block(recv, r, data), data, r, stream, deadline)?;
+                    self.p2p(true, block(send, r, data), data, r, stream, deadline)?;
+                    self.p2p(false, block(recv, r, data), data, r, stream, deadline)?;
                 }
                 Ok(())
             }
-            Call::Send { buf, data, peer } => self.send(buf, data, peer, stream, deadline),
-            Call::Recv { buf, data, peer } => self.recv(buf, data, peer, stream, deadline),
+            Call::Send { buf, data, peer } => self.p2p(true, buf, data, peer, stream, deadline),
+            Call::Recv { buf, data, peer } => self.p2p(false, buf, data, peer, stream, deadline),
             Call::Barrier => Err(Error::internal("barrier reached NCCL's enqueue")),
         }
-    }
-
-    unsafe fn send(
-        &self,
-        buf: RawBuf,
-        data: Data,
-        peer: usize,
-        stream: Stream,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.p2p(true, buf, data, peer, stream, deadline)
-    }
-
-    unsafe fn recv(
-        &self,
-        buf: RawBuf,
-        data: Data,
-        peer: usize,
-        stream: Stream,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.p2p(false, buf, data, peer, stream, deadline)
     }
 
     /// One ncclSend (`send`) or ncclRecv, waited out of ncclInProgress.
