@@ -22,7 +22,7 @@ use rdist::call::{Call, Data};
 use rdist::op::OpKind;
 use rdist::{Backend, Comm, DType, Options, ReduceOp};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -88,9 +88,7 @@ fn run_with(
     .env("RDIST_STUB_LOG", &log)
     .env_remove("RDIST_DEBUG")
     .env_remove("RDIST_BACKEND")
-    .env_remove("RDIST_DEVICE")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    .env_remove("RDIST_DEVICE");
     match libs {
         Libraries::Doubles => {
             let dir = stub_dir();
@@ -108,16 +106,7 @@ fn run_with(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("role {role} took longer than 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::output_within(&mut cmd, Duration::from_secs(60), &format!("role {role}"));
     let calls = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
     if expect_ok {

@@ -9,11 +9,13 @@
 //! loaded, the dynamic loader hands it to every later lookup by that name.
 //! Each test is bounded in time.
 
+mod common;
+
 use rdist::backend::nccl::{self, loader};
 use rdist::{Backend, Comm, ErrorKind, Options};
 use std::ffi::{CStr, CString, OsString};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 /// Where scripts/setup.sh installs the wheel (RDIST_TEST_NCCL_DIR, else
@@ -61,22 +63,11 @@ fn run_role(role: &str, env: &[(&str, &std::ffi::OsStr)]) -> Output {
     .env("RDIST_TEST_ROLE", role)
     .env_remove(loader::LIBRARY_ENV)
     .env_remove("RDIST_DEBUG")
-    .env_remove("RDIST_BACKEND")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    .env_remove("RDIST_BACKEND");
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("role {role} took longer than 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::output_within(&mut cmd, Duration::from_secs(60), &format!("role {role}"));
     assert!(
         out.status.success(),
         "role {role} failed:\n{}\n{}",
