@@ -560,7 +560,7 @@ impl Comm {
     /// once, through the sockets (a peer waiting on this rank there would
     /// otherwise wait out its timeout).
     fn tell_peers_of_nccl_failures(&self) {
-        let engine = lock(&self.shared.engine);
+        let mut engine = lock(&self.shared.engine);
         let Some(n) = &engine.nccl else {
             return;
         };
@@ -580,6 +580,10 @@ impl Comm {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }));
+        // A failure found before the handler was in place.
+        if let Some(e) = n.failure() {
+            engine.backend.fail(e);
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -655,15 +659,30 @@ impl Comm {
             ));
         }
         // Wait for queued non-blocking calls: split comes after them.
+        // Each is bounded by the timeout; this bound is a backstop.
         self.shared.flush_deferred()?;
         {
+            let limit = self.shared.timeout * 4 + Duration::from_secs(10);
+            let started = Instant::now();
             let mut q = lock(&self.shared.queue);
             while q.unfinished > 0 {
+                let left = limit.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "rdist_comm_split: {} queued non-blocking call(s) did not finish within {:.1} s",
+                            q.unfinished,
+                            limit.as_secs_f64()
+                        ),
+                    ));
+                }
                 q = self
                     .shared
                     .queue_changed
-                    .wait(q)
-                    .unwrap_or_else(|p| p.into_inner());
+                    .wait_timeout(q, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);

@@ -551,6 +551,18 @@ fn worker_process() {
             device::sync(stream);
             assert_eq!(both.read(), encode_all(DType::Int64, [9, 8]));
             drop(sub);
+            // A barrier grouped with device calls joins NCCL's group.
+            let buf = device::Buffer::new(&encode_all(DType::Float32, [6, 7]));
+            rdist::group::start();
+            // SAFETY: the buffer is alive until the group ends and the
+            // stream is synchronised.
+            unsafe {
+                comm.run_on(in_place_sum(&buf, 2), Stream(stream)).unwrap();
+                comm.run_on(Call::Barrier, Stream(stream)).unwrap();
+                rdist::group::end().unwrap();
+            }
+            device::sync(stream);
+            assert_eq!(buf.read(), encode_all(DType::Float32, [6, 7]));
             // Host buffers on the same communicator run on the sockets.
             let mut host = [1.5f32, 2.5];
             comm.allreduce(&mut host, ReduceOp::Sum).unwrap();

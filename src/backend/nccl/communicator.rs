@@ -340,6 +340,32 @@ impl NcclComm {
         if let Some(e) = self.failure() {
             return Err(e);
         }
+        let barriers: Vec<Call>;
+        let calls = match calls.iter().any(|c| matches!(c, Call::Barrier)) {
+            false => calls,
+            true => {
+                // A barrier (alone or in a group) is a one-element sum on
+                // the scratch buffer.
+                let (scratch, _) = self.scratch()?;
+                let one = RawBuf::new(scratch as *const u8, 4);
+                barriers = calls
+                    .iter()
+                    .map(|c| match c {
+                        Call::Barrier => Call::AllReduce {
+                            send: one,
+                            recv: one,
+                            data: Data {
+                                count: 1,
+                                dtype: DType::Float32,
+                            },
+                            op: ReduceOp::Sum,
+                        },
+                        c => *c,
+                    })
+                    .collect();
+                &barriers[..]
+            }
+        };
         let result = self.issue(calls, streams, wait);
         if let Err(e) = &result {
             // A wait that timed out leaves work stuck on the GPU, and a
@@ -535,7 +561,9 @@ impl NcclComm {
             }
             Call::Send { buf, data, peer } => self.p2p(true, buf, data, peer, stream, deadline),
             Call::Recv { buf, data, peer } => self.p2p(false, buf, data, peer, stream, deadline),
-            Call::Barrier => Err(Error::internal("barrier reached NCCL's enqueue")),
+            Call::Barrier => Err(Error::internal(
+                "a barrier reached NCCL's enqueue unreplaced",
+            )),
         }
     }
 
@@ -565,42 +593,34 @@ impl NcclComm {
     }
 
     /// A barrier as NCCL users make one: a one-element allreduce on the
-    /// device, waited for on the host (bounded).
+    /// device (see `run`), on an internal stream, waited for on the host
+    /// (bounded).
     pub fn barrier(&mut self) -> Result<()> {
-        if let Some(e) = self.failure() {
-            return Err(e);
+        let (_, stream) = self.scratch()?;
+        // SAFETY: no caller buffers.
+        unsafe { self.run(&[Call::Barrier], &[stream], true) }
+    }
+
+    /// A one-element device buffer and a non-blocking stream for
+    /// barriers, made at the first one.
+    fn scratch(&mut self) -> Result<(usize, Stream)> {
+        if let Some(b) = self.barrier {
+            return Ok(b);
         }
-        let (scratch, stream) = match self.barrier {
-            Some(b) => b,
-            None => {
-                let _ctx = ContextGuard::push(self.context)?;
-                let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
-                // SAFETY: out-pointer to a local.
-                cuda::check("cuMemAlloc (barrier scratch)", || unsafe {
-                    cudarc::driver::sys::cuMemAlloc_v2(&mut dev, 4)
-                })?;
-                let mut s: cudarc::driver::sys::CUstream = std::ptr::null_mut();
-                // SAFETY: out-pointer to a local. Non-blocking: the
-                // barrier never waits on the legacy default stream.
-                cuda::check("cuStreamCreate (barrier)", || unsafe {
-                    cudarc::driver::sys::cuStreamCreate(&mut s, 1)
-                })?;
-                self.barrier = Some((dev as usize, Stream(s as usize)));
-                (dev as usize, Stream(s as usize))
-            }
-        };
-        let one = RawBuf::new(scratch as *const u8, 4);
-        let call = Call::AllReduce {
-            send: one,
-            recv: one,
-            data: Data {
-                count: 1,
-                dtype: DType::Float32,
-            },
-            op: ReduceOp::Sum,
-        };
-        // SAFETY: the scratch buffer lives as long as the communicator.
-        unsafe { self.run(&[call], &[stream], true) }
+        let _ctx = ContextGuard::push(self.context)?;
+        let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local.
+        cuda::check("cuMemAlloc (barrier scratch)", || unsafe {
+            cudarc::driver::sys::cuMemAlloc_v2(&mut dev, 4)
+        })?;
+        let mut s: cudarc::driver::sys::CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local. Non-blocking: a barrier never
+        // waits on the legacy default stream.
+        cuda::check("cuStreamCreate (barrier)", || unsafe {
+            cudarc::driver::sys::cuStreamCreate(&mut s, 1)
+        })?;
+        self.barrier = Some((dev as usize, Stream(s as usize)));
+        Ok((dev as usize, Stream(s as usize)))
     }
 
     /// `ncclCommSplit`, collective over this communicator (every rank
