@@ -6,7 +6,7 @@
 use crate::algorithms::Algo;
 use crate::backend::cuda::{self, Cuda, Stream};
 use crate::backend::nccl::communicator::{NcclComm, Raw};
-use crate::backend::route::{self, Route};
+use crate::backend::route::{self, Route, StagingPool};
 use crate::backend::socket::{Settings, SocketBackend};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
@@ -59,6 +59,8 @@ struct Engine {
     nccl: Option<NcclComm>,
     /// The CUDA driver, when this process can have device buffers.
     cuda: Option<&'static Cuda>,
+    /// Host buffers and events for staging device buffers (see `route`).
+    staging: StagingPool,
     trace: Option<Trace>,
     /// The rendezvous store this rank hosts, if any (lives with the comm).
     _server: Option<TcpStoreServer>,
@@ -193,6 +195,7 @@ impl Shared {
             trace,
             nccl,
             cuda,
+            staging,
             ..
         } = &mut *engine;
         if let Some(e) = nccl.as_ref().and_then(|n| n.failure()) {
@@ -238,9 +241,9 @@ impl Shared {
                 }
                 None => Err(Error::internal("device route without NCCL")),
             },
-            Route::Staged(staging) => {
+            Route::Staged(plan) => {
                 let deadline = Instant::now() + self.timeout;
-                staging.run(calls, deadline, |c| run_host(backend, trace, c))
+                plan.run(calls, deadline, staging, |c| run_host(backend, trace, c))
             }
         }
     }
@@ -510,6 +513,7 @@ impl Comm {
             backend,
             nccl,
             cuda: cuda::driver(),
+            staging: StagingPool::default(),
             trace: opts
                 .trace_file
                 .as_deref()
@@ -706,6 +710,7 @@ impl Comm {
             backend,
             nccl,
             cuda: engine.cuda,
+            staging: StagingPool::default(),
             trace: None,
             _server: None,
         };

@@ -200,19 +200,22 @@ pub struct Event {
 unsafe impl Send for Event {}
 
 impl Event {
-    /// An event recorded on `stream` now (a context must be current).
-    pub fn record(stream: Stream) -> Result<Event> {
+    /// A new event, not recorded yet.
+    pub fn new() -> Result<Event> {
         let mut raw: CUevent = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         check("cuEventCreate", || unsafe {
             cu::cuEventCreate(&mut raw, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
         })?;
-        let event = Event { raw };
+        Ok(Event { raw })
+    }
+
+    /// Records the event on `stream` now (again, for a reused event).
+    pub fn record_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: a live event and the caller's stream.
         check("cuEventRecord", || unsafe {
-            cu::cuEventRecord(event.raw, stream.as_cu())
-        })?;
-        Ok(event)
+            cu::cuEventRecord(self.raw, stream.as_cu())
+        })
     }
 
     /// Whether the work before the event has finished.

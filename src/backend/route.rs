@@ -54,6 +54,65 @@ pub(crate) fn route(
     Route::Staged(Staging::new(device))
 }
 
+/// Host buffers kept for the next staged call (allocating and faulting
+/// in fresh pages per call costs more than the copies).
+const POOLED: usize = 4;
+
+/// What staged calls keep between calls: host buffers, and one event per
+/// context to wait on copies with.
+#[derive(Default)]
+pub(crate) struct StagingPool {
+    bufs: Vec<Vec<u8>>,
+    events: Vec<(usize, Event)>,
+}
+
+impl StagingPool {
+    /// Records an event for `context` on `stream` and waits for it.
+    fn wait(
+        &mut self,
+        context: usize,
+        stream: Stream,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<()> {
+        let i = match self.events.iter().position(|(c, _)| *c == context) {
+            Some(i) => i,
+            None => {
+                self.events.push((context, Event::new()?));
+                self.events.len() - 1
+            }
+        };
+        let event = &self.events[i].1;
+        event.record_on(stream)?;
+        event.wait(deadline, what)
+    }
+}
+
+/// A host buffer of `len` bytes from `pool` (its old bytes are overwritten
+/// by the copy in), or a new one.
+fn take(pool: &mut Vec<Vec<u8>>, len: usize) -> Vec<u8> {
+    let mut buf = match pool.iter().position(|b| b.capacity() >= len) {
+        Some(i) => pool.swap_remove(i),
+        None => Vec::new(),
+    };
+    buf.resize(len, 0);
+    buf
+}
+
+/// Returns `buf` to `pool`; a full pool keeps its largest buffers (the
+/// sizes in use now, not those of earlier calls).
+fn give_back(pool: &mut Vec<Vec<u8>>, buf: Vec<u8>) {
+    if pool.len() < POOLED {
+        pool.push(buf);
+        return;
+    }
+    if let Some(smallest) = pool.iter_mut().min_by_key(|b| b.capacity()) {
+        if smallest.capacity() < buf.capacity() {
+            *smallest = buf;
+        }
+    }
+}
+
 /// Host copies of a batch's device buffers. Overlapping buffers (in-place
 /// calls) share one copy, so the host call sees the same aliasing.
 pub(crate) struct Staging {
@@ -108,18 +167,39 @@ impl Staging {
         mut self,
         calls: &[Call],
         deadline: Instant,
+        pool: &mut StagingPool,
         host: impl FnOnce(&[Call]) -> Result<()>,
     ) -> Result<()> {
         for r in &mut self.regions {
-            r.host = vec![0u8; r.len];
-            // Written regions are copied in too: the copy back writes the
-            // whole region, including bytes the call leaves alone (a
-            // non-root's receive buffer).
-            if r.read || r.written {
-                let _ctx = ContextGuard::push(r.context)?;
-                cuda::copy_to_host(r.host.as_mut_ptr(), r.device, r.len, r.stream)?;
-                Event::record(r.stream)?.wait(deadline, "copying a device buffer to the host")?;
-            }
+            r.host = take(&mut pool.bufs, r.len);
+        }
+        let result = self.copy_run_copy(calls, deadline, pool, host);
+        for r in &mut self.regions {
+            give_back(&mut pool.bufs, std::mem::take(&mut r.host));
+        }
+        result
+    }
+
+    unsafe fn copy_run_copy(
+        &mut self,
+        calls: &[Call],
+        deadline: Instant,
+        pool: &mut StagingPool,
+        host: impl FnOnce(&[Call]) -> Result<()>,
+    ) -> Result<()> {
+        // Only regions read are copied in: a call writes every byte of
+        // each receive buffer it has (those a rank does not use, like a
+        // non-root's in reduce, are empty in its Call), so the copy back
+        // never returns bytes the call left alone.
+        for r in self.regions.iter_mut().filter(|r| r.read) {
+            let _ctx = ContextGuard::push(r.context)?;
+            cuda::copy_to_host(r.host.as_mut_ptr(), r.device, r.len, r.stream)?;
+            pool.wait(
+                r.context,
+                r.stream,
+                deadline,
+                "copying a device buffer to the host",
+            )?;
         }
         let staged: Vec<Call> = calls
             .iter()
@@ -130,7 +210,12 @@ impl Staging {
             if r.written {
                 let _ctx = ContextGuard::push(r.context)?;
                 cuda::copy_to_device(r.device, r.host.as_ptr(), r.len, r.stream)?;
-                Event::record(r.stream)?.wait(deadline, "copying a result back to the device")?;
+                pool.wait(
+                    r.context,
+                    r.stream,
+                    deadline,
+                    "copying a result back to the device",
+                )?;
             }
         }
         Ok(())

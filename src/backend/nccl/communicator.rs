@@ -4,7 +4,7 @@
 
 use super::loader::{NcclLibrary, RawResult, NCCL_SUCCESS};
 use super::watchdog::Watchdog;
-use crate::backend::cuda::{self, ContextGuard, Event, Stream};
+use crate::backend::cuda::{self, ContextGuard, Stream};
 use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
@@ -419,11 +419,12 @@ impl NcclComm {
                 continue;
             }
             seen.push(stream);
-            let event = Event::record(stream)?;
-            if wait {
-                event.wait(deadline, &format!("NCCL {}", call.name()))?;
-            } else {
-                self.watchdog.watch(event, describe(call));
+            match wait {
+                true => {
+                    self.watchdog
+                        .wait_stream(stream, deadline, &format!("NCCL {}", call.name()))?
+                }
+                false => self.watchdog.watch_stream(stream, describe(call))?,
             }
         }
         Ok(())

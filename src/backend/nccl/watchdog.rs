@@ -5,7 +5,7 @@
 //! next call, on this rank and, through `on_failure`, on its peers.
 
 use super::communicator::Raw;
-use crate::backend::cuda::{ContextGuard, Event};
+use crate::backend::cuda::{ContextGuard, Event, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +33,9 @@ struct Inner {
     pending: Mutex<VecDeque<Pending>>,
     changed: Condvar,
     failed: Mutex<Option<Error>>,
+    /// Finished events, for reuse (creating one per call costs more than
+    /// recording it).
+    spare: Mutex<Vec<Event>>,
     stopping: AtomicBool,
     on_failure: Mutex<Option<OnFailure>>,
 }
@@ -61,6 +64,7 @@ impl Watchdog {
             pending: Mutex::new(VecDeque::new()),
             changed: Condvar::new(),
             failed: Mutex::new(None),
+            spare: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             on_failure: Mutex::new(None),
         });
@@ -78,6 +82,33 @@ impl Watchdog {
     /// Sets what to do on a failure (after the communicator exists).
     pub fn on_failure(&self, f: OnFailure) {
         *lock(&self.inner.on_failure) = Some(f);
+    }
+
+    /// Records an event on `stream` and watches the work before it
+    /// (named `what` in a timeout). Reuses finished events.
+    pub fn watch_stream(&self, stream: Stream, what: String) -> Result<()> {
+        let event = self.event()?;
+        event.record_on(stream)?;
+        self.watch(event, what);
+        Ok(())
+    }
+
+    /// Waits (bounded) for the work on `stream` so far, on a reused event.
+    pub fn wait_stream(&self, stream: Stream, deadline: Instant, what: &str) -> Result<()> {
+        let event = self.event()?;
+        event.record_on(stream)?;
+        let waited = event.wait(deadline, what);
+        if waited.is_ok() {
+            self.inner.recycle(event);
+        }
+        waited
+    }
+
+    fn event(&self) -> Result<Event> {
+        match lock(&self.inner.spare).pop() {
+            Some(e) => Ok(e),
+            None => Event::new(),
+        }
     }
 
     /// Watches work up to `event` (named `what` in a timeout).
@@ -118,6 +149,7 @@ impl Watchdog {
             let _ = t.join();
         }
         lock(&self.inner.pending).clear();
+        lock(&self.inner.spare).clear();
         self.failure().is_some()
     }
 }
@@ -154,7 +186,9 @@ impl Inner {
         while let Some(p) = pending.front() {
             match p.event.done() {
                 Ok(true) => {
-                    pending.pop_front();
+                    if let Some(p) = pending.pop_front() {
+                        self.recycle(p.event);
+                    }
                 }
                 Ok(false) if p.since.elapsed() > self.timeout => {
                     return Some(Error::new(
@@ -173,6 +207,14 @@ impl Inner {
             }
         }
         None
+    }
+
+    /// Keeps a finished event for reuse.
+    fn recycle(&self, event: Event) {
+        let mut spare = lock(&self.spare);
+        if spare.len() < 64 {
+            spare.push(event);
+        }
     }
 
     /// Records the first failure, aborts NCCL and (for failures found
