@@ -189,6 +189,37 @@ impl Shared {
     /// worker (non-blocking twins, which have no stream): their device
     /// work runs on the default stream and is finished when they return.
     unsafe fn run_now(&self, calls: &[Call], streams: Option<&[Stream]>) -> Result<()> {
+        self.dispatch(calls, streams, false)
+            .unwrap_or_else(|| Err(Error::internal("a call was left unrun")))
+    }
+
+    /// Enqueues `calls` on NCCL now if that is where they all go (None
+    /// otherwise, leaving them to `run_batch`). A group's device batches
+    /// are enqueued this way one communicator after another, in the order
+    /// of the group, so that kernels sharing a stream queue in the same
+    /// order on every rank.
+    ///
+    /// # Safety
+    /// Device buffers valid until the work on their streams is done.
+    pub(crate) unsafe fn try_device_batch(
+        &self,
+        calls: &[Call],
+        streams: &[Stream],
+    ) -> Option<Result<()>> {
+        if self.queued.load(Ordering::Acquire) > 0 || self.has_deferred.load(Ordering::Acquire) {
+            return None; // behind queued calls: run_batch keeps the order
+        }
+        self.dispatch(calls, Some(streams), true)
+    }
+
+    /// Runs `calls` where their buffers say; with `device_only`, only when
+    /// that is NCCL (None otherwise, nothing run).
+    unsafe fn dispatch(
+        &self,
+        calls: &[Call],
+        streams: Option<&[Stream]>,
+        device_only: bool,
+    ) -> Option<Result<()>> {
         let mut engine = lock(&self.engine);
         let Engine {
             backend,
@@ -198,18 +229,21 @@ impl Shared {
             staging,
             ..
         } = &mut *engine;
+        if nccl.is_none() && device_only {
+            return None;
+        }
         if let Some(e) = nccl.as_ref().and_then(|n| n.failure()) {
             backend.fail(e.clone());
-            return Err(e);
+            return Some(Err(e));
         }
         if self.signal.is_aborted() {
-            return Err(Error::new(
+            return Some(Err(Error::new(
                 ErrorKind::Aborted,
                 format!("the communicator was aborted (rank {})", self.rank),
-            ));
+            )));
         }
         let Some(cuda) = cuda else {
-            return run_host(backend, trace, calls);
+            return (!device_only).then(|| run_host(backend, trace, calls));
         };
         let background = streams.is_none();
         let defaults;
@@ -226,24 +260,25 @@ impl Shared {
             if let (Err(e), Some(_)) = (&r, n.failure()) {
                 backend.fail(e.clone());
             }
-            r
+            Some(r)
         };
         if let (Some(n), [Call::Barrier]) = (nccl.as_mut(), calls) {
             let r = n.barrier();
             return on_nccl(n, backend, r);
         }
         match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.place())) {
-            Route::Host => run_host(backend, trace, calls),
             Route::Device => match nccl.as_mut() {
                 Some(n) => {
                     let r = n.run(calls, streams, background);
                     on_nccl(n, backend, r)
                 }
-                None => Err(Error::internal("device route without NCCL")),
+                None => Some(Err(Error::internal("device route without NCCL"))),
             },
+            _ if device_only => None,
+            Route::Host => Some(run_host(backend, trace, calls)),
             Route::Staged(plan) => {
                 let deadline = Instant::now() + self.timeout;
-                plan.run(calls, deadline, staging, |c| run_host(backend, trace, c))
+                Some(plan.run(calls, deadline, staging, |c| run_host(backend, trace, c)))
             }
         }
     }

@@ -64,6 +64,33 @@ pub unsafe fn end() -> Result<()> {
             None => per_comm.push((comm, vec![call], vec![stream])),
         }
     }
+    // Device batches first, enqueued here in group order (see
+    // `try_device_batch`); the rest run below, concurrently across
+    // communicators.
+    let mut first_error = None;
+    per_comm.retain(
+        |(comm, calls, streams)| match comm.try_device_batch(calls, streams) {
+            Some(r) => {
+                if first_error.is_none() {
+                    first_error = r.err();
+                }
+                false
+            }
+            None => true,
+        },
+    );
+    let rest = run_concurrently(per_comm);
+    match first_error {
+        Some(e) => Err(e),
+        None => rest,
+    }
+}
+
+/// Runs each communicator's calls, different communicators concurrently.
+///
+/// # Safety
+/// As `end`.
+unsafe fn run_concurrently(per_comm: Vec<(Arc<Shared>, Vec<Call>, Vec<Stream>)>) -> Result<()> {
     match per_comm.len() {
         0 => Ok(()),
         1 => {

@@ -550,6 +550,20 @@ fn worker_process() {
             unsafe { sub.run_on(call, Stream(stream)) }.unwrap();
             device::sync(stream);
             assert_eq!(both.read(), encode_all(DType::Int64, [9, 8]));
+            // One group over two NCCL communicators (enqueued in group
+            // order on this thread).
+            let a = device::Buffer::new(&encode_all(DType::Float32, [1, 2]));
+            let b = device::Buffer::new(&encode_all(DType::Float32, [3, 4]));
+            rdist::group::start();
+            // SAFETY: buffers alive until the stream is synchronised.
+            unsafe {
+                comm.run_on(in_place_sum(&a, 2), Stream(stream)).unwrap();
+                sub.run_on(in_place_sum(&b, 2), Stream(stream)).unwrap();
+                rdist::group::end().unwrap();
+            }
+            device::sync(stream);
+            assert_eq!(a.read(), encode_all(DType::Float32, [1, 2]));
+            assert_eq!(b.read(), encode_all(DType::Float32, [3, 4]));
             drop(sub);
             // A barrier grouped with device calls joins NCCL's group.
             let buf = device::Buffer::new(&encode_all(DType::Float32, [6, 7]));
