@@ -1,9 +1,11 @@
 """Element types, reductions, and turning Python buffers into (address,
 count, dtype) for the C calls.
 
-Buffers are numpy arrays or any object with the buffer protocol
-(memoryview, bytearray, array.array, ctypes arrays, bytes for inputs). They
-must be C-contiguous: a collective reads and writes them as one flat run of
+Buffers are numpy arrays, any object with the buffer protocol
+(memoryview, bytearray, array.array, ctypes arrays, bytes for inputs), or
+device arrays exposing ``__cuda_array_interface__`` (CuPy, PyTorch CUDA
+tensors, Numba): those go to rdist as device pointers, on the stream the
+interface names. They must be C-contiguous: a collective reads and writes them as one flat run of
 elements, and copying silently would break in-place calls. numpy is only
 imported by the caller: a numpy array is recognised when numpy is already
 loaded, so this module works without it.
@@ -196,15 +198,18 @@ class Pinned:
     object (and, for buffer-protocol objects, an export that stops e.g. a
     bytearray from being resized) until :meth:`release`."""
 
-    __slots__ = ("obj", "address", "nbytes", "dtype", "type_name", "_view")
+    __slots__ = ("obj", "address", "nbytes", "dtype", "type_name", "_view", "stream")
 
-    def __init__(self, obj, address, nbytes, dtype, type_name, view=None):
+    def __init__(self, obj, address, nbytes, dtype, type_name, view=None, stream=None):
         self.obj = obj
         self.address = address
         self.nbytes = nbytes
         self.dtype = dtype
         self.type_name = type_name
         self._view = view
+        # For device arrays: the CUDA stream their data is valid on (an int
+        # handle; 1 and 2 are CUDA's legacy and per-thread default streams).
+        self.stream = stream
 
     def release(self):
         """Ends the export; idempotent."""
@@ -267,8 +272,52 @@ def _pin_buffer(obj, what, writable):
     return pinned
 
 
+# __cuda_array_interface__ typestr -> dtype ("<V2"-style bfloat16 has no
+# standard spelling, so it needs dtype=).
+_CUDA_TYPESTR = {
+    "i1": DType.INT8, "u1": DType.UINT8, "b1": DType.UINT8,
+    "i4": DType.INT32, "u4": DType.UINT32, "i8": DType.INT64, "u8": DType.UINT64,
+    "f2": DType.FLOAT16, "f4": DType.FLOAT32, "f8": DType.FLOAT64,
+}
+
+
+def _pin_cuda(obj, what, writable):
+    """A device array through ``__cuda_array_interface__`` (version 2 or 3)."""
+    cai = obj.__cuda_array_interface__
+    address, readonly = cai["data"]
+    shape = tuple(cai["shape"])
+    typestr = cai["typestr"]
+    itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 0
+    strides = cai.get("strides")
+    if strides is not None:
+        expected, step = [], itemsize
+        for extent in reversed(shape):
+            expected.append(step)
+            step *= extent
+        if tuple(strides) != tuple(reversed(expected)) and 0 not in shape:
+            raise InvalidArgumentError(
+                f"{what} must be C-contiguous, but this device array (shape {shape}, "
+                f"strides {tuple(strides)}) is not; make a contiguous copy first"
+            )
+    if writable and readonly:
+        raise InvalidArgumentError(f"{what} is a read-only device array, but the call writes to it")
+    nbytes = itemsize
+    for extent in shape:
+        nbytes *= extent
+    native = typestr[0] in "|" + _NATIVE_ORDER
+    dtype = _CUDA_TYPESTR.get(typestr[1:]) if native else None
+    # Version 3: None means "no synchronisation needed" (the default stream
+    # serves); otherwise the producer's stream, on which rdist then runs.
+    stream = cai.get("stream")
+    return Pinned(obj, address or 0, nbytes, dtype, f"device array {typestr}", stream=stream)
+
+
 def pin(obj, what, writable):
     """Pins ``obj`` for a C call; ``what`` names the argument in messages."""
+    # hasattr on the object, not its type: a CPU torch.Tensor's property
+    # raises AttributeError, and it is then a host buffer.
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _pin_cuda(obj, what, writable)
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return _pin_numpy(obj, what, writable)

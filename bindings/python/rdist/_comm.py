@@ -353,6 +353,16 @@ def wait_all(requests):
 # ---------------------------------------------------------------------------
 
 
+def _stream_of(pinned):
+    """The CUDA stream a blocking call runs on: the one a device array's
+    ``__cuda_array_interface__`` names (its data is valid there), else NULL
+    (the legacy default stream; ignored for host buffers)."""
+    for p in pinned:
+        if p is not None and p.stream:
+            return p.stream
+    return None
+
+
 class Comm:
     """A communicator: a group of ranks running collectives together.
 
@@ -531,7 +541,7 @@ class Comm:
                 check(function(*args, handle, ctypes.byref(request)))
             else:
                 function = getattr(lib, "rdist_" + base)
-                check(function(*args, handle, None) if args else function(handle))
+                check(function(*args, handle, _stream_of(pinned)) if args else function(handle))
         except BaseException:
             _release_all(pinned)
             raise
