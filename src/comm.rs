@@ -619,6 +619,14 @@ impl Comm {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }));
+        let weak = Arc::downgrade(&self.shared);
+        n.watchdog().probe_peers(Box::new(move || {
+            // Only when no call holds the engine (one that does finds a
+            // closed connection itself).
+            let shared = weak.upgrade()?;
+            let engine = shared.engine.try_lock().ok()?;
+            engine.backend.closed_peer()
+        }));
         // A failure found before the handler was in place.
         if let Some(e) = n.failure() {
             engine.backend.fail(e);

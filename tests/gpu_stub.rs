@@ -729,6 +729,42 @@ fn worker_process() {
             println!("KIND {:?}", err.kind());
             println!("ERROR {}", err.message());
         }
+        // Two ranks (processes), NCCL work stalled; rank 1 dies.
+        "peer_dies" => {
+            let rank: i64 = std::env::var("RANK").unwrap().parse().unwrap();
+            let port = std::env::var("PORT").unwrap();
+            device::use_device(rank as i32);
+            let comm = Comm::init(
+                &format!("tcp://127.0.0.1:{port}"),
+                rank,
+                2,
+                &options(&[("backend", "nccl"), ("timeout_ms", "30000")]),
+            )
+            .unwrap();
+            let buf = device::Buffer::zeroed(64);
+            let call = in_place_sum(&buf, 16);
+            let started = Instant::now();
+            // SAFETY: the buffer outlives the (aborted) work.
+            unsafe { comm.run_on(call, Stream::DEFAULT) }.expect("enqueueing succeeds");
+            if rank == 1 {
+                // Dies with its work in flight: no destructor runs.
+                std::process::exit(0);
+            }
+            let err = loop {
+                std::thread::sleep(Duration::from_millis(50));
+                // SAFETY: as above.
+                if let Err(e) = unsafe { comm.run_on(call, Stream::DEFAULT) } {
+                    break e;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(25),
+                    "no error after 25 s"
+                );
+            };
+            println!("KIND {:?}", err.kind());
+            println!("ERROR {}", err.message());
+            println!("AFTER {:.1}", started.elapsed().as_secs_f64());
+        }
         // rdist_comm_abort on an NCCL communicator.
         "abort" => {
             device::use_device(0);
@@ -1026,4 +1062,47 @@ fn the_benchmark_compares_rdist_and_direct_nccl_on_device_buffers() {
         assert_eq!(cols.last(), Some(&"0"), "{row}");
         assert_ne!(cols[cols.len() - 3], "-", "no direct NCCL time: {row}");
     }
+}
+
+#[test]
+fn a_peer_dying_with_nccl_work_in_flight_is_found_within_seconds() {
+    // The timeout is 30 s: the sockets, not the timeout, must end the wait.
+    let port = common_port();
+    let env = |rank: &'static str| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("PORT", port.to_string()),
+            ("RDIST_STUB_DEVICES", "2".to_string()),
+            ("RDIST_STUB_NCCL_HANG", "1".to_string()),
+        ]
+    };
+    let spawn = |rank: &'static str| {
+        let vars = env(rank);
+        std::thread::spawn(move || {
+            let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            run_role("peer_dies", &vars, true)
+        })
+    };
+    let (zero, one) = (spawn("0"), spawn("1"));
+    let (out, log) = zero.join().unwrap();
+    one.join().unwrap();
+    let text = stdout(&out);
+    assert!(text.contains("KIND PeerLost"), "{text}\n{}", stderr(&out));
+    assert!(text.contains("rank 1's connection closed"), "{text}");
+    let after: f64 = text
+        .lines()
+        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(after < 10.0, "found after {after} s");
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
+}
+
+fn common_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }

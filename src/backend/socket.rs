@@ -189,6 +189,11 @@ impl SocketBackend {
         self.transport.close();
     }
 
+    /// A peer whose connection has closed (see `StreamTransport::closed_peer`).
+    pub fn closed_peer(&self) -> Option<usize> {
+        self.transport.closed_peer()
+    }
+
     /// Fails the communicator with `e` (another part of it failed, e.g.
     /// NCCL) and tells every reachable peer.
     pub fn fail(&mut self, e: Error) {

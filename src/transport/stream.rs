@@ -830,6 +830,37 @@ impl StreamTransport {
         Ok(())
     }
 
+    /// A peer whose connection has closed or failed, found without
+    /// reading (poll with no wait), or None. For callers that are not
+    /// inside an exchange (NCCL's watchdog): a closed connection there
+    /// means the peer is gone, or left while work with it was in flight.
+    pub fn closed_peer(&self) -> Option<usize> {
+        let mut fds = Vec::new();
+        let mut peers = Vec::new();
+        for (peer, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if conn.gone.is_some() {
+                return Some(peer);
+            }
+            fds.push(libc::pollfd {
+                fd: conn.chan.fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            });
+            peers.push(peer);
+        }
+        // SAFETY: fds is a live, correctly sized array of pollfd.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        if rc <= 0 {
+            return None;
+        }
+        let closed = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        fds.iter()
+            .zip(peers)
+            .find(|(f, _)| f.revents & closed != 0)
+            .map(|(_, peer)| peer)
+    }
+
     fn timeout_error(&self, p: &Progress) -> Error {
         let waiting = self.waiting_for(p);
         let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();

@@ -16,9 +16,18 @@ use std::time::{Duration, Instant};
 /// How often the watchdog looks.
 const PERIOD: Duration = Duration::from_millis(20);
 
+/// How long work may be in flight before the watchdog also asks whether a
+/// peer's connection closed (a dead peer leaves NCCL's kernels waiting
+/// forever; the sockets know within moments).
+const PROBE_AFTER: Duration = Duration::from_millis(500);
+
 /// What to do when NCCL fails (tell the peers): given the error and a
 /// flag that turns true when the watchdog is being stopped.
 pub(crate) type OnFailure = Box<dyn Fn(&Error, &AtomicBool) + Send + Sync>;
+
+/// Asks the sockets whether a peer is gone (None when all are there, or
+/// when that cannot be asked right now).
+pub(crate) type ProbePeers = Box<dyn Fn() -> Option<usize> + Send + Sync>;
 
 pub(crate) struct Watchdog {
     inner: Arc<Inner>,
@@ -38,6 +47,7 @@ struct Inner {
     spare: Mutex<Vec<Event>>,
     stopping: AtomicBool,
     on_failure: Mutex<Option<OnFailure>>,
+    probe: Mutex<Option<ProbePeers>>,
 }
 
 struct Pending {
@@ -67,6 +77,7 @@ impl Watchdog {
             spare: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             on_failure: Mutex::new(None),
+            probe: Mutex::new(None),
         });
         let me = inner.clone();
         let thread = std::thread::Builder::new()
@@ -82,6 +93,11 @@ impl Watchdog {
     /// Sets what to do on a failure (after the communicator exists).
     pub fn on_failure(&self, f: OnFailure) {
         *lock(&self.inner.on_failure) = Some(f);
+    }
+
+    /// Sets how to ask whether a peer is gone.
+    pub fn probe_peers(&self, f: ProbePeers) {
+        *lock(&self.inner.probe) = Some(f);
     }
 
     /// Records an event on `stream` and watches the work before it
@@ -189,6 +205,23 @@ impl Inner {
                     if let Some(p) = pending.pop_front() {
                         self.recycle(p.event);
                     }
+                }
+                Ok(false)
+                    if p.since.elapsed() > PROBE_AFTER && p.since.elapsed() <= self.timeout =>
+                {
+                    let gone = lock(&self.probe).as_ref().and_then(|probe| probe());
+                    if let Some(peer) = gone {
+                        return Some(Error::new(
+                            ErrorKind::PeerLost,
+                            format!(
+                                "rank {}: rank {peer}'s connection closed while {} was in flight on the GPU ({:.1} s); the NCCL communicator was aborted",
+                                self.rank,
+                                p.what,
+                                p.since.elapsed().as_secs_f64()
+                            ),
+                        ));
+                    }
+                    break;
                 }
                 Ok(false) if p.since.elapsed() > self.timeout => {
                     return Some(Error::new(
