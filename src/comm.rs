@@ -294,31 +294,29 @@ unsafe fn run_host(
     trace: &mut Option<Trace>,
     calls: &[Call],
 ) -> Result<()> {
-    {
-        let mut i = 0;
-        while i < calls.len() {
-            // Consecutive sends/receives run as one exchange.
-            let p2p = calls[i].is_p2p();
-            let end = match p2p {
-                true => calls[i..]
-                    .iter()
-                    .position(|c| !c.is_p2p())
-                    .map_or(calls.len(), |k| i + k),
-                false => i + 1,
-            };
-            let started = trace.as_ref().map(|_| Instant::now());
-            let result = match p2p {
-                true => backend.run_p2p(&calls[i..end]),
-                false => backend.run(&calls[i]),
-            };
-            if let (Some(t), Some(started)) = (trace.as_mut(), started) {
-                for c in &calls[i..end] {
-                    t.record(c, started, result.is_ok());
-                }
+    let mut i = 0;
+    while i < calls.len() {
+        // Consecutive sends/receives run as one exchange.
+        let p2p = calls[i].is_p2p();
+        let end = match p2p {
+            true => calls[i..]
+                .iter()
+                .position(|c| !c.is_p2p())
+                .map_or(calls.len(), |k| i + k),
+            false => i + 1,
+        };
+        let started = trace.as_ref().map(|_| Instant::now());
+        let result = match p2p {
+            true => backend.run_p2p(&calls[i..end]),
+            false => backend.run(&calls[i]),
+        };
+        if let (Some(t), Some(started)) = (trace.as_mut(), started) {
+            for c in &calls[i..end] {
+                t.record(c, started, result.is_ok());
             }
-            result?;
-            i = end;
         }
+        result?;
+        i = end;
     }
     Ok(())
 }
