@@ -582,6 +582,15 @@ const char *rdist_result_string(rdist_result_t result);
  */
 const char *rdist_last_error(void);
 
+/**
+ * NCCL's version as NCCL encodes it (e.g. 22105 for 2.21.5), from the
+ * library rdist loads for its NCCL backend (RDIST_NCCL_LIBRARY,
+ * libnccl.so.2, libnccl.so, a pip-installed nvidia-nccl-cu12). Needs no
+ * GPU. RDIST_ERR_UNAVAILABLE, with what was tried in rdist_last_error(),
+ * when no NCCL can be loaded.
+ */
+rdist_result_t rdist_nccl_version(int *version);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

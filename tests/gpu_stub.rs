@@ -636,6 +636,9 @@ fn worker_process() {
         }
         // backend=auto with the doubles: NCCL for one rank per device.
         "auto" => {
+            let mut code = -1;
+            let rc = rdist::ffi::version::rdist_nccl_version(&mut code);
+            println!("C_VERSION {} {code}", rc as i32);
             let comm = Comm::init_rank(
                 &Comm::unique_id().unwrap(),
                 0,
@@ -863,6 +866,11 @@ fn device_buffers_on_the_socket_backend_are_staged_through_host_memory() {
 fn auto_picks_nccl_when_every_rank_has_a_device() {
     let (out, _) = run_role("auto", &[], true);
     assert!(stdout(&out).contains("BACKEND Nccl"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("C_VERSION 0 22105"),
+        "{}",
+        stdout(&out)
+    );
     let err = stderr(&out);
     assert!(err.contains("NCCL 2.21.5 from"), "{err}");
     assert!(err.contains("device buffers run on NCCL"), "{err}");

@@ -128,7 +128,22 @@ fn worker_process() {
             std::fs::remove_dir_all(&dir).unwrap();
         }
         // RDIST_NCCL_LIBRARY (set by the parent), as rdist's own search.
-        "load_explicit" => report(loader::Search::from_env().load()),
+        // rdist_nccl_version with RDIST_NCCL_LIBRARY naming nothing.
+        "c_version_missing" => {
+            let mut code = -1;
+            let rc = rdist::ffi::version::rdist_nccl_version(&mut code);
+            // SAFETY: rdist_last_error returns a NUL-terminated string.
+            let why = unsafe { CStr::from_ptr(rdist::ffi::version::rdist_last_error()) };
+            println!("C_VERSION {} {code}", rc as i32);
+            println!("C_ERROR {}", why.to_string_lossy());
+        }
+        "load_explicit" => {
+            report(loader::Search::from_env().load());
+            // The same through the C API.
+            let mut code = -1;
+            let rc = rdist::ffi::version::rdist_nccl_version(&mut code);
+            println!("C_VERSION {} {code}", rc as i32);
+        }
         // A virtualenv holding the wheel: only the site-packages search.
         "load_from_venv" => {
             let dir = std::env::temp_dir().join(format!("rdist-nccl-venv-{}", std::process::id()));
@@ -219,6 +234,15 @@ fn an_explicit_library_that_is_missing_is_named() {
     let e = loader::Search::from_lookup(env).load().unwrap_err();
     assert!(e.contains("/no/such/libnccl.so.2 not found"), "{e}");
     assert!(e.contains(loader::LIBRARY_ENV), "{e}");
+    // Through the C API: RDIST_ERR_UNAVAILABLE (7), the version untouched.
+    let missing = std::ffi::OsStr::new("/no/such/libnccl.so.2");
+    let out = run_role("c_version_missing", &[(loader::LIBRARY_ENV, missing)]);
+    assert_eq!(field(&out, "C_VERSION"), "7 -1");
+    assert!(
+        field(&out, "C_ERROR").contains("/no/such/libnccl.so.2 not found"),
+        "{}",
+        field(&out, "C_ERROR")
+    );
 }
 
 #[test]
@@ -227,6 +251,13 @@ fn the_wheel_loads_through_rdist_nccl_library() {
     let out = run_role("load_explicit", &[(loader::LIBRARY_ENV, lib.as_os_str())]);
     assert_eq!(field(&out, "PATH"), lib.display().to_string());
     check_loaded(&out);
+    // rdist_nccl_version: RDIST_SUCCESS and NCCL's own code.
+    let code = field(&out, "VERSION")
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .to_string();
+    assert_eq!(field(&out, "C_VERSION"), format!("0 {code}"));
 }
 
 #[test]

@@ -47,3 +47,18 @@ pub extern "C" fn rdist_result_string(result: RawResult) -> *const c_char {
 pub extern "C" fn rdist_last_error() -> *const c_char {
     last_error_ptr()
 }
+
+/// NCCL's version as NCCL encodes it (e.g. 22105 for 2.21.5), from the
+/// library rdist loads for its NCCL backend (RDIST_NCCL_LIBRARY,
+/// libnccl.so.2, libnccl.so, a pip-installed nvidia-nccl-cu12). Needs no
+/// GPU. RDIST_ERR_UNAVAILABLE, with what was tried in rdist_last_error(),
+/// when no NCCL can be loaded.
+#[no_mangle]
+pub extern "C" fn rdist_nccl_version(version: *mut c_int) -> super::types::rdist_result_t {
+    super::boundary("rdist_nccl_version", None, || {
+        super::check_out(version, "version")?;
+        let lib = crate::backend::nccl::loader::load()
+            .map_err(|why| crate::error::Error::new(crate::error::ErrorKind::Unavailable, why))?;
+        super::write_out(version, "version", lib.version_code as c_int)
+    })
+}

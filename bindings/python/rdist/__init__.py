@@ -57,6 +57,22 @@ def library_version():
     return (packed // 10000, packed // 100 % 100, packed % 100)
 
 
+def nccl_version():
+    """The version of the NCCL library rdist would drive, as a (major,
+    minor, patch) tuple; needs no GPU. Raises UnavailableError, saying what
+    was tried, when no NCCL can be loaded."""
+    import ctypes
+
+    from ._errors import check
+
+    code = ctypes.c_int(-1)
+    check(_lib.rdist_nccl_version(ctypes.byref(code)))
+    packed = code.value
+    if packed >= 10000:  # NCCL_VERSION since 2.9: X*10000 + Y*100 + Z
+        return (packed // 10000, packed // 100 % 100, packed % 100)
+    return (packed // 1000, packed // 100 % 10, packed % 100)
+
+
 __all__ = [
     "AbortedError",
     "AuthError",
@@ -85,6 +101,7 @@ __all__ = [
     "init_rank",
     "library_path",
     "library_version",
+    "nccl_version",
     "unique_id",
     "wait_all",
 ]

@@ -48,3 +48,26 @@ def test_device_arrays_go_to_nccl_on_one_rank(stub_dir):
     )
     (result,) = expect_success(ranks)
     assert result["backend"].lower().endswith("nccl"), result
+
+
+def _python(code, **env):
+    import sys
+
+    from jobs import child_env
+
+    return subprocess.run(
+        [sys.executable, "-c", code], env=child_env(**env), capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_nccl_version_reads_the_library_rdist_would_load(stub_dir):
+    done = _python("import rdist; print(rdist.nccl_version())", RDIST_NCCL_LIBRARY=stub_dir / "libnccl.so.2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(2, 21, 5)"
+    missing = _python(
+        "import rdist\n"
+        "try:\n    rdist.nccl_version()\n"
+        "except rdist.UnavailableError as e:\n    print('UNAVAILABLE', e)\n",
+        RDIST_NCCL_LIBRARY="/no/such/libnccl.so.2",
+    )
+    assert "UNAVAILABLE" in missing.stdout and "/no/such/libnccl.so.2" in missing.stdout, missing
