@@ -428,3 +428,41 @@ fn shared_memory_segments_never_outlive_setup() {
         .collect();
     assert!(lasting.is_empty(), "leftover shared memory: {lasting:?}");
 }
+
+/// With spinning turned off (RDIST_SPIN_US=0), shared memory still makes
+/// progress: waits sleep on its doorbell (they used to poll descriptors
+/// that shared memory never wakes, and hung until the timeout).
+#[test]
+fn no_spinning_still_makes_progress_on_shared_memory() {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rdistrun"));
+    cmd.args(["--nproc-per-node", "3", env!("CARGO_BIN_EXE_rdist-bench")])
+        .args([
+            "--op",
+            "all",
+            "--max-bytes",
+            "64K",
+            "--seconds",
+            "0.01",
+            "--reps",
+            "1",
+        ])
+        .env("RDIST_SPIN_US", "0")
+        .env("RDIST_TIMEOUT_MS", "20000")
+        .env_remove("RDIST_TRANSPORT");
+    let out = common::output_within(
+        &mut cmd,
+        std::time::Duration::from_secs(60),
+        "rdist-bench, no spin",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("out of bounds values : 0 OK"), "{text}");
+    assert!(
+        text.contains("shared memory") || text.contains("transport auto"),
+        "{text}"
+    );
+}

@@ -965,10 +965,12 @@ impl StreamTransport {
                     }
                     continue;
                 }
-                if self.doorbell.is_some() {
-                    self.doze(xfers, p, deadline)?;
-                    continue;
-                }
+            }
+            // Shared memory wakes no descriptor: sleep on its doorbell
+            // (also with spinning turned off, RDIST_SPIN_US=0).
+            if self.doorbell.is_some() {
+                self.doze(xfers, p, deadline)?;
+                continue;
             }
             fds.clear();
             peers_of.clear();
