@@ -24,23 +24,24 @@ pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize) -> Result<()>
         }
         mask <<= 1;
     }
-    // Children: vr + m for every m below the bit we received on. Kept off
-    // the heap: a small broadcast is a few hundred nanoseconds in all.
-    let mut kids = [0usize; usize::BITS as usize];
-    let mut k = 0;
-    for m in std::iter::successors(Some(mask >> 1), |m| Some(m >> 1))
-        .take_while(|m| *m > 0)
-        .filter(|m| vr + m < n)
-    {
-        kids[k] = real(vr + m);
-        k += 1;
-    }
-    match kids[..k] {
-        [] => Ok(()),
-        [a] => link.exchange(&mut [link.send_xfer(a, buf)]),
-        [a, b] => link.exchange(&mut [link.send_xfer(a, buf), link.send_xfer(b, buf)]),
-        ref many => {
-            let mut xfers: Vec<_> = many.iter().map(|c| link.send_xfer(*c, buf)).collect();
+    // Children: vr + m for every m below the bit we received on. The
+    // usual one or two go off the heap: a small broadcast is a few hundred
+    // nanoseconds in all.
+    let kids = || {
+        std::iter::successors(Some(mask >> 1), |m| Some(m >> 1))
+            .take_while(|m| *m > 0)
+            .filter(move |m| vr + m < n)
+            .map(|m| real(vr + m))
+    };
+    let mut first = kids();
+    match (first.next(), first.next(), first.next()) {
+        (None, ..) => Ok(()),
+        (Some(a), None, _) => link.exchange(&mut [link.send_xfer(a, buf)]),
+        (Some(a), Some(b), None) => {
+            link.exchange(&mut [link.send_xfer(a, buf), link.send_xfer(b, buf)])
+        }
+        _ => {
+            let mut xfers: Vec<_> = kids().map(|c| link.send_xfer(c, buf)).collect();
             link.exchange(&mut xfers)
         }
     }

@@ -24,6 +24,19 @@ pub trait Channel: Send {
     fn peer_pid(&self) -> Option<i32> {
         None
     }
+    /// Writes `a` then `b` as one message if all of it fits now (channels
+    /// that keep message boundaries: shared memory); false, with nothing
+    /// written, when it does not or the channel cannot.
+    fn write_whole(&mut self, _a: &[u8], _b: &[u8]) -> bool {
+        false
+    }
+    /// The next whole message, lent without a copy, when one has arrived
+    /// and none of it was read yet (shared memory only). Release it with
+    /// `consume_whole(its length)`.
+    fn peek_whole(&self) -> Option<&[u8]> {
+        None
+    }
+    fn consume_whole(&mut self, _len: usize) {}
     /// Combines incoming bytes straight into `dst` (`combine(part of dst,
     /// incoming)`), in whole multiples of `unit` bytes, where the channel
     /// can lend them without a copy; returns how many bytes it combined

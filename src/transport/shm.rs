@@ -439,6 +439,41 @@ impl Ring {
         done
     }
 
+    /// The whole next record, lent without a copy: when it is published,
+    /// none of it was handed out yet and it does not wrap around the ring.
+    /// Release it with `consumed(len, len)`.
+    fn peek(&self) -> Option<&[u8]> {
+        if self.taken.get() != 0 {
+            return None;
+        }
+        let len = self.next_record()?;
+        let from = ((self.at.get() + RECORD_WORD as u64) % RING_BYTES as u64) as usize;
+        if from + len > RING_BYTES {
+            return None;
+        }
+        // SAFETY: inside the data area, in a published record that the
+        // writer does not touch until `tail` passes it.
+        Some(unsafe { std::slice::from_raw_parts(self.data.add(from), len) })
+    }
+
+    /// Publishes `a` then `b` as one record if all of it fits now; false
+    /// (nothing written) otherwise.
+    fn write_whole(&self, a: &[u8], b: &[u8]) -> bool {
+        let len = a.len() + b.len();
+        if len == 0 || len > MAX_RECORD {
+            return false;
+        }
+        let need = record_end(0, len) as usize;
+        let at = self.at.get();
+        if RING_BYTES - ((at - self.tail_seen.get()) as usize) < need {
+            self.tail_seen.set(self.tail().load(Ordering::Acquire));
+            if RING_BYTES - ((at - self.tail_seen.get()) as usize) < need {
+                return false;
+            }
+        }
+        self.write2(a, b) == len
+    }
+
     /// Publishes as much of `a` then `b` as fits as one record; returns how
     /// many bytes.
     fn write2(&self, a: &[u8], b: &[u8]) -> usize {
@@ -603,6 +638,24 @@ impl Channel for ShmChannel {
                 Ok(n)
             }
         }
+    }
+
+    fn write_whole(&mut self, a: &[u8], b: &[u8]) -> bool {
+        let written = self.to_peer.write_whole(a, b);
+        if written {
+            self.peer_bell.ring();
+        }
+        written
+    }
+
+    fn peek_whole(&self) -> Option<&[u8]> {
+        self.from_peer.peek()
+    }
+
+    fn consume_whole(&mut self, len: usize) {
+        self.from_peer.consumed(len, len);
+        // Space freed: a peer waiting to write may go on.
+        self.peer_bell.ring();
     }
 
     fn read_combine(
@@ -848,5 +901,61 @@ mod tests {
         assert_eq!(writer.write2(b"next", &[]), 4);
         assert_eq!(reader.read(&mut out), 4);
         assert_eq!(&out[..4], b"next");
+    }
+
+    #[test]
+    fn whole_records_are_all_or_nothing_and_mix_with_byte_reads() {
+        let name = format!("/rdist-test-whole-{}", std::process::id());
+        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
+        Segment::unlink(&name);
+        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        let mut out = vec![0u8; MAX_RECORD];
+        // Fill the ring with whole records until one no longer fits: that
+        // one writes nothing at all.
+        // 1070 bytes: records of 1088 bytes, which do not divide the ring,
+        // so some straddle its end.
+        let msg: Vec<u8> = (0..1070u32).map(|i| (i % 253) as u8).collect();
+        let mut written = 0;
+        while writer.write_whole(&msg[..40], &msg[40..]) {
+            written += 1;
+        }
+        let per = record_end(0, msg.len()) as usize;
+        assert_eq!(written, RING_BYTES / per);
+        assert!(writer.write2(&[], &[]) == 0);
+        // Read them back alternately lent whole and copied byte-wise; the
+        // reads free room, and a record that would wrap around the ring's
+        // end is never lent (it is read byte-wise instead).
+        let mut wrapped_seen = false;
+        for k in 0..4 * written {
+            if k >= written {
+                assert!(
+                    writer.write_whole(&msg[..40], &msg[40..]),
+                    "room after reads"
+                );
+            }
+            let at = (reader.at.get() % RING_BYTES as u64) as usize;
+            let wraps = at + RECORD_WORD + msg.len() > RING_BYTES;
+            match reader.peek() {
+                Some(rec) if k % 2 == 0 => {
+                    assert!(!wraps);
+                    assert_eq!(rec, &msg[..]);
+                    reader.consumed(rec.len(), rec.len());
+                }
+                lent => {
+                    assert!(lent.is_some() != wraps);
+                    wrapped_seen |= wraps;
+                    // Part of the record, then the rest: nothing is lent
+                    // while the record is half read.
+                    assert_eq!(reader.read(&mut out[..10]), 10);
+                    assert!(reader.peek().is_none());
+                    assert_eq!(reader.read(&mut out[10..msg.len()]), msg.len() - 10);
+                    assert_eq!(&out[..msg.len()], &msg[..]);
+                }
+            }
+        }
+        assert!(wrapped_seen, "some record straddled the ring's end");
+        assert!(reader.peek().is_none(), "an empty ring lends nothing");
+        assert!(!writer.write_whole(&[], &[]));
+        assert!(!writer.write_whole(&vec![0u8; MAX_RECORD + 1], &[]));
     }
 }
