@@ -491,3 +491,72 @@ fn large_broadcasts_pipeline_along_a_chain() {
         });
     }
 }
+
+/// Small messages go as whole shared-memory records (a fast path) and the
+/// rest through the general exchange; both read the same rings. Roots
+/// rotate so senders run ahead and records pile up, sizes straddle the
+/// fast path's limit (16 KiB), a rank lags now and then so waits fall
+/// back to the general loop mid-stream, and every result is checked.
+#[test]
+fn small_and_large_messages_interleave_on_shared_memory() {
+    let sizes = [8usize, 0, 1024, 16 << 10, (16 << 10) + 4, 40_000, 4];
+    for n in [2, 3] {
+        common::world(
+            n,
+            common::opts(30_000),
+            Duration::from_secs(120),
+            move |comm| {
+                let rank = comm.rank();
+                for it in 0..600usize {
+                    let bytes = sizes[it % sizes.len()];
+                    let root = it % n;
+                    let fill = |i: usize| (it * 31 + i * 7 + root) as u8;
+                    let mut buf: Vec<u8> = (0..bytes)
+                        .map(|i| if rank == root { fill(i) } else { 0xEE })
+                        .collect();
+                    let p = buf.as_mut_ptr();
+                    run(
+                        &comm,
+                        OpKind::Broadcast,
+                        p,
+                        p,
+                        bytes,
+                        DType::Uint8,
+                        ReduceOp::Sum,
+                        root,
+                    );
+                    let bad = (0..bytes).find(|&i| buf[i] != fill(i));
+                    assert!(
+                        bad.is_none(),
+                        "rank {rank}: broadcast #{it} of {bytes} B wrong at {bad:?}"
+                    );
+                    if it % 5 == 0 {
+                        let count = bytes / 4;
+                        let mut v: Vec<u8> = (0..count)
+                            .flat_map(|i| (((rank + 1) * (i + it) % 1000) as u32).to_le_bytes())
+                            .collect();
+                        let p = v.as_mut_ptr();
+                        run(
+                            &comm,
+                            OpKind::AllReduce,
+                            p,
+                            p,
+                            count,
+                            DType::Uint32,
+                            ReduceOp::Sum,
+                            0,
+                        );
+                        for (i, w) in v.chunks(4).enumerate() {
+                            let want: usize = (0..n).map(|r| (r + 1) * (i + it) % 1000).sum();
+                            let got = u32::from_le_bytes(w.try_into().unwrap()) as usize;
+                            assert_eq!(got, want, "rank {rank}: allreduce #{it} element {i}");
+                        }
+                    }
+                    if rank == n - 1 && it % 97 == 0 {
+                        std::thread::sleep(Duration::from_millis(3));
+                    }
+                }
+            },
+        );
+    }
+}

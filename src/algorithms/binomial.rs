@@ -9,8 +9,11 @@ use crate::reduce::{self, ReduceOp};
 /// Position relative to the root, and its inverse.
 fn relative(link: &Link<'_>, root: usize) -> (usize, usize, impl Fn(usize) -> usize) {
     let n = link.size();
-    let vr = (link.rank() + n - root) % n;
-    (vr, n, move |v: usize| (v + root) % n)
+    // Both operands are below n: a compare instead of a division (a small
+    // broadcast is a few hundred cycles in all).
+    let wrap = move |v: usize| if v >= n { v - n } else { v };
+    let vr = wrap(link.rank() + n - root);
+    (vr, n, move |v: usize| wrap(v + root))
 }
 
 /// Root's `buf` ends up in every rank's `buf`.

@@ -23,26 +23,27 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use types::rdist_result_t;
 
 thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    // Const-initialised (every call clears it); None reads as "".
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
 }
 
 fn set_last_error(text: String) {
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
 }
 
 /// Empties the last error without allocating (every call starts so).
 fn clear_last_error() {
     LAST_ERROR.with(|e| {
-        if !e.borrow().as_bytes().is_empty() {
-            *e.borrow_mut() = CString::default();
+        if e.borrow().is_some() {
+            *e.borrow_mut() = None;
         }
     });
 }
 
 /// Pointer to this thread's last error text (valid until the next call).
 pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(c"".as_ptr(), |c| c.as_ptr()))
 }
 
 /// The panic boundary every export goes through: runs `body`, maps its

@@ -479,8 +479,19 @@ impl StreamTransport {
             // Between frames, with this exchange complete, leave the next
             // frames where they are: the next call reads them straight into
             // its buffers, instead of into the inbox now and copied later.
-            if p.remaining == 0 && matches!(conn.incoming, Incoming::Header { got: 0, .. }) {
+            let between_frames = matches!(conn.incoming, Incoming::Header { got: 0, .. });
+            if p.remaining == 0 && between_frames {
                 return Ok(());
+            }
+            // The next frame for the posted receive, whole in one record
+            // (small messages over shared memory): no header/payload steps.
+            if let (true, Some(&i)) = (between_frames, p.recvs[peer].front()) {
+                if conn.inbox.is_empty() && read_whole(&mut *conn.chan, &mut xfers[i]) {
+                    self.moved = self.moved.wrapping_add(1);
+                    p.recvs[peer].pop_front();
+                    p.remaining -= 1;
+                    continue;
+                }
             }
             // Receive-and-reduce on a channel that can lend its bytes
             // (shared memory): combine straight out of the ring, no staging.
@@ -1190,7 +1201,7 @@ impl StreamTransport {
     /// expected frame: `run` reads that one and says what is wrong).
     fn whole_transfer(&mut self, x: &mut Xfer<'_>) -> bool {
         let conn = self.conns[x.peer].as_mut().expect("checked by whole_ready");
-        match &mut x.dir {
+        match x.dir {
             Dir::Send(data) => {
                 data.len() <= WHOLE_MAX_BYTES
                     && data.len() < self.single_copy_min
@@ -1198,25 +1209,33 @@ impl StreamTransport {
                         .chan
                         .write_whole(&Header::data(x.desc, data.len()).encode(), data)
             }
-            Dir::Recv(buf) | Dir::RecvReduce(buf, ..) => {
-                let len = buf.len();
-                if len > WHOLE_MAX_BYTES {
-                    return false;
-                }
-                let Some(record) = conn.chan.peek_whole() else {
-                    return false;
-                };
-                if record.len() != HEADER_BYTES + len
-                    || !same_header(&record[..HEADER_BYTES], &Header::data(x.desc, len).encode())
-                {
-                    return false;
-                }
-                deliver(&mut x.dir, &record[HEADER_BYTES..]);
-                conn.chan.consume_whole(HEADER_BYTES + len);
-                true
-            }
+            Dir::Recv(_) | Dir::RecvReduce(..) => read_whole(&mut *conn.chan, x),
         }
     }
+}
+
+/// Completes receive `x` from the next record of `chan` when that record
+/// is exactly the frame expected (header and length); false otherwise,
+/// leaving the record where it is.
+fn read_whole(chan: &mut dyn Channel, x: &mut Xfer<'_>) -> bool {
+    let Some(buf) = x.dir.recv_buf() else {
+        return false;
+    };
+    let len = buf.len();
+    if len > WHOLE_MAX_BYTES {
+        return false;
+    }
+    let Some(record) = chan.peek_whole() else {
+        return false;
+    };
+    if record.len() != HEADER_BYTES + len
+        || !same_header(&record[..HEADER_BYTES], &Header::data(x.desc, len).encode())
+    {
+        return false;
+    }
+    deliver(&mut x.dir, &record[HEADER_BYTES..]);
+    chan.consume_whole(HEADER_BYTES + len);
+    true
 }
 
 impl Transport for StreamTransport {
