@@ -1140,7 +1140,13 @@ impl StreamTransport {
     /// including every wait, unexpected frame and error.
     fn exchange_whole(&mut self, xfers: &mut [Xfer<'_>]) -> u32 {
         let n = xfers.len();
-        if n > WHOLE_MAX_XFERS || self.doorbell.is_none() {
+        // One large transfer sends the whole exchange the general way at
+        // once, instead of spinning here on what can never go whole.
+        let small = |x: &Xfer<'_>| match &x.dir {
+            Dir::Send(d) => d.len() <= WHOLE_MAX_BYTES && d.len() < self.single_copy_min,
+            Dir::Recv(b) | Dir::RecvReduce(b, ..) => b.len() <= WHOLE_MAX_BYTES,
+        };
+        if n > WHOLE_MAX_XFERS || self.doorbell.is_none() || !xfers.iter().all(small) {
             return 0;
         }
         let want = all_of(n);
@@ -1202,13 +1208,9 @@ impl StreamTransport {
     fn whole_transfer(&mut self, x: &mut Xfer<'_>) -> bool {
         let conn = self.conns[x.peer].as_mut().expect("checked by whole_ready");
         match x.dir {
-            Dir::Send(data) => {
-                data.len() <= WHOLE_MAX_BYTES
-                    && data.len() < self.single_copy_min
-                    && conn
-                        .chan
-                        .write_whole(&Header::data(x.desc, data.len()).encode(), data)
-            }
+            Dir::Send(data) => conn
+                .chan
+                .write_whole(&Header::data(x.desc, data.len()).encode(), data),
             Dir::Recv(_) | Dir::RecvReduce(..) => read_whole(&mut *conn.chan, x),
         }
     }
@@ -1258,7 +1260,7 @@ impl Transport for StreamTransport {
             ));
         }
         let done = self.exchange_whole(xfers);
-        if done == all_of(xfers.len()) {
+        if done == all_of(xfers.len()) && !xfers.is_empty() {
             return Ok(());
         }
         let rest = keep_unfinished(xfers, done);
