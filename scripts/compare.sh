@@ -4,8 +4,9 @@
 # timing method for everyone), then writes the ratio table and a chart:
 #   build/compare/results-<date>.{json,md}   every peer's raw numbers
 #   docs/performance.md, docs/busbw.png      ratios rdist / best peer
-# Peers: Gloo (Debian's libgloo, native), Open MPI (shared memory and TCP),
-# MPICH from PyPI (shared memory and TCP) when it installs. Takes ~10 min.
+# Peers: Gloo (Debian's libgloo, native; and through torch when the peers'
+# setup installed it), Open MPI (shared memory and TCP), MPICH from PyPI
+# (shared memory and TCP) when it installs. Takes ~10 min (~14 with torch).
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,17 @@ g++ -O2 -std=c++17 -o "$PEERS_HOME/build/gloo_bench" "$peers_src/gloo_bench.cc" 
 if [ -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
   "$PEERS_HOME/.venv-mpich/bin/mpicc" -O2 -DUSE_MPI -o "$PEERS_HOME/build/mpi_bench_mpich" "$peers_src/native_bench.c" -lm
   peers=$peers,mpich-c,mpich-tcp-c
+fi
+
+# Gloo through torch (PyPI torch, a 4.4 GB venv): used when the peers'
+# setup (bash ../shared/peers/setup.sh) has installed it.
+if [ ! -e "$PEERS_HOME/.venv" ] && [ -x "$peers_src/.venv/bin/python" ]; then
+  ln -s "$peers_src/.venv" "$PEERS_HOME/.venv"
+fi
+if [ -x "$PEERS_HOME/.venv/bin/python" ] && "$PEERS_HOME/.venv/bin/python" -c "import torch" 2>/dev/null; then
+  peers=$peers,torch-gloo
+else
+  echo "compare: torch is not installed (bash ../shared/peers/setup.sh installs it); running without torch-gloo"
 fi
 
 args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
