@@ -528,7 +528,7 @@ impl Comm {
             &format!(
                 "joined {size} ranks in {:.3} s: socket backend over {}, local rank {}, listening on {}",
                 started.elapsed().as_secs_f64(),
-                backend.transport_name(),
+                backend.transport_detail(),
                 joined.local_rank,
                 joined.roster.addrs[rank]
             ),

@@ -414,8 +414,8 @@ fn world_of_5() {
 
 #[test]
 fn every_allreduce_algorithm_forced() {
-    for algo in ["ring", "recursive_doubling"] {
-        for n in [3, 4] {
+    for algo in ["ring", "recursive_doubling", "halving_doubling"] {
+        for n in [3, 4, 6] {
             let mut o = common::opts(60_000);
             o.set("algo", algo).unwrap();
             common::world(n, o, Duration::from_secs(120), |comm| {

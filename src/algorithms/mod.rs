@@ -6,6 +6,7 @@ pub mod binomial;
 pub mod chain;
 pub mod direct;
 pub mod dissemination;
+pub mod halving_doubling;
 pub mod recursive_doubling;
 pub mod ring;
 
@@ -27,16 +28,18 @@ pub enum Algo {
     Direct = 4,
     Dissemination = 5,
     Chain = 6,
+    HalvingDoubling = 7,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 6] = [
+    pub const ALL: [Algo; 7] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Binomial,
         Algo::Direct,
         Algo::Dissemination,
         Algo::Chain,
+        Algo::HalvingDoubling,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +50,7 @@ impl Algo {
             Algo::Direct => "direct",
             Algo::Dissemination => "dissemination",
             Algo::Chain => "chain",
+            Algo::HalvingDoubling => "halving_doubling",
         }
     }
 
@@ -57,6 +61,7 @@ impl Algo {
             "rd" | "doubling" => "recursive_doubling",
             "tree" => "binomial",
             "linear" => "direct",
+            "rabenseifner" | "hd" => "halving_doubling",
             other => other,
         };
         Algo::ALL
@@ -74,7 +79,7 @@ impl Algo {
     /// The algorithms that can run `kind`, default first.
     fn candidates(kind: OpKind) -> &'static [Algo] {
         match kind {
-            OpKind::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling],
+            OpKind::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling],
             OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
             OpKind::Reduce => &[Algo::Binomial],
             OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring],
@@ -222,7 +227,9 @@ pub fn split_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&
         read.end <= write.start || write.end <= read.start,
         "ranges overlap"
     );
-    if read.start < write.start {
+    // Decided by where the ranges end, not start: an empty range may start
+    // where the other one does.
+    if read.end <= write.start {
         let (lo, hi) = buf.split_at_mut(write.start);
         (&lo[read], &mut hi[..write.end - write.start])
     } else {
@@ -247,6 +254,27 @@ mod tests {
                 }
                 assert_eq!(next, count * 4);
             }
+        }
+    }
+
+    #[test]
+    fn split_pair_takes_empty_ranges_anywhere() {
+        let mut buf: Vec<u8> = (0..8).collect();
+        for (read, write) in [
+            (0..0, 0..8),
+            (0..8, 0..0),
+            (8..8, 0..8),
+            (0..8, 8..8),
+            (2..4, 4..8),
+        ] {
+            let (r, w) = split_pair(&mut buf, read.clone(), write.clone());
+            assert_eq!(
+                r,
+                &(read.start as u8..read.end as u8).collect::<Vec<_>>()[..]
+            );
+            assert_eq!(w.len(), write.len());
+            w.fill(9);
+            buf = (0..8).collect();
         }
     }
 

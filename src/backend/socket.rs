@@ -2,12 +2,13 @@
 //! the TCP transport, and keeps the counters that label every frame.
 
 use crate::algorithms::{
-    self, binomial, chain, direct, dissemination, recursive_doubling, ring, Algo, Link,
+    self, binomial, chain, direct, dissemination, halving_doubling, recursive_doubling, ring, Algo,
+    Link,
 };
 use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::op::{Desc, OpKind};
-use crate::options::TransportKind;
+use crate::options::{SingleCopy, TransportKind};
 use crate::transport::mesh::{self, MeshSpec};
 use crate::transport::shm;
 use crate::transport::signal::AbortSignal;
@@ -45,9 +46,9 @@ pub struct Settings {
     pub transport: TransportKind,
     /// Busy-wait before sleeping (RDIST_SPIN_US).
     pub spin: Duration,
-    /// Shared-memory payloads from this size travel single-copy (option
-    /// `single_copy_min`); usize::MAX: never.
-    pub single_copy_min: usize,
+    /// Which shared-memory payloads travel single-copy (option
+    /// `single_copy_min`), resolved per communicator at connect.
+    pub single_copy: SingleCopy,
 }
 
 impl Settings {
@@ -55,7 +56,7 @@ impl Settings {
         timeout: Duration,
         forced: Option<Algo>,
         transport: TransportKind,
-        single_copy_min: Option<usize>,
+        single_copy: SingleCopy,
     ) -> Settings {
         let spin_us = std::env::var("RDIST_SPIN_US")
             .ok()
@@ -66,7 +67,7 @@ impl Settings {
             forced,
             transport,
             spin: Duration::from_micros(spin_us),
-            single_copy_min: single_copy_min.unwrap_or(usize::MAX),
+            single_copy,
         }
     }
 }
@@ -84,6 +85,8 @@ fn online_cores() -> usize {
 pub struct SocketBackend {
     transport: StreamTransport,
     transport_name: &'static str,
+    /// For the log: the transport and what was decided for it.
+    transport_detail: String,
     rank: usize,
     size: usize,
     roster: Roster,
@@ -138,9 +141,23 @@ impl SocketBackend {
             .iter()
             .filter(|h| **h == roster.hosts[rank])
             .count();
-        let oversubscribed = local_ranks > online_cores();
+        let cores = online_cores();
+        let oversubscribed = local_ranks > cores;
+        let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
+        let mut transport_detail = format!(
+            "{}, {local_ranks} ranks on {cores} cores here",
+            attached.name
+        );
+        if attached.name != "tcp" {
+            transport_detail += &match (attached.single_copy, single_copy_min) {
+                (false, _) => ", single copy unavailable (process_vm_readv refused on some rank, or RDIST_NO_SINGLE_COPY)".to_string(),
+                (true, usize::MAX) => ", single copy off".to_string(),
+                (true, n) => format!(", single copy from {n} B"),
+            };
+        }
         Ok(SocketBackend {
             transport_name: attached.name,
+            transport_detail,
             transport: StreamTransport::new(
                 rank,
                 attached.channels,
@@ -150,7 +167,7 @@ impl SocketBackend {
                     timeout,
                     spin: settings.spin,
                     yield_when_idle: oversubscribed,
-                    single_copy_min: settings.single_copy_min,
+                    single_copy_min,
                 },
             ),
             rank,
@@ -168,6 +185,11 @@ impl SocketBackend {
     /// "shared memory" or "tcp".
     pub fn transport_name(&self) -> &'static str {
         self.transport_name
+    }
+
+    /// The transport with its cores and single-copy choice, for the log.
+    pub fn transport_detail(&self) -> &str {
+        &self.transport_detail
     }
 
     pub fn roster(&self) -> &Roster {
@@ -242,6 +264,9 @@ impl SocketBackend {
                 match algo {
                     Algo::RecursiveDoubling => {
                         recursive_doubling::allreduce(&mut link, buf, data.dtype, op)
+                    }
+                    Algo::HalvingDoubling => {
+                        halving_doubling::allreduce(&mut link, buf, data.dtype, op)
                     }
                     _ => ring::allreduce(&mut link, buf, data.dtype, op),
                 }

@@ -748,6 +748,8 @@ pub struct Attached {
     pub name: &'static str,
     /// This rank's doorbell (shared memory only).
     pub doorbell: Option<Doorbell>,
+    /// Every peer agreed that single-copy reads work (shared memory only).
+    pub single_copy: bool,
 }
 
 /// Turns the mesh's TCP streams into channels: shared-memory rings when
@@ -807,6 +809,7 @@ pub fn attach(
                 channels,
                 name: "shared memory",
                 doorbell: Some(mine.doorbell(rank, asymmetric)),
+                single_copy: pids.is_some(),
             });
         }
     }
@@ -826,6 +829,7 @@ pub fn attach(
         channels,
         name: "tcp",
         doorbell: None,
+        single_copy: false,
     })
 }
 
