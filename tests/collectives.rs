@@ -492,6 +492,40 @@ fn large_broadcasts_pipeline_along_a_chain() {
     }
 }
 
+/// Large allreduces over TCP with 4 ranks go by halving-doubling by default,
+/// as forced elsewhere on other world sizes: the sum is checked against
+/// the reference, and every rank must hold the very same bits as rank 0
+/// (each block is reduced once, by its owner, and then copied).
+#[test]
+fn large_allreduces_over_tcp_take_halving_doubling() {
+    for (n, algo) in [(4, "auto"), (4, "ring"), (5, "halving_doubling")] {
+        let mut o = common::opts(60_000);
+        o.set("transport", "tcp").unwrap();
+        o.set("algo", algo).unwrap();
+        common::world(n, o, Duration::from_secs(120), move |comm| {
+            let r = comm.rank();
+            let len = (1 << 20) + 3; // just over 4 MiB of float32, uneven blocks
+            let mut exact: Vec<f32> = (0..len).map(|i| ((i * 3 + r) % 1024) as f32).collect();
+            comm.allreduce(&mut exact, ReduceOp::Sum).unwrap();
+            for (i, got) in exact.iter().enumerate() {
+                let want: usize = (0..n).map(|q| (i * 3 + q) % 1024).sum();
+                assert_eq!(*got, want as f32, "rank {r}/{n} {algo} element {i}");
+            }
+            let mut inexact: Vec<f32> = (0..len)
+                .map(|i| 0.1 + (i as f32).sqrt() / (r as f32 + 3.0))
+                .collect();
+            comm.allreduce(&mut inexact, ReduceOp::Sum).unwrap();
+            let mut first = inexact.clone();
+            comm.broadcast(&mut first, 0).unwrap();
+            let same = first
+                .iter()
+                .zip(&inexact)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {r}/{n} {algo}: bits differ from rank 0's");
+        });
+    }
+}
+
 /// Small messages go as whole shared-memory records (a fast path) and the
 /// rest through the general exchange; both read the same rings. Roots
 /// rotate so senders run ahead and records pile up, sizes straddle the
