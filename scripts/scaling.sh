@@ -12,8 +12,10 @@ done
 python3 - <<'PY'
 import json
 runs = {n: json.load(open(f"build/scaling/ranks-{n}.json")) for n in (2, 4, 8)}
-out = ["# rdist scaling on this machine (2 cores; 4 and 8 ranks oversubscribe them)", "",
-       "Produced by `scripts/scaling.sh` (rdist-bench, default transport, float32 sum). Time per op in us, busbw in GB/s.", ""]
+import datetime, os
+out = [f"# rdist scaling on this machine ({os.cpu_count()} cores; more ranks than cores oversubscribe them)", "",
+       "Produced by `scripts/scaling.sh` (rdist-bench, default transport, float32 sum) on "
+       + datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + ". Time per op in us, busbw in GB/s.", ""]
 for op in ("allreduce", "broadcast", "barrier"):
     out += [f"## {op}", "", "| size | 2 ranks | 4 ranks | 8 ranks |", "|---|---|---|---|"]
     sizes = sorted({r["bytes"] for r in runs[2] if r["op"] == op})

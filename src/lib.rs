@@ -20,6 +20,8 @@ pub mod call;
 /// cbindgen:ignore
 pub mod comm;
 /// cbindgen:ignore
+pub mod copy;
+/// cbindgen:ignore
 pub mod dtype;
 /// cbindgen:ignore
 pub mod error;

@@ -51,7 +51,7 @@ pub fn alltoall(
     let mut xfers = Vec::with_capacity(2 * n);
     for (i, into) in blocks_mut(recv, n, block_bytes).into_iter().enumerate() {
         if i == r {
-            into.copy_from_slice(block(r));
+            crate::copy::copy(into, block(r));
         } else {
             xfers.push(link.send_xfer(i, block(i)));
             xfers.push(link.recv_xfer(i, into));

@@ -56,7 +56,7 @@ pub fn reduce_scatter(
     let bb = out.len();
     let blk = |i: usize| &input[i * bb..(i + 1) * bb];
     if n == 1 {
-        out.copy_from_slice(blk(0));
+        crate::copy::copy(out, blk(0));
     } else {
         // Partial sums travel right; at step s this rank passes on block
         // r-s-1 and receives block r-s-2, so the last one received is r.

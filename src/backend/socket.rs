@@ -107,9 +107,8 @@ pub struct SocketBackend {
 /// # Safety
 /// Both must be valid for `len` bytes.
 unsafe fn move_bytes(from: &RawBuf, to_addr: usize, len: usize) {
-    if len > 0 && from.addr() != to_addr {
-        std::ptr::copy(from.addr() as *const u8, to_addr as *mut u8, len);
-    }
+    // SAFETY: as the caller promises.
+    unsafe { crate::copy::move_bytes(to_addr as *mut u8, from.addr() as *const u8, len) }
 }
 
 impl SocketBackend {
@@ -481,7 +480,7 @@ impl SocketBackend {
                 ),
             ));
         }
-        buf.bytes_mut().copy_from_slice(&msg);
+        crate::copy::copy(buf.bytes_mut(), &msg);
         Ok(())
     }
 

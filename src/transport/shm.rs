@@ -9,6 +9,7 @@
 //! behind even when a rank crashes later.
 
 use super::channel::Channel;
+use crate::copy;
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::ffi::CString;
@@ -346,13 +347,9 @@ impl Ring {
         // SAFETY: both ranges lie inside the data area, in a published
         // record that the writer does not touch until `tail` passes it.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(at), to.as_mut_ptr(), first);
+            copy::copy_nonoverlapping(self.data.add(at), to.as_mut_ptr(), first);
             if first < to.len() {
-                std::ptr::copy_nonoverlapping(
-                    self.data,
-                    to.as_mut_ptr().add(first),
-                    to.len() - first,
-                );
+                copy::copy_nonoverlapping(self.data, to.as_mut_ptr().add(first), to.len() - first);
             }
         }
     }
@@ -364,13 +361,9 @@ impl Ring {
         // SAFETY: the range lies in space the reader has freed and that no
         // published record covers until the word below is stored.
         unsafe {
-            std::ptr::copy_nonoverlapping(from.as_ptr(), self.data.add(at), first);
+            copy::copy_nonoverlapping(from.as_ptr(), self.data.add(at), first);
             if first < from.len() {
-                std::ptr::copy_nonoverlapping(
-                    from.as_ptr().add(first),
-                    self.data,
-                    from.len() - first,
-                );
+                copy::copy_nonoverlapping(from.as_ptr().add(first), self.data, from.len() - first);
             }
         }
     }

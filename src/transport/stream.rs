@@ -108,7 +108,7 @@ const STAGE_BYTES: usize = 128 << 10;
 /// Completes a receive from a whole payload that arrived early.
 fn deliver(dir: &mut Dir<'_>, payload: &[u8]) {
     match dir {
-        Dir::Recv(buf) => buf.copy_from_slice(payload),
+        Dir::Recv(buf) => crate::copy::copy(buf, payload),
         Dir::RecvReduce(buf, dtype, op) => reduce::reduce_into(buf, payload, *dtype, *op),
         Dir::Send(_) => unreachable!("receive queue holds receives"),
     }
