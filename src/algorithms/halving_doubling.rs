@@ -5,8 +5,9 @@
 //! waits on another pair, which is what counts when ranks outnumber cores
 //! (the ring's step waits on both neighbours, who may not be running).
 //! Sizes that are not a power of two first fold the extra ranks into a
-//! partner, as recursive doubling does.
+//! partner (`recursive_doubling::fold`).
 
+use super::recursive_doubling::{fold, unfold};
 use super::{split_pair, Link};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -14,34 +15,24 @@ use crate::reduce::{self, ReduceOp};
 use std::ops::Range;
 
 pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let (r, n) = (link.rank(), link.size());
+    let n = link.size();
     if n == 1 {
         return Ok(());
     }
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
-    let rem = n - p;
-    // Fold: among the first 2*rem ranks, even ones hand their data to the
-    // next odd one and wait for the result.
-    if r < 2 * rem && r % 2 == 0 {
-        link.send(r + 1, buf)?;
-        return link.recv(r + 1, buf);
-    }
-    if r < 2 * rem {
-        let x = link.recv_reduce_xfer(r - 1, buf, dtype, op);
-        link.exchange(&mut [x])?;
-    }
-    let virtual_rank = if r < 2 * rem { r / 2 } else { r - rem };
-    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+    let Some(folded) = fold(link, buf, dtype, op)? else {
+        return Ok(());
+    };
+    let virtual_rank = folded.virtual_rank;
     let es = dtype.size();
     let bytes = |e: &Range<usize>| e.start * es..e.end * es;
 
     // Reduce-scatter: halve the range this rank is responsible for at every
     // step; partners share the range before the step and split it.
     let mut mine = 0..buf.len() / es;
-    let mut parents: Vec<Range<usize>> = Vec::with_capacity(p.trailing_zeros() as usize);
-    let mut mask = p / 2;
+    let mut parents: Vec<Range<usize>> = Vec::with_capacity(folded.ranks.trailing_zeros() as usize);
+    let mut mask = folded.ranks / 2;
     while mask > 0 {
-        let partner = real(virtual_rank ^ mask);
+        let partner = folded.real(virtual_rank ^ mask);
         let mid = mine.start + (mine.end - mine.start) / 2;
         let (keep, give) = if virtual_rank & mask == 0 {
             (mine.start..mid, mid..mine.end)
@@ -62,7 +53,7 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     // Allgather: retrace the halvings, swapping halves with the same partners.
     let mut mask = 1;
     while let Some(parent) = parents.pop() {
-        let partner = real(virtual_rank ^ mask);
+        let partner = folded.real(virtual_rank ^ mask);
         let theirs = if virtual_rank & mask == 0 {
             mine.end..parent.end
         } else {
@@ -73,8 +64,5 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
         mine = parent;
         mask <<= 1;
     }
-    if r < 2 * rem {
-        link.send(r - 1, buf)?;
-    }
-    Ok(())
+    unfold(link, &folded, buf)
 }
