@@ -830,12 +830,18 @@ pub fn attach(
 mod tests {
     use super::*;
 
-    #[test]
-    fn rings_carry_bytes_across_wraparound() {
-        let name = format!("/rdist-test-{}", std::process::id());
+    /// Two views of one ring in a fresh, already unlinked segment (the
+    /// rings keep it mapped): one to write, one to read.
+    fn ring_pair(tag: &str) -> (Ring, Ring) {
+        let name = format!("/rdist-test-{tag}{}", std::process::id());
         let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
         Segment::unlink(&name);
-        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        (seg.ring(1), seg.ring(1))
+    }
+
+    #[test]
+    fn rings_carry_bytes_across_wraparound() {
+        let (writer, reader) = ring_pair("wrap-");
         let pattern: Vec<u8> = (0..8 * RING_BYTES).map(|i| (i % 251) as u8).collect();
         let (mut sent, mut got) = (0usize, 0usize);
         let mut out = vec![0u8; 200_000];
@@ -867,10 +873,7 @@ mod tests {
 
     #[test]
     fn stale_payload_bytes_never_pass_for_a_record() {
-        let name = format!("/rdist-test-stale-{}", std::process::id());
-        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
-        Segment::unlink(&name);
-        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        let (writer, reader) = ring_pair("stale-");
         // Lap 1: 16 records of 64 KiB fill the ring; every 8-byte word of
         // their payload holds the number a lap-2 record starting there
         // would carry (small records, one per cache line).
@@ -902,10 +905,7 @@ mod tests {
 
     #[test]
     fn whole_records_are_all_or_nothing_and_mix_with_byte_reads() {
-        let name = format!("/rdist-test-whole-{}", std::process::id());
-        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
-        Segment::unlink(&name);
-        let (writer, reader) = (seg.ring(1), seg.ring(1));
+        let (writer, reader) = ring_pair("whole-");
         let mut out = vec![0u8; MAX_RECORD];
         // Fill the ring with whole records until one no longer fits: that
         // one writes nothing at all.
