@@ -24,6 +24,11 @@ pub trait Channel: Send {
     fn peer_pid(&self) -> Option<i32> {
         None
     }
+    /// True when writes are copied into kernel socket buffers (TCP), where
+    /// large payloads get padding that places them well (`frame::pad_for`).
+    fn copies_through_kernel(&self) -> bool {
+        false
+    }
     /// Writes `a` then `b` as one message if all of it fits now (channels
     /// that keep message boundaries: shared memory); false, with nothing
     /// written, when it does not or the channel cannot.
@@ -96,6 +101,10 @@ impl Channel for TcpChannel {
 
     fn fd(&self) -> RawFd {
         self.0.as_raw_fd()
+    }
+
+    fn copies_through_kernel(&self) -> bool {
+        true
     }
 
     fn has_data(&self) -> bool {

@@ -10,7 +10,7 @@
 //! sockets with short, growing timeouts.
 
 use super::channel::Channel;
-use super::frame::{self, FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
+use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES};
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
@@ -86,6 +86,8 @@ enum Incoming {
     Payload {
         header: Header,
         into: Target,
+        /// Padding still to skip before the payload.
+        skip: usize,
         got: usize,
     },
 }
@@ -114,6 +116,31 @@ fn deliver(dir: &mut Dir<'_>, payload: &[u8]) {
     }
 }
 
+/// A frame's header and the padding that follows it.
+#[derive(Clone, Copy)]
+struct Prefix {
+    bytes: [u8; HEADER_BYTES + MAX_PAD],
+    len: usize,
+}
+
+impl Prefix {
+    const EMPTY: Prefix = Prefix {
+        bytes: [0; HEADER_BYTES + MAX_PAD],
+        len: 0,
+    };
+
+    fn new(header: &Header) -> Prefix {
+        let mut p = Prefix::EMPTY;
+        p.bytes[..HEADER_BYTES].copy_from_slice(&header.encode());
+        p.len = HEADER_BYTES + header.pad as usize;
+        p
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 /// Per-exchange bookkeeping.
 #[derive(Default)]
 struct Progress {
@@ -126,9 +153,10 @@ struct Progress {
     acked: Vec<VecDeque<usize>>,
     /// Per transfer: the single-copy descriptor, when it travels that way.
     remote: Vec<Option<[u8; REMOTE_BYTES]>>,
-    /// Per transfer: bytes written so far (header included) and its header.
+    /// Per transfer: bytes written so far (header included) and its header
+    /// with any padding.
     written: Vec<usize>,
-    headers: Vec<[u8; HEADER_BYTES]>,
+    prefixes: Vec<Prefix>,
     /// The operation this exchange belongs to (for messages).
     desc: Option<Desc>,
 }
@@ -286,8 +314,8 @@ impl StreamTransport {
         p.remote.resize(xfers.len(), None);
         p.written.clear();
         p.written.resize(xfers.len(), 0);
-        p.headers.clear();
-        p.headers.resize(xfers.len(), [0; HEADER_BYTES]);
+        p.prefixes.clear();
+        p.prefixes.resize(xfers.len(), Prefix::EMPTY);
         p.desc = xfers.first().map(|x| x.desc);
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
@@ -303,9 +331,17 @@ impl StreamTransport {
                         p.remote[i] = Some(d);
                         let mut h = Header::data(x.desc, REMOTE_BYTES);
                         h.kind = FrameKind::Remote;
-                        p.headers[i] = h.encode();
+                        p.prefixes[i] = Prefix::new(&h);
                     } else {
-                        p.headers[i] = Header::data(x.desc, data.len()).encode();
+                        let mut h = Header::data(x.desc, data.len());
+                        if data.len() >= PAD_MIN_PAYLOAD
+                            && self.conns[x.peer]
+                                .as_ref()
+                                .is_some_and(|c| c.chan.copies_through_kernel())
+                        {
+                            h.pad = frame::pad_for(data.as_ptr() as usize) as u16;
+                        }
+                        p.prefixes[i] = Prefix::new(&h);
                     }
                     p.sends[x.peer].push_back(i);
                 }
@@ -398,10 +434,11 @@ impl StreamTransport {
                 Some(d) => d,
                 None => data,
             };
-            let total = HEADER_BYTES + data.len();
+            let prefix = p.prefixes[i].as_slice();
+            let total = prefix.len() + data.len();
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
             while p.written[i] < total {
-                match write_frame_part(&mut *conn.chan, &p.headers[i], data, p.written[i]) {
+                match write_frame_part(&mut *conn.chan, prefix, data, p.written[i]) {
                     Ok(n) => {
                         p.written[i] += n;
                         self.moved = self.moved.wrapping_add(1);
@@ -497,6 +534,7 @@ impl StreamTransport {
             // (shared memory): combine straight out of the ring, no staging.
             if let Incoming::Payload {
                 into: Target::Posted(i),
+                skip: 0,
                 got,
                 header,
             } = &mut conn.incoming
@@ -518,9 +556,15 @@ impl StreamTransport {
                 }
             }
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            let mut padding = [0u8; MAX_PAD];
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
-                Incoming::Payload { into, got, header } => {
+                Incoming::Payload { skip, .. } if *skip > 0 => {
+                    conn.chan.read(&mut padding[..*skip])
+                }
+                Incoming::Payload {
+                    into, got, header, ..
+                } => {
                     let dest: &mut [u8] = match into {
                         Target::Posted(i) => match &mut xfers[*i].dir {
                             Dir::Recv(buf) => &mut buf[*got..],
@@ -586,7 +630,16 @@ impl StreamTransport {
                 }
                 Header::decode(buf, peer)?
             }
-            Incoming::Payload { header, got, into } => {
+            Incoming::Payload { skip, header, .. } if *skip > 0 => {
+                *skip -= n;
+                if *skip > 0 || header.payload > 0 {
+                    return Ok(());
+                }
+                return self.finish_frame(peer, xfers, p);
+            }
+            Incoming::Payload {
+                header, got, into, ..
+            } => {
                 *got += n;
                 if let Target::Posted(i) = into {
                     if let Dir::RecvReduce(buf, dtype, op) = &mut xfers[*i].dir {
@@ -654,9 +707,10 @@ impl StreamTransport {
         self.conn(peer).incoming = Incoming::Payload {
             header,
             into,
+            skip: header.pad as usize,
             got: 0,
         };
-        if header.payload == 0 {
+        if header.payload == 0 && header.pad == 0 {
             return self.finish_frame(peer, xfers, p);
         }
         Ok(())
@@ -1318,17 +1372,18 @@ impl Conn {
     }
 }
 
-/// One write of the rest of a frame (header then payload) from `offset`.
+/// One write of the rest of a frame (header and padding, then payload)
+/// from `offset`.
 fn write_frame_part(
     chan: &mut dyn Channel,
-    header: &[u8; HEADER_BYTES],
+    prefix: &[u8],
     payload: &[u8],
     offset: usize,
 ) -> io::Result<usize> {
-    if offset < HEADER_BYTES {
-        chan.write2(&header[offset..], payload)
+    if offset < prefix.len() {
+        chan.write2(&prefix[offset..], payload)
     } else {
-        chan.write2(&[], &payload[offset - HEADER_BYTES..])
+        chan.write2(&[], &payload[offset - prefix.len()..])
     }
 }
 
