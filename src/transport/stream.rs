@@ -141,6 +141,16 @@ impl Prefix {
     }
 }
 
+/// How long a collective's exchange goes without progress before it reads
+/// frames that belong to later calls. Until then it leaves them in the
+/// socket: a frame read early costs an allocation and a second copy, and a
+/// pipelined chain whose middle ranks read ahead moved most of a 64 MiB
+/// broadcast through their inboxes. Matched exchanges (every send meets a
+/// receive in the peer's same call) never need to read ahead to finish;
+/// after the stall it is read all the same, so a program whose calls do not
+/// match up (or a peer's failure report behind data) still gets through.
+const READ_AHEAD_AFTER: Duration = Duration::from_millis(1);
+
 /// Per-exchange bookkeeping.
 #[derive(Default)]
 struct Progress {
@@ -159,6 +169,19 @@ struct Progress {
     prefixes: Vec<Prefix>,
     /// The operation this exchange belongs to (for messages).
     desc: Option<Desc>,
+    /// Read frames that no receive of this exchange asked for (into the
+    /// inbox): at once for point-to-point calls, else only once the
+    /// exchange has stalled (see `READ_AHEAD_AFTER`).
+    read_ahead: bool,
+}
+
+impl Progress {
+    /// Whether a new frame from `peer` may be read now: one this exchange
+    /// waits for (a receive, or the ack of a single-copy send), or any
+    /// frame once reading ahead is allowed.
+    fn reads_from(&self, peer: usize) -> bool {
+        self.read_ahead || !self.recvs[peer].is_empty() || !self.acked[peer].is_empty()
+    }
 }
 
 /// How a transport waits and moves bytes.
@@ -317,6 +340,9 @@ impl StreamTransport {
         p.prefixes.clear();
         p.prefixes.resize(xfers.len(), Prefix::EMPTY);
         p.desc = xfers.first().map(|x| x.desc);
+        // Point-to-point sends may all go before any receive (both ranks
+        // send first): their frames must be taken in as they come.
+        p.read_ahead = xfers.iter().any(|x| x.desc.kind == OpKind::Send);
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
@@ -517,7 +543,7 @@ impl StreamTransport {
             // frames where they are: the next call reads them straight into
             // its buffers, instead of into the inbox now and copied later.
             let between_frames = matches!(conn.incoming, Incoming::Header { got: 0, .. });
-            if p.remaining == 0 && between_frames {
+            if between_frames && (p.remaining == 0 || !p.reads_from(peer)) {
                 return Ok(());
             }
             // The next frame for the posted receive, whole in one record
@@ -1010,6 +1036,16 @@ impl StreamTransport {
             if now >= deadline {
                 return Err(self.timeout_error(p));
             }
+            if self.moved != last_moved {
+                last_moved = self.moved;
+                idle_since = Some(now);
+                nap_ms = 1;
+            }
+            if !p.read_ahead
+                && now.duration_since(*idle_since.get_or_insert(now)) >= READ_AHEAD_AFTER
+            {
+                p.read_ahead = true;
+            }
             if !self.spin.is_zero() {
                 // Busy pass: small messages live or die on wake-up latency.
                 passes = passes.wrapping_add(1);
@@ -1048,7 +1084,12 @@ impl StreamTransport {
                 let Some(conn) = conn else { continue };
                 let mut events = 0;
                 if conn.gone.is_none() {
-                    events |= libc::POLLIN | libc::POLLRDHUP;
+                    // Frames nobody asked for yet stay unread (and unpolled).
+                    let mid_frame = !matches!(conn.incoming, Incoming::Header { got: 0, .. });
+                    events |= libc::POLLRDHUP;
+                    if mid_frame || p.reads_from(peer) {
+                        events |= libc::POLLIN;
+                    }
                     if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
                         events |= libc::POLLOUT;
                     }
@@ -1068,6 +1109,10 @@ impl StreamTransport {
             if !self.spin.is_zero() {
                 wait_ms = wait_ms.min(nap_ms);
                 nap_ms = (nap_ms * 2).min(8);
+            }
+            if !p.read_ahead {
+                // Wake to allow reading ahead once stalled.
+                wait_ms = wait_ms.min(READ_AHEAD_AFTER.as_millis() as i32 + 1);
             }
             // SAFETY: fds is a live, correctly sized array of pollfd.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
