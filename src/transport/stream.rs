@@ -42,6 +42,9 @@ pub struct StreamTransport {
     /// Payloads at least this large travel single-copy where the channel
     /// allows (the receiver reads the sender's memory); usize::MAX: never.
     single_copy_min: usize,
+    /// How long a collective's exchange stalls before it reads ahead
+    /// (`READ_AHEAD_AFTER`; tests change it).
+    read_ahead_after: Duration,
     /// Counts reads and writes that moved bytes (progress detection).
     moved: u64,
     /// Bookkeeping of the exchange in progress (reused).
@@ -243,6 +246,7 @@ impl StreamTransport {
             doorbell,
             yield_when_idle,
             single_copy_min,
+            read_ahead_after: READ_AHEAD_AFTER,
             moved: 0,
             progress: Progress::default(),
             failed: None,
@@ -1042,7 +1046,7 @@ impl StreamTransport {
                 nap_ms = 1;
             }
             if !p.read_ahead
-                && now.duration_since(*idle_since.get_or_insert(now)) >= READ_AHEAD_AFTER
+                && now.duration_since(*idle_since.get_or_insert(now)) >= self.read_ahead_after
             {
                 p.read_ahead = true;
             }
@@ -1112,7 +1116,7 @@ impl StreamTransport {
             }
             if !p.read_ahead {
                 // Wake to allow reading ahead once stalled.
-                wait_ms = wait_ms.min(READ_AHEAD_AFTER.as_millis() as i32 + 1);
+                wait_ms = wait_ms.min(self.read_ahead_after.as_millis().min(1 << 20) as i32 + 1);
             }
             // SAFETY: fds is a live, correctly sized array of pollfd.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
@@ -1536,14 +1540,13 @@ mod tests {
     }
 
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first
-    /// call also waits for rank 2, who sends a little later. The second
-    /// frame must stay in the socket (not be read into the inbox) while the
-    /// first call is still making progress, and still arrive intact.
-    #[test]
-    fn collectives_leave_the_next_calls_frames_unread() {
-        let rounds: u64 = 20;
+    /// call also waits for rank 2, who sends after `delay`. Returns in how
+    /// many of `rounds` rounds rank 1 had read the second frame ahead into
+    /// its inbox by the end of its first call (every frame is checked).
+    fn read_ahead_rounds(rounds: u64, delay: Duration, read_ahead_after: Duration) -> u64 {
         let mut w = tcp_world(3).into_iter();
         let (mut t0, mut t1, mut t2) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
+        t1.read_ahead_after = read_ahead_after;
         let desc = |seq: u64| Desc::new(OpKind::Broadcast, seq).data(100, DType::Uint8);
         let sender = std::thread::spawn(move || {
             for r in 0..rounds {
@@ -1557,7 +1560,7 @@ mod tests {
         });
         let late = std::thread::spawn(move || {
             for r in 0..rounds {
-                std::thread::sleep(Duration::from_micros(200));
+                std::thread::sleep(delay);
                 t2.exchange(&mut [Xfer::send(1, &[7; 100], desc(2 * r))])
                     .unwrap();
                 t2.exchange(&mut [Xfer::send(1, &[], desc(1000 + r))])
@@ -1582,11 +1585,24 @@ mod tests {
         }
         sender.join().unwrap();
         late.join().unwrap();
-        // Reading ahead happens only after a 1 ms stall, which a loaded
-        // machine can cause now and then; before, it happened every round.
-        assert!(
-            read_ahead <= rounds / 2,
-            "read ahead in {read_ahead} of {rounds} rounds"
-        );
+        read_ahead
+    }
+
+    /// While a collective's exchange makes progress (here: never counted
+    /// as stalled), the next call's frames stay in the socket.
+    #[test]
+    fn collectives_leave_the_next_calls_frames_unread() {
+        let rounds = 20;
+        let n = read_ahead_rounds(rounds, Duration::from_micros(200), Duration::from_secs(60));
+        assert_eq!(n, 0, "read ahead in {n} of {rounds} rounds");
+    }
+
+    /// A stalled exchange reads them after `read_ahead_after` (so a failure
+    /// report queued behind them still gets through), and the frame read
+    /// early still reaches its call.
+    #[test]
+    fn stalled_collectives_read_ahead() {
+        let n = read_ahead_rounds(2, Duration::from_millis(60), Duration::from_millis(1));
+        assert_eq!(n, 2, "read ahead in {n} of 2 stalled rounds");
     }
 }
