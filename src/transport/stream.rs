@@ -546,7 +546,7 @@ impl StreamTransport {
             // Between frames, with this exchange complete, leave the next
             // frames where they are: the next call reads them straight into
             // its buffers, instead of into the inbox now and copied later.
-            let between_frames = matches!(conn.incoming, Incoming::Header { got: 0, .. });
+            let between_frames = conn.between_frames();
             if between_frames && (p.remaining == 0 || !p.reads_from(peer)) {
                 return Ok(());
             }
@@ -586,10 +586,10 @@ impl StreamTransport {
                 }
             }
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
-            let mut padding = [0u8; MAX_PAD];
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
                 Incoming::Payload { skip, .. } if *skip > 0 => {
+                    let mut padding = [0u8; MAX_PAD];
                     conn.chan.read(&mut padding[..*skip])
                 }
                 Incoming::Payload {
@@ -1089,7 +1089,7 @@ impl StreamTransport {
                 let mut events = 0;
                 if conn.gone.is_none() {
                     // Frames nobody asked for yet stay unread (and unpolled).
-                    let mid_frame = !matches!(conn.incoming, Incoming::Header { got: 0, .. });
+                    let mid_frame = !conn.between_frames();
                     events |= libc::POLLRDHUP;
                     if mid_frame || p.reads_from(peer) {
                         events |= libc::POLLIN;
@@ -1293,10 +1293,7 @@ impl StreamTransport {
         let idle = conn.gone.is_none()
             && match sending {
                 true => conn.unfinished_out == 0 && conn.acks_out.is_empty(),
-                false => {
-                    conn.inbox.is_empty()
-                        && matches!(conn.incoming, Incoming::Header { got: 0, .. })
-                }
+                false => conn.inbox.is_empty() && conn.between_frames(),
             };
         idle && (0..i).all(|j| {
             done & (1 << j) != 0
@@ -1384,6 +1381,11 @@ impl Drop for StreamTransport {
 }
 
 impl Conn {
+    /// True when no frame is partly read.
+    fn between_frames(&self) -> bool {
+        matches!(self.incoming, Incoming::Header { got: 0, .. })
+    }
+
     /// Best-effort, bounded write of a control frame. An interrupted data
     /// frame is first completed with zeros so the peer can parse what
     /// follows; if that can't be done in time the connection is shut down.
