@@ -1040,16 +1040,6 @@ impl StreamTransport {
             if now >= deadline {
                 return Err(self.timeout_error(p));
             }
-            if self.moved != last_moved {
-                last_moved = self.moved;
-                idle_since = Some(now);
-                nap_ms = 1;
-            }
-            if !p.read_ahead
-                && now.duration_since(*idle_since.get_or_insert(now)) >= self.read_ahead_after
-            {
-                p.read_ahead = true;
-            }
             if !self.spin.is_zero() {
                 // Busy pass: small messages live or die on wake-up latency.
                 passes = passes.wrapping_add(1);
@@ -1057,19 +1047,23 @@ impl StreamTransport {
                 if p.remaining == 0 {
                     break;
                 }
-                if self.moved != last_moved {
-                    last_moved = self.moved;
-                    idle_since = Some(now);
-                    nap_ms = 1;
+            }
+            if self.moved != last_moved {
+                last_moved = self.moved;
+                idle_since = Some(now);
+                nap_ms = 1;
+            }
+            let idle = now.duration_since(*idle_since.get_or_insert(now));
+            if idle >= self.read_ahead_after {
+                p.read_ahead = true;
+            }
+            if idle < self.spin {
+                if self.yield_when_idle {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
                 }
-                if now.duration_since(*idle_since.get_or_insert(now)) < self.spin {
-                    if self.yield_when_idle {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                    continue;
-                }
+                continue;
             }
             // Shared memory wakes no descriptor: sleep on its doorbell
             // (also with spinning turned off, RDIST_SPIN_US=0).
