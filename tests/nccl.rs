@@ -429,3 +429,119 @@ fn gpu_nccl_is_found_where_there_is_a_device() {
         info.path.display()
     );
 }
+
+/// The parts of NCCL's ABI that rdist writes by hand, checked against the
+/// installed NCCL's own header (the wheel ships nccl.h): the
+/// `ncclConfig_t` prefix rdist fills in, the result codes and enum values
+/// it passes or compares, and the prototypes `loader.rs` declares for the
+/// entry points it resolves. A C program built from nccl.h prints what
+/// the header says; the prototypes must compile as pointers to NCCL's
+/// functions with `-Werror`. nccl.h includes CUDA's runtime headers for
+/// two handle types; small stand-ins replace them (no CUDA toolkit here).
+#[test]
+fn the_hand_written_abi_matches_the_installed_nccl_header() {
+    let Some(lib) = wheel_library() else { return };
+    let include = lib.parent().unwrap().parent().unwrap().join("include");
+    let header = include.join("nccl.h");
+    assert!(header.is_file(), "{} is missing", header.display());
+    let dir = std::env::temp_dir().join(format!("rdist-nccl-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handles =
+        "typedef struct CUstream_st *cudaStream_t;\ntypedef struct CUevent_st *cudaEvent_t;\n";
+    for h in ["cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"] {
+        let text = if h == "cuda_runtime.h" { handles } else { "" };
+        std::fs::write(dir.join(h), text).unwrap();
+    }
+    let (rust_size, fields) = nccl::communicator::config_layout();
+    let constants = nccl::communicator::abi_constants();
+    let mut c = String::from(
+        "#include <stddef.h>\n#include <stdio.h>\n#include \"nccl.h\"\n\
+         typedef ncclResult_t R;\n\
+         #define SAME(f, t) _Static_assert(__builtin_types_compatible_p(__typeof__(&f), t), \\\n\
+           #f \" is not \" #t \" in this nccl.h\"); checked++\n\
+         int main(void) {\n\
+         int checked = 0;\n\
+         /* The prototypes loader.rs declares (RawResult is ncclResult_t). */\n\
+         SAME(ncclGetVersion, R (*)(int *));\n\
+         SAME(ncclGetUniqueId, R (*)(ncclUniqueId *));\n\
+         SAME(ncclGetErrorString, const char *(*)(ncclResult_t));\n\
+         SAME(ncclGetLastError, const char *(*)(ncclComm_t));\n\
+         SAME(ncclCommInitRankConfig, R (*)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *));\n\
+         SAME(ncclCommAbort, R (*)(ncclComm_t));\n\
+         SAME(ncclCommDestroy, R (*)(ncclComm_t));\n\
+         SAME(ncclCommFinalize, R (*)(ncclComm_t));\n\
+         SAME(ncclCommGetAsyncError, R (*)(ncclComm_t, ncclResult_t *));\n\
+         SAME(ncclCommSplit, R (*)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *));\n\
+         SAME(ncclAllReduce, R (*)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclBroadcast, R (*)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclReduce, R (*)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, int, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclAllGather, R (*)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclReduceScatter, R (*)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclSend, R (*)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclRecv, R (*)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t));\n\
+         SAME(ncclGroupStart, R (*)(void));\n\
+         SAME(ncclGroupEnd, R (*)(void));\n\
+         printf(\"prototypes %d\\n\", checked);\n\
+         printf(\"sizeof ncclConfig_t %zu\\n\", sizeof(ncclConfig_t));\n",
+    );
+    for (name, _) in &fields {
+        c.push_str(&format!(
+            "printf(\"{name} %zu\\n\", offsetof(ncclConfig_t, {name}));\n"
+        ));
+    }
+    for (name, _) in &constants {
+        c.push_str(&format!(
+            "printf(\"{name} %lld\\n\", (long long)({name}));\n"
+        ));
+    }
+    c.push_str("return 0;\n}\n");
+    std::fs::write(dir.join("abi.c"), &c).unwrap();
+    let exe = dir.join("abi");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let built = common::output_within(
+        Command::new(&cc)
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+            .arg("-I")
+            .arg(&dir)
+            .arg("-I")
+            .arg(&include)
+            .arg(dir.join("abi.c"))
+            .arg("-o")
+            .arg(&exe),
+        Duration::from_secs(60),
+        "compiling against nccl.h",
+    );
+    assert!(
+        built.status.success(),
+        "rdist's NCCL declarations do not match {}:\n{}",
+        header.display(),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let ran = common::output_within(&mut Command::new(&exe), Duration::from_secs(30), "abi");
+    assert!(ran.status.success());
+    let said = |key: &str| -> i64 {
+        let out = String::from_utf8_lossy(&ran.stdout).to_string();
+        out.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
+    };
+    assert_eq!(
+        said("prototypes"),
+        loader::OPTIONAL_SYMBOLS.len() as i64 + 3
+    );
+    for (name, offset) in &fields {
+        assert_eq!(said(name) as usize, *offset, "ncclConfig_t.{name}");
+    }
+    // rdist's prefix ends on a field of NCCL's, inside NCCL's struct.
+    let (last, last_offset) = fields.last().unwrap();
+    assert_eq!(
+        last_offset + 4,
+        rust_size,
+        "{last} ends the prefix with no padding"
+    );
+    assert!(rust_size as i64 <= said("sizeof ncclConfig_t"));
+    for (name, value) in &constants {
+        assert_eq!(said(name), *value, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
