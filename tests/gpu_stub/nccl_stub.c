@@ -18,7 +18,9 @@
  *    ncclInProgress; a collective / ncclGroupEnd / ncclCommFinalize
  *    returns ncclInProgress and the next poll reports ncclSuccess. Using a
  *    communicator before a poll said ncclSuccess is ncclInvalidArgument,
- *    as in NCCL's ncclCommEnsureReady.
+ *    as in NCCL's ncclCommEnsureReady. A non-blocking ncclCommSplit keeps
+ *    *newcomm NULL and stores the child through it when the parent's
+ *    next poll reports ncclSuccess, as NCCL's split thread does.
  *  - faults, read at each call: RDIST_STUB_NCCL_HANG=1 stalls the stream
  *    of every operation (ncclCommAbort un-stalls them, as a real abort
  *    ends the kernels); RDIST_STUB_NCCL_ASYNC_ERROR=<code> makes the
@@ -99,6 +101,10 @@ struct nccl_comm {
     unsigned char id[16];
     void *hung[MAX_HUNG]; /* streams stalled by RDIST_STUB_NCCL_HANG */
     int nhung;
+    /* A non-blocking ncclCommSplit in flight: as in NCCL, *newcomm stays
+     * NULL until the parent is polled to ncclSuccess, then the child is
+     * stored through the caller's pointer (which must still be valid). */
+    struct nccl_comm **split_slot, *split_child;
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -444,6 +450,11 @@ EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncEr
     } else {
         comm->busy = 0;
         *asyncError = ncclSuccess;
+        if (comm->split_slot) {
+            *comm->split_slot = comm->split_child;
+            comm->split_slot = NULL;
+            comm->split_child = NULL;
+        }
     }
     unlock();
     return r;
@@ -561,8 +572,18 @@ static ncclResult_t split_locked(ncclComm_t comm, int color, ncclComm_t *newcomm
     struct nccl_comm *c = comm_new(1, 0, (*parent)->device, blocking, (*parent)->id);
     if (!c)
         return fail(ncclSystemError, "%s: out of memory", api);
-    *newcomm = c;
-    return blocking ? ncclSuccess : ncclInProgress;
+    if ((*parent)->blocking) {
+        *newcomm = c;
+        return ncclSuccess;
+    }
+    /* NCCL finishes a non-blocking split in a thread of its own, keeps
+     * *newcomm NULL until then, and reports progress on the parent. */
+    c->busy = c->polls_left = 0;
+    (*parent)->split_slot = newcomm;
+    (*parent)->split_child = c;
+    (*parent)->busy = 1;
+    (*parent)->polls_left = 1;
+    return ncclInProgress;
 }
 
 /* Multi-rank splitting is not simulated: the new comm has 1 rank. */

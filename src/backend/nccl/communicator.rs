@@ -12,7 +12,7 @@ use crate::reduce::ReduceOp;
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// `ncclInvalidArgument`.
@@ -149,38 +149,157 @@ pub fn abi_constants() -> Vec<(&'static str, i64)> {
     v
 }
 
+/// How long `Raw::abort` waits for a thread issuing NCCL work to let go
+/// of the communicator. A thread polling `ncclInProgress` lets go within
+/// a millisecond; one still inside an NCCL call after this is stuck
+/// there (a full work queue behind a dead peer), and only NCCL's own
+/// abort flag can free it.
+const ABORT_GRACE: Duration = Duration::from_secs(1);
+
 /// The raw communicator, shared with the watchdog.
 pub(crate) struct Raw {
     pub lib: &'static NcclLibrary,
-    /// The communicator; 0 once aborted or destroyed (NCCL freed it). Each
-    /// NCCL call holds the lock for its (short, non-blocking) duration, so
-    /// abort and destroy never free it under another thread's call.
+    /// The device's context: every NCCL call runs with it current, abort
+    /// and destroy too (which may come from any thread; NCCL would
+    /// otherwise make device 0 current on that thread).
+    context: usize,
+    /// The communicator; 0 once destroyed or aborted. A thread issuing
+    /// work holds the lock from `ncclGroupStart` until NCCL has taken the
+    /// work (see `hold`), so an abort never frees the communicator under
+    /// an NCCL call or inside an open group.
     comm: Mutex<usize>,
+    /// The communicator's address, readable without the lock (for an
+    /// abort that cannot wait for a stuck holder).
+    handle: usize,
     /// Aborted (as opposed to destroyed).
     aborted: AtomicBool,
+    /// An abort is waiting for the lock: a holder polling NCCL gives up.
+    abort_requested: AtomicBool,
+}
+
+/// The communicator, held for a span of NCCL calls (see `Raw::comm`).
+pub(crate) struct Held<'a> {
+    raw: &'a Raw,
+    comm: MutexGuard<'a, usize>,
 }
 
 impl Raw {
-    /// Runs one NCCL call on the communicator, or fails with Aborted when
-    /// it is gone.
-    pub fn call<T>(&self, f: impl FnOnce(ncclComm_t) -> T) -> Result<T> {
-        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        if *comm == 0 {
-            return Err(Error::new(
-                ErrorKind::Aborted,
-                "the NCCL communicator was aborted",
-            ));
+    fn new(lib: &'static NcclLibrary, comm: ncclComm_t, context: usize) -> Raw {
+        Raw {
+            lib,
+            context,
+            comm: Mutex::new(comm as usize),
+            handle: comm as usize,
+            aborted: AtomicBool::new(false),
+            abort_requested: AtomicBool::new(false),
         }
-        Ok(f(*comm as ncclComm_t))
+    }
+
+    fn gone(&self) -> Error {
+        Error::new(ErrorKind::Aborted, "the NCCL communicator was aborted")
+    }
+
+    /// Holds the communicator for a span of NCCL calls, or fails with
+    /// Aborted when it is gone or being aborted.
+    pub fn hold(&self) -> Result<Held<'_>> {
+        if self.abort_requested.load(Ordering::Acquire) {
+            return Err(self.gone());
+        }
+        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        self.held(comm)
+    }
+
+    /// `hold` without waiting: None while another thread holds it.
+    fn try_hold(&self) -> Option<Result<Held<'_>>> {
+        match self.comm.try_lock() {
+            Ok(comm) => Some(self.held(comm)),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(self.held(p.into_inner())),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn held<'a>(&'a self, comm: MutexGuard<'a, usize>) -> Result<Held<'a>> {
+        if *comm == 0 || self.is_aborted() || self.abort_requested.load(Ordering::Acquire) {
+            return Err(self.gone());
+        }
+        Ok(Held { raw: self, comm })
+    }
+
+    /// `ncclCommGetAsyncError` (see `Held::async_state`), or None while a
+    /// thread is issuing work (the watchdog then looks next time).
+    pub fn try_async_state(&self) -> Option<Result<bool>> {
+        self.try_hold().map(|h| h?.async_state())
+    }
+
+    /// `ncclCommDestroy` (after a finalize), once.
+    fn destroy(&self) {
+        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        if *comm != 0 && !self.is_aborted() {
+            if let Some(f) = self.lib.api.ncclCommDestroy {
+                let _ctx = ContextGuard::push(self.context);
+                // SAFETY: a live, finalized communicator, freed once.
+                unsafe { f(*comm as ncclComm_t) };
+            }
+        }
+        *comm = 0;
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// `ncclCommAbort`, once: ends every operation in flight and frees the
+    /// communicator. Safe from any thread: it asks a thread issuing work
+    /// to let go first (`ABORT_GRACE`). A thread stuck inside an NCCL call
+    /// past that can only be freed by NCCL's abort flag, so the abort then
+    /// goes ahead without the lock (as PyTorch's watchdog does), and that
+    /// thread never touches the communicator again (`aborted`).
+    pub fn abort(&self) {
+        self.abort_requested.store(true, Ordering::Release);
+        let since = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        let mut comm = loop {
+            match self.comm.try_lock() {
+                Ok(c) => break Some(c),
+                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if since.elapsed() < ABORT_GRACE => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(5));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break None,
+            }
+        };
+        let live = match &comm {
+            Some(c) => **c != 0 && !self.is_aborted(),
+            None => !self.aborted.load(Ordering::Acquire),
+        };
+        if live && !self.aborted.swap(true, Ordering::AcqRel) {
+            if let Some(f) = self.lib.api.ncclCommAbort {
+                let _ctx = ContextGuard::push(self.context);
+                // SAFETY: a live communicator, freed here once (`aborted`
+                // keeps every other path off it from now on).
+                unsafe { f(self.handle as ncclComm_t) };
+            }
+        }
+        if let Some(c) = comm.as_mut() {
+            **c = 0;
+        }
+    }
+}
+
+impl Held<'_> {
+    /// Runs one NCCL call on the communicator.
+    pub fn call<T>(&self, f: impl FnOnce(ncclComm_t) -> T) -> T {
+        f(*self.comm as ncclComm_t)
     }
 
     /// `ncclCommGetAsyncError`: Ok(true) when idle, Ok(false) while a
     /// non-blocking call is still in progress, or the error.
     pub fn async_state(&self) -> Result<bool> {
-        let f = self.lib.api.ncclCommGetAsyncError.expect("required");
+        let f = self.raw.lib.api.ncclCommGetAsyncError.expect("required");
         let mut state: RawResult = NCCL_SUCCESS;
         // SAFETY: a live communicator and an out-pointer to a local.
-        let rc = self.call(|comm| unsafe { f(comm, &mut state) })?;
+        let rc = self.call(|comm| unsafe { f(comm, &mut state) });
         if rc != NCCL_SUCCESS {
             return Err(self.error("ncclCommGetAsyncError", rc));
         }
@@ -200,21 +319,20 @@ impl Raw {
             NCCL_REMOTE_ERROR => ErrorKind::PeerLost,
             _ => ErrorKind::Backend,
         };
-        let last = match self.lib.api.ncclGetLastError {
+        let last = match self.raw.lib.api.ncclGetLastError {
             // SAFETY: a live communicator; NCCL returns a string it owns.
-            Some(f) => self
-                .call(|comm| unsafe { text(f(comm)) })
-                .unwrap_or_default(),
+            Some(f) => self.call(|comm| unsafe { text(f(comm)) }),
             None => String::new(),
         };
-        let mut msg = format!("{what} failed: {}", self.lib.error_string(rc));
+        let mut msg = format!("{what} failed: {}", self.raw.lib.error_string(rc));
         if !last.is_empty() {
             msg.push_str(&format!(" ({last})"));
         }
         Error::new(kind, msg)
     }
 
-    /// Waits out `ncclInProgress` (bounded by `deadline`).
+    /// Waits out `ncclInProgress` (bounded by `deadline`; an abort ends
+    /// the wait at once).
     pub fn settle(&self, what: &str, rc: RawResult, deadline: Instant) -> Result<()> {
         match rc {
             NCCL_SUCCESS => return Ok(()),
@@ -223,6 +341,9 @@ impl Raw {
         }
         let mut pause = Duration::from_micros(1);
         loop {
+            if self.raw.abort_requested.load(Ordering::Acquire) {
+                return Err(self.raw.gone());
+            }
             if self.async_state()? {
                 return Ok(());
             }
@@ -236,45 +357,6 @@ impl Raw {
             std::thread::sleep(pause.min(deadline - now));
             pause = (pause * 2).min(Duration::from_millis(1));
         }
-    }
-
-    fn new(lib: &'static NcclLibrary, comm: ncclComm_t) -> Raw {
-        Raw {
-            lib,
-            comm: Mutex::new(comm as usize),
-            aborted: AtomicBool::new(false),
-        }
-    }
-
-    /// `ncclCommDestroy` (after a finalize), once.
-    fn destroy(&self) {
-        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        if *comm != 0 {
-            if let Some(f) = self.lib.api.ncclCommDestroy {
-                // SAFETY: a live, finalized communicator, freed once.
-                unsafe { f(*comm as ncclComm_t) };
-            }
-            *comm = 0;
-        }
-    }
-
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::Acquire)
-    }
-
-    /// `ncclCommAbort`, once: ends every operation in flight (safe from
-    /// any thread) and frees the communicator.
-    pub fn abort(&self) {
-        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        if *comm == 0 {
-            return;
-        }
-        self.aborted.store(true, Ordering::Release);
-        if let Some(f) = self.lib.api.ncclCommAbort {
-            // SAFETY: a live communicator, freed here once.
-            unsafe { f(*comm as ncclComm_t) };
-        }
-        *comm = 0;
     }
 }
 
@@ -373,8 +455,11 @@ impl NcclComm {
                 ),
             ));
         }
-        let raw = Arc::new(Raw::new(lib, comm));
-        if let Err(e) = raw.settle("ncclCommInitRankConfig", rc, deadline) {
+        let raw = Arc::new(Raw::new(lib, comm, context));
+        let settled = raw
+            .hold()
+            .and_then(|h| h.settle("ncclCommInitRankConfig", rc, deadline));
+        if let Err(e) = settled {
             raw.abort();
             return Err(e);
         }
@@ -444,7 +529,17 @@ impl NcclComm {
                 &barriers[..]
             }
         };
-        let result = self.issue(calls, streams, wait);
+        let mut result = self.issue(calls, streams, wait);
+        if result.is_ok() {
+            // An abort meanwhile (the watchdog's, or rdist_comm_abort)
+            // ended the kernels, so the wait saw them finish: the data
+            // is not the result.
+            if let Some(e) = self.failure() {
+                result = Err(e);
+            } else if self.raw.is_aborted() {
+                result = Err(self.raw.gone());
+            }
+        }
         if let Err(e) = &result {
             // A wait that timed out leaves work stuck on the GPU, and a
             // group that failed halfway leaves this rank out of step with
@@ -467,29 +562,34 @@ impl NcclComm {
                 ) || c.is_p2p()
             });
         let api = &self.raw.lib.api;
-        if grouped {
-            self.raw.settle(
-                "ncclGroupStart",
-                (api.ncclGroupStart.expect("required"))(),
-                deadline,
-            )?;
-        }
-        let mut first_error = None;
-        for (call, &stream) in calls.iter().zip(streams) {
-            if let Err(e) = self.enqueue(call, stream, deadline) {
-                first_error = Some(e);
-                break;
+        {
+            // Held from the group's start until NCCL has taken the work:
+            // an abort must not free the communicator inside the group.
+            let held = self.raw.hold()?;
+            if grouped {
+                held.settle(
+                    "ncclGroupStart",
+                    (api.ncclGroupStart.expect("required"))(),
+                    deadline,
+                )?;
             }
-        }
-        if grouped {
-            let rc = (api.ncclGroupEnd.expect("required"))();
-            let ended = self.raw.settle("ncclGroupEnd", rc, deadline);
-            if first_error.is_none() {
-                first_error = ended.err();
+            let mut first_error = None;
+            for (call, &stream) in calls.iter().zip(streams) {
+                if let Err(e) = self.enqueue(&held, call, stream, deadline) {
+                    first_error = Some(e);
+                    break;
+                }
             }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
+            if grouped {
+                let rc = (api.ncclGroupEnd.expect("required"))();
+                let ended = held.settle("ncclGroupEnd", rc, deadline);
+                if first_error.is_none() {
+                    first_error = ended.err();
+                }
+            }
+            if let Some(e) = first_error {
+                return Err(e);
+            }
         }
         let mut seen: Vec<Stream> = Vec::new();
         for (call, &stream) in calls.iter().zip(streams) {
@@ -509,10 +609,16 @@ impl NcclComm {
     }
 
     /// One call's NCCL operations (inside a group when several).
-    unsafe fn enqueue(&self, call: &Call, stream: Stream, deadline: Instant) -> Result<()> {
+    unsafe fn enqueue(
+        &self,
+        held: &Held,
+        call: &Call,
+        stream: Stream,
+        deadline: Instant,
+    ) -> Result<()> {
         let api = &self.raw.lib.api;
         let s = stream.as_cu().cast();
-        let run = |what: &str, rc: RawResult| self.raw.settle(what, rc, deadline);
+        let run = |what: &str, rc: RawResult| held.settle(what, rc, deadline);
         match *call {
             Call::AllReduce {
                 send,
@@ -521,7 +627,7 @@ impl NcclComm {
                 op: o,
             } => run(
                 "ncclAllReduce",
-                self.raw.call(|comm| {
+                held.call(|comm| {
                     (api.ncclAllReduce.expect("required"))(
                         ptr(send),
                         ptr(recv),
@@ -531,7 +637,7 @@ impl NcclComm {
                         comm,
                         s,
                     )
-                })?,
+                }),
             ),
             Call::Broadcast {
                 send,
@@ -540,7 +646,7 @@ impl NcclComm {
                 root,
             } => run(
                 "ncclBroadcast",
-                self.raw.call(|comm| {
+                held.call(|comm| {
                     (api.ncclBroadcast.expect("required"))(
                         ptr(send),
                         ptr(recv),
@@ -550,7 +656,7 @@ impl NcclComm {
                         comm,
                         s,
                     )
-                })?,
+                }),
             ),
             Call::Reduce {
                 send,
@@ -560,7 +666,7 @@ impl NcclComm {
                 root,
             } => run(
                 "ncclReduce",
-                self.raw.call(|comm| {
+                held.call(|comm| {
                     (api.ncclReduce.expect("required"))(
                         ptr(send),
                         ptr(recv),
@@ -571,11 +677,11 @@ impl NcclComm {
                         comm,
                         s,
                     )
-                })?,
+                }),
             ),
             Call::AllGather { send, recv, data } => run(
                 "ncclAllGather",
-                self.raw.call(|comm| {
+                held.call(|comm| {
                     (api.ncclAllGather.expect("required"))(
                         ptr(send),
                         ptr(recv),
@@ -584,7 +690,7 @@ impl NcclComm {
                         comm,
                         s,
                     )
-                })?,
+                }),
             ),
             Call::ReduceScatter {
                 send,
@@ -593,7 +699,7 @@ impl NcclComm {
                 op: o,
             } => run(
                 "ncclReduceScatter",
-                self.raw.call(|comm| {
+                held.call(|comm| {
                     (api.ncclReduceScatter.expect("required"))(
                         ptr(send),
                         ptr(recv),
@@ -603,7 +709,7 @@ impl NcclComm {
                         comm,
                         s,
                     )
-                })?,
+                }),
             ),
             Call::Gather {
                 send,
@@ -613,10 +719,10 @@ impl NcclComm {
             } => {
                 if self.rank == root {
                     for r in 0..self.size {
-                        self.p2p(false, block(recv, r, data), data, r, stream, deadline)?;
+                        self.p2p(held, false, block(recv, r, data), data, r, stream, deadline)?;
                     }
                 }
-                self.p2p(true, send, data, root, stream, deadline)
+                self.p2p(held, true, send, data, root, stream, deadline)
             }
             Call::Scatter {
                 send,
@@ -626,20 +732,20 @@ impl NcclComm {
             } => {
                 if self.rank == root {
                     for r in 0..self.size {
-                        self.p2p(true, block(send, r, data), data, r, stream, deadline)?;
+                        self.p2p(held, true, block(send, r, data), data, r, stream, deadline)?;
                     }
                 }
-                self.p2p(false, recv, data, root, stream, deadline)
+                self.p2p(held, false, recv, data, root, stream, deadline)
             }
             Call::AllToAll { send, recv, data } => {
                 for r in 0..self.size {
-                    self.p2p(true, block(send, r, data), data, r, stream, deadline)?;
-                    self.p2p(false, block(recv, r, data), data, r, stream, deadline)?;
+                    self.p2p(held, true, block(send, r, data), data, r, stream, deadline)?;
+                    self.p2p(held, false, block(recv, r, data), data, r, stream, deadline)?;
                 }
                 Ok(())
             }
-            Call::Send { buf, data, peer } => self.p2p(true, buf, data, peer, stream, deadline),
-            Call::Recv { buf, data, peer } => self.p2p(false, buf, data, peer, stream, deadline),
+            Call::Send { buf, data, peer } => self.p2p(held, true, buf, data, peer, stream, deadline),
+            Call::Recv { buf, data, peer } => self.p2p(held, false, buf, data, peer, stream, deadline),
             Call::Barrier => Err(Error::internal(
                 "a barrier reached NCCL's enqueue unreplaced",
             )),
@@ -647,8 +753,10 @@ impl NcclComm {
     }
 
     /// One ncclSend (`send`) or ncclRecv, waited out of ncclInProgress.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn p2p(
         &self,
+        held: &Held,
         send: bool,
         buf: RawBuf,
         data: Data,
@@ -663,12 +771,11 @@ impl NcclComm {
             peer as i32,
             stream.as_cu().cast(),
         );
-        let rc = self.raw.call(|comm| match send {
+        let rc = held.call(|comm| match send {
             true => (api.ncclSend.expect("required"))(ptr(buf), n, t, p, comm, s),
             false => (api.ncclRecv.expect("required"))(ptr(buf), n, t, p, comm, s),
-        })?;
-        self.raw
-            .settle(if send { "ncclSend" } else { "ncclRecv" }, rc, deadline)
+        });
+        held.settle(if send { "ncclSend" } else { "ncclRecv" }, rc, deadline)
     }
 
     /// A barrier as NCCL users make one: a one-element allreduce on the
@@ -724,30 +831,48 @@ impl NcclComm {
         };
         let deadline = Instant::now() + self.timeout;
         let _ctx = ContextGuard::push(self.context)?;
-        let mut comm: ncclComm_t = std::ptr::null_mut();
         let mut config = Config::non_blocking();
         let color = if color < 0 { NCCL_SPLIT_NOCOLOR } else { color };
-        // SAFETY: a live communicator, an out-pointer and a config NCCL
-        // copies.
-        let rc = self.raw.call(|parent| unsafe {
-            split(
-                parent,
-                color,
-                key,
-                &mut comm,
-                (&mut config as *mut Config).cast::<ncclConfig_t>(),
-            )
-        })?;
-        if comm.is_null() {
-            // No color, or it failed before making a communicator.
-            self.raw.settle("ncclCommSplit", rc, deadline)?;
-            return Ok(None);
-        }
-        let raw = Arc::new(Raw::new(lib, comm));
-        if let Err(e) = raw.settle("ncclCommSplit", rc, deadline) {
-            raw.abort();
+        // A non-blocking split finishes in NCCL's own thread, which stores
+        // the new communicator through this pointer when it is done (it
+        // stays NULL until then): the slot must outlive that thread's
+        // work, so it lives on the heap and is leaked if the wait fails.
+        let slot_ptr: *mut ncclComm_t = Box::into_raw(Box::new(std::ptr::null_mut()));
+        let settled = self.raw.hold().and_then(|held| {
+            // SAFETY: a live communicator, the slot above and a config
+            // NCCL copies before returning.
+            let rc = held.call(|parent| unsafe {
+                split(
+                    parent,
+                    color,
+                    key,
+                    slot_ptr,
+                    (&mut config as *mut Config).cast::<ncclConfig_t>(),
+                )
+            });
+            // NCCL reports the split's progress on the parent.
+            held.settle("ncclCommSplit", rc, deadline)
+        });
+        if let Err(e) = settled {
+            // The ranks are out of step now: the parent cannot go on.
+            self.watchdog.fail(e.clone());
             return Err(e);
         }
+        // SAFETY: NCCL is done with the slot (the parent is idle again).
+        let comm = unsafe { *Box::from_raw(slot_ptr) };
+        if comm.is_null() {
+            return match shape {
+                None => Ok(None),
+                Some(_) => Err(Error::new(
+                    ErrorKind::Backend,
+                    format!(
+                        "ncclCommSplit made no communicator for rank {} (color {color})",
+                        self.rank
+                    ),
+                )),
+            };
+        }
+        let raw = Arc::new(Raw::new(lib, comm, self.context));
         let Some((rank, size)) = shape else {
             raw.abort();
             return Err(Error::internal(
@@ -792,11 +917,11 @@ impl NcclComm {
             && match api.ncclCommFinalize {
                 Some(f) => self
                     .raw
-                    // SAFETY: a live communicator.
-                    .call(|comm| unsafe { f(comm) })
-                    .and_then(|rc| {
-                        self.raw
-                            .settle("ncclCommFinalize", rc, Instant::now() + self.timeout)
+                    .hold()
+                    .and_then(|held| {
+                        // SAFETY: a live communicator.
+                        let rc = held.call(|comm| unsafe { f(comm) });
+                        held.settle("ncclCommFinalize", rc, Instant::now() + self.timeout)
                     })
                     .is_ok(),
                 None => true,

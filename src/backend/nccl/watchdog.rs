@@ -195,7 +195,9 @@ impl Inner {
 
     /// An error if NCCL reported one or the oldest work is overdue.
     fn check(&self) -> Option<Error> {
-        if let Err(e) = self.raw.async_state() {
+        // Skipped while a thread is issuing work (it polls NCCL itself,
+        // and an enqueue stuck in NCCL still shows as overdue work below).
+        if let Some(Err(e)) = self.raw.try_async_state() {
             return Some(e.context(format!("rank {}", self.rank)));
         }
         let mut pending = lock(&self.pending);
