@@ -785,6 +785,59 @@ fn worker_process() {
             let err = unsafe { comm.run_on(call, Stream::DEFAULT) }.unwrap_err();
             println!("KIND {:?}", err.kind());
         }
+        // rdist_comm_abort from another thread while a barrier waits for
+        // NCCL work that cannot finish (the doubles stall it).
+        "abort_during_wait" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl"), ("timeout_ms", "30000")]),
+            )
+            .unwrap();
+            let started = Instant::now();
+            let waited = std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort();
+                });
+                comm.barrier()
+            });
+            match waited {
+                Ok(()) => println!("KIND none: the aborted barrier returned Ok"),
+                Err(e) => println!("KIND {:?}", e.kind()),
+            }
+            println!("AFTER {:.1}", started.elapsed().as_secs_f64());
+        }
+        // rdist_comm_abort from another thread while a call is stuck
+        // inside NCCL (the doubles block it until an abort).
+        "abort_stuck_call" => {
+            device::use_device(0);
+            let comm = Comm::init_rank(
+                &Comm::unique_id().unwrap(),
+                0,
+                1,
+                &options(&[("backend", "nccl"), ("timeout_ms", "30000")]),
+            )
+            .unwrap();
+            let buf = device::Buffer::zeroed(4);
+            let started = Instant::now();
+            let ran = std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort();
+                    println!("ABORTED {:.1}", started.elapsed().as_secs_f64());
+                });
+                // SAFETY: the buffer outlives the communicator's work.
+                unsafe { comm.run_on(in_place_sum(&buf, 1), Stream::DEFAULT) }
+            });
+            match ran {
+                Ok(()) => println!("KIND none: the stuck call returned Ok"),
+                Err(e) => println!("KIND {:?}", e.kind()),
+            }
+            println!("AFTER {:.1}", started.elapsed().as_secs_f64());
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -991,6 +1044,48 @@ fn comm_abort_aborts_nccl() {
         nccl_lines(&log, "destroy").is_empty(),
         "an aborted communicator must not be destroyed:\n{log}"
     );
+}
+
+#[test]
+fn an_abort_ends_a_blocked_call_with_an_error() {
+    // An abort ends NCCL's kernels, so the wait sees them finish; the call
+    // must still fail (its data is not the result), at once, not at the
+    // 30 s timeout.
+    let (out, log) = run_role("abort_during_wait", &[("RDIST_STUB_NCCL_HANG", "1")], true);
+    let text = stdout(&out);
+    assert!(text.contains("KIND Aborted"), "{text}\n{}", stderr(&out));
+    let after: f64 = text
+        .lines()
+        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(after < 5.0, "the barrier ended {after} s after the start");
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
+}
+
+#[test]
+fn an_abort_frees_a_call_stuck_inside_nccl() {
+    // The stuck thread holds the communicator; the abort waits a grace
+    // period for it, then goes ahead (only NCCL's abort flag frees it).
+    let (out, log) = run_role(
+        "abort_stuck_call",
+        &[("RDIST_STUB_NCCL_ENQUEUE_BLOCK", "1")],
+        true,
+    );
+    let text = stdout(&out);
+    assert!(text.contains("KIND Aborted"), "{text}\n{log}");
+    let at = |key: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.split_once(&format!("{key} ")).map(|x| x.1))
+            .unwrap_or_else(|| panic!("no {key} in {text}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(at("ABORTED") < 5.0, "{text}");
+    assert!(at("AFTER") < 5.0, "{text}");
+    assert_eq!(nccl_lines(&log, "blocked").len(), 1, "{log}");
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
 }
 
 #[test]

@@ -25,6 +25,8 @@
  *    of every operation (ncclCommAbort un-stalls them, as a real abort
  *    ends the kernels); RDIST_STUB_NCCL_ASYNC_ERROR=<code> makes the
  *    communicator report <code> asynchronously after its first operation.
+ *    RDIST_STUB_NCCL_ENQUEUE_BLOCK=1 makes an operation outside a group
+ *    block inside the call until the communicator is aborted.
  *  - communicators are never freed, so use after ncclCommAbort or
  *    ncclCommDestroy is an error code, not a crash.
  *
@@ -227,6 +229,16 @@ EXPORT ncclResult_t ncclGetVersion(int *version)
 static int env_hang(void)
 {
     const char *v = getenv("RDIST_STUB_NCCL_HANG");
+    return v && strcmp(v, "1") == 0;
+}
+
+/* RDIST_STUB_NCCL_ENQUEUE_BLOCK=1: an operation outside a group blocks
+ * inside the call until its communicator is aborted, then fails, as
+ * NCCL's enqueue spins on a full work queue behind a dead peer until its
+ * abort flag is set. */
+static int env_enqueue_block(void)
+{
+    const char *v = getenv("RDIST_STUB_NCCL_ENQUEUE_BLOCK");
     return v && strcmp(v, "1") == 0;
 }
 
@@ -734,12 +746,29 @@ static ncclResult_t run_locked(const struct op *o, struct nccl_comm **cp)
     return c->blocking ? ncclSuccess : ncclInProgress;
 }
 
+/* Waits (without the lock, so that an abort can come) until `comm` is
+ * aborted. */
+static ncclResult_t block_until_aborted(ncclComm_t comm, const char *api)
+{
+    stub_log("%s blocked comm=%p", api, (void *)comm);
+    for (;;) {
+        lock();
+        int aborted = comm_known(comm) && comm->state == ABORTED;
+        unlock();
+        if (aborted)
+            return fail(ncclInternalError, "%s: the communicator was aborted while the call waited", api);
+        usleep(1000);
+    }
+}
+
 static ncclResult_t run(const struct op *o)
 {
     struct nccl_comm *c = NULL;
     lock();
     ncclResult_t r = run_locked(o, &c);
     unlock();
+    if ((r == ncclSuccess || r == ncclInProgress) && c && env_enqueue_block() && tls_group_depth == 0)
+        r = block_until_aborted(c, o->api);
     char arg[48] = "";
     if (o->redop != -1)
         snprintf(arg, sizeof arg, " op=%d", o->redop);

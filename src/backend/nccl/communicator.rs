@@ -530,15 +530,11 @@ impl NcclComm {
             }
         };
         let mut result = self.issue(calls, streams, wait);
-        if result.is_ok() {
+        if self.raw.is_aborted() {
             // An abort meanwhile (the watchdog's, or rdist_comm_abort)
-            // ended the kernels, so the wait saw them finish: the data
-            // is not the result.
-            if let Some(e) = self.failure() {
-                result = Err(e);
-            } else if self.raw.is_aborted() {
-                result = Err(self.raw.gone());
-            }
+            // ended the call: whatever NCCL returned, or Ok (the wait saw
+            // the aborted kernels finish), the data is not the result.
+            result = Err(self.failure().unwrap_or_else(|| self.raw.gone()));
         }
         if let Err(e) = &result {
             // A wait that timed out leaves work stuck on the GPU, and a
@@ -744,8 +740,12 @@ impl NcclComm {
                 }
                 Ok(())
             }
-            Call::Send { buf, data, peer } => self.p2p(held, true, buf, data, peer, stream, deadline),
-            Call::Recv { buf, data, peer } => self.p2p(held, false, buf, data, peer, stream, deadline),
+            Call::Send { buf, data, peer } => {
+                self.p2p(held, true, buf, data, peer, stream, deadline)
+            }
+            Call::Recv { buf, data, peer } => {
+                self.p2p(held, false, buf, data, peer, stream, deadline)
+            }
             Call::Barrier => Err(Error::internal(
                 "a barrier reached NCCL's enqueue unreplaced",
             )),
