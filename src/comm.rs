@@ -266,7 +266,11 @@ impl Shared {
             let r = n.barrier();
             return on_nccl(n, backend, r);
         }
-        match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.place())) {
+        let route = match route::route(cuda, calls, streams, nccl.as_ref().map(|n| n.place())) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e)),
+        };
+        match route {
             Route::Device => match nccl.as_mut() {
                 Some(n) => {
                     let r = n.run(calls, streams, background);

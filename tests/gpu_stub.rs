@@ -916,6 +916,25 @@ fn device_buffers_on_the_socket_backend_are_staged_through_host_memory() {
 }
 
 #[test]
+fn buffers_are_told_apart_where_the_driver_lacks_a_pointer_attribute() {
+    // A driver without CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (9) fails the
+    // whole attribute list; rdist asks one attribute at a time. Taking
+    // device buffers for host ones would crash the staging test (the
+    // doubles' device memory is inaccessible to the CPU), and NCCL would
+    // get none.
+    let env = [("RDIST_STUB_UNSUPPORTED_ATTRIBUTE", "9"), ("RANKS", "2")];
+    let (out, log) = run_role("socket_world", &env, true);
+    assert!(stdout(&out).contains("DONE"));
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("cuda ") && l.contains("DtoH")),
+        "{log}"
+    );
+    let (_, log) = run_role("nccl_world1", &env[..1], true);
+    assert!(!nccl_lines(&log, "ncclAllReduce").is_empty(), "{log}");
+}
+
+#[test]
 fn auto_picks_nccl_when_every_rank_has_a_device() {
     let (out, _) = run_role("auto", &[], true);
     assert!(stdout(&out).contains("BACKEND Nccl"), "{}", stdout(&out));

@@ -97,10 +97,12 @@ pub fn describe(rc: CUresult) -> String {
 impl Cuda {
     /// Where `addr` points. Anything the driver does not know is host
     /// memory (plain malloc'd buffers); managed memory counts as device
-    /// memory (NCCL takes it, and copies handle it).
-    pub fn memory(&self, addr: usize) -> Memory {
+    /// memory (NCCL takes it, and copies handle it). Fails when the
+    /// driver cannot say: guessing "host" would have the CPU touch
+    /// device memory.
+    pub fn memory(&self, addr: usize) -> Result<Memory> {
         if addr == 0 {
-            return Memory::Host;
+            return Ok(Memory::Host);
         }
         let mut attrs = [
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
@@ -120,29 +122,98 @@ impl Cuda {
         ];
         // SAFETY: four attributes, four outputs of the documented types.
         // An address the driver does not know yields zeros and success.
-        let known = check("cuPointerGetAttributes", || unsafe {
+        let all = check("cuPointerGetAttributes", || unsafe {
             cu::cuPointerGetAttributes(
                 attrs.len() as u32,
                 attrs.as_mut_ptr(),
                 data.as_mut_ptr(),
                 addr as cu::CUdeviceptr,
             )
-        })
-        .is_ok();
-        let device = memory_type == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0;
-        match known && device {
-            // Memory mapped with cuMemMap (e.g. PyTorch's expandable
-            // segments) has no context: use its device's primary one.
-            true => Memory::Device {
-                ordinal,
-                context: match context.is_null() {
-                    false => context as usize,
-                    true => primary_context(ordinal).unwrap_or(0),
-                },
-            },
-            false => Memory::Host,
+        });
+        if let Err(e) = all {
+            // A driver that lacks one of the attributes fails the whole
+            // list: ask one at a time.
+            return memory_one_by_one(addr).map_err(|why| {
+                Error::new(
+                    ErrorKind::Backend,
+                    format!(
+                        "cannot tell whether buffer {addr:#x} is host or device memory: {}; {why}",
+                        e.message()
+                    ),
+                )
+            });
         }
+        let device = memory_type == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0;
+        Ok(match device {
+            true => device_memory(ordinal, context),
+            false => Memory::Host,
+        })
     }
+}
+
+/// Device memory of `ordinal`, owned by `context`. Memory mapped with
+/// cuMemMap (e.g. PyTorch's expandable segments) has no context: its
+/// device's primary one stands for it.
+fn device_memory(ordinal: i32, context: CUcontext) -> Memory {
+    Memory::Device {
+        ordinal,
+        context: match context.is_null() {
+            false => context as usize,
+            true => primary_context(ordinal).unwrap_or(0),
+        },
+    }
+}
+
+/// One pointer attribute (`cuPointerGetAttribute`): Ok(None) when the
+/// driver does not know the address, or this attribute.
+fn attribute<T: Default>(
+    attr: CUpointer_attribute,
+    addr: usize,
+) -> std::result::Result<Option<T>, String> {
+    let mut value = T::default();
+    // SAFETY: `value` has the attribute's documented type.
+    let rc = catch_unwind(AssertUnwindSafe(|| unsafe {
+        cu::cuPointerGetAttribute((&mut value as *mut T).cast(), attr, addr as cu::CUdeviceptr)
+    }))
+    .map_err(|_| "cuPointerGetAttribute could not be called".to_string())?;
+    match rc {
+        CUresult::CUDA_SUCCESS => Ok(Some(value)),
+        CUresult::CUDA_ERROR_INVALID_VALUE => Ok(None),
+        rc => Err(format!(
+            "cuPointerGetAttribute({attr:?}) failed: {}",
+            describe(rc)
+        )),
+    }
+}
+
+/// `Cuda::memory` for a driver whose attribute list failed: each
+/// attribute alone. A pointer whose memory type the driver does not know
+/// is host memory (the driver's documented answer for pageable memory).
+fn memory_one_by_one(addr: usize) -> std::result::Result<Memory, String> {
+    use CUpointer_attribute as A;
+    let memory_type: Option<u32> = attribute(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)?;
+    let managed: Option<u32> = attribute(A::CU_POINTER_ATTRIBUTE_IS_MANAGED, addr)?;
+    let device = memory_type == Some(cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32)
+        || managed.unwrap_or(0) != 0;
+    if !device {
+        return Ok(Memory::Host);
+    }
+    let context: CUcontext =
+        attribute::<usize>(A::CU_POINTER_ATTRIBUTE_CONTEXT, addr)?.unwrap_or(0) as CUcontext;
+    let ordinal = match attribute::<i32>(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)? {
+        Some(o) => o,
+        // An older driver: the device of the owning context.
+        None if !context.is_null() => {
+            let _ctx = ContextGuard::push(context as usize).map_err(|e| e.message().to_string())?;
+            let mut dev: cu::CUdevice = 0;
+            // SAFETY: an out-pointer to a local.
+            check("cuCtxGetDevice", || unsafe { cu::cuCtxGetDevice(&mut dev) })
+                .map_err(|e| e.message().to_string())?;
+            dev
+        }
+        None => return Err("the driver names neither its device nor its context".to_string()),
+    };
+    Ok(device_memory(ordinal, context))
 }
 
 /// Makes a context current on this thread until dropped (then restores

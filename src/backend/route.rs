@@ -25,7 +25,7 @@ pub(crate) fn route(
     calls: &[Call],
     streams: &[Stream],
     nccl: Option<(i32, usize)>,
-) -> Route {
+) -> Result<Route> {
     let mut device: Vec<(RawBuf, bool, usize, Stream)> = Vec::new();
     let mut host = 0usize;
     let mut places = Vec::new();
@@ -34,7 +34,7 @@ pub(crate) fn route(
             if buf.is_empty() {
                 continue;
             }
-            match cuda.memory(buf.addr()) {
+            match cuda.memory(buf.addr())? {
                 Memory::Host => host += 1,
                 Memory::Device { ordinal, context } => {
                     device.push((buf, read, context, stream));
@@ -46,12 +46,12 @@ pub(crate) fn route(
         }
     }
     if device.is_empty() {
-        return Route::Host;
+        return Ok(Route::Host);
     }
     if host == 0 && places.len() == 1 && nccl == Some(places[0]) {
-        return Route::Device;
+        return Ok(Route::Device);
     }
-    Route::Staged(Staging::new(device))
+    Ok(Route::Staged(Staging::new(device)))
 }
 
 /// Host buffers kept for the next staged call (allocating and faulting

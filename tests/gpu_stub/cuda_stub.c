@@ -884,11 +884,21 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUst
 /* Pointer attributes                                                  */
 /* ------------------------------------------------------------------ */
 
+/* RDIST_STUB_UNSUPPORTED_ATTRIBUTE=N: this driver does not know pointer
+ * attribute N (as an older driver lacks newer ones): asking for it is
+ * CUDA_ERROR_INVALID_VALUE, and so is a cuPointerGetAttributes list that
+ * includes it. */
+static int unsupported_attr(int attr)
+{
+    const char *v = getenv("RDIST_STUB_UNSUPPORTED_ATTRIBUTE");
+    return v && *v && atoi(v) == attr;
+}
+
 /* Writes one attribute of pointer p (a: its allocation, NULL when p is
  * not device memory: zero/NULL values). Lock held. */
 static CUresult write_attr(int attr, void *data, const struct alloc *a, CUdeviceptr p)
 {
-    if (!data)
+    if (!data || unsupported_attr(attr))
         return CUDA_ERROR_INVALID_VALUE;
     switch (attr) {
     case ATTR_CONTEXT:
