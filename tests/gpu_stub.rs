@@ -954,6 +954,16 @@ fn auto_picks_nccl_when_every_rank_has_a_device() {
         "{}",
         stderr(&out)
     );
+
+    // NCCL_COMM_BLOCKING=1 would make NCCL block past the timeout.
+    let (out, log) = run_role("auto", &[("NCCL_COMM_BLOCKING", "1")], true);
+    assert!(stdout(&out).contains("BACKEND Socket"), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("NCCL unavailable: NCCL_COMM_BLOCKING=1 is set"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(nccl_lines(&log, "init").is_empty(), "{log}");
 }
 
 #[test]

@@ -63,7 +63,21 @@ pub(crate) fn readiness(
             ),
         });
     }
+    blocking_override()?;
     Ok((lib, ordinal))
+}
+
+/// NCCL lets `NCCL_COMM_BLOCKING` override a communicator's config. rdist
+/// runs NCCL non-blocking so that its timeout can end a stuck call (even
+/// `ncclCommInitRankConfig` waiting for a rank that never comes); with
+/// blocking forced, that call would hang past every timeout.
+fn blocking_override() -> std::result::Result<(), String> {
+    match std::env::var("NCCL_COMM_BLOCKING") {
+        Ok(v) if !v.trim().is_empty() && v.trim() != "0" => Err(format!(
+            "NCCL_COMM_BLOCKING={v} is set, which makes NCCL calls block past rdist's timeout (rdist runs NCCL non-blocking so that a stuck call can be ended); unset it"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Decides, with every rank, whether the communicator gets NCCL, and
