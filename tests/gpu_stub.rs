@@ -478,6 +478,15 @@ fn options(pairs: &[(&str, &str)]) -> Options {
     o
 }
 
+/// A one-rank NCCL communicator on device 0 (made current), with
+/// `timeout_ms` when given.
+fn nccl_world_of_one(timeout_ms: Option<&str>) -> Comm {
+    device::use_device(0);
+    let mut pairs = vec![("backend", "nccl")];
+    pairs.extend(timeout_ms.map(|t| ("timeout_ms", t)));
+    Comm::init_rank(&Comm::unique_id().unwrap(), 0, 1, &options(&pairs)).unwrap()
+}
+
 /// Not a test of its own: the body of the child processes the tests
 /// start (does nothing without RDIST_TEST_ROLE).
 #[test]
@@ -488,14 +497,7 @@ fn worker_process() {
     match role.as_str() {
         // World 1 on NCCL: every collective and dtype on device buffers.
         "nccl_world1" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(None);
             assert_eq!(comm.backend(), Backend::Nccl);
             let stream = device::stream();
             let mut calls = 0;
@@ -672,14 +674,7 @@ fn worker_process() {
         }
         // NCCL work that never finishes on the GPU: the watchdog aborts it.
         "stall" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl"), ("timeout_ms", "1500")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(Some("1500"));
             let stream = device::stream();
             let buf = device::Buffer::zeroed(64);
             let call = in_place_sum(&buf, 16);
@@ -704,14 +699,7 @@ fn worker_process() {
         }
         // An asynchronous NCCL error (the doubles inject a remote error).
         "async_error" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(None);
             let buf = device::Buffer::zeroed(64);
             let call = in_place_sum(&buf, 16);
             // SAFETY: the buffer outlives the call.
@@ -770,14 +758,7 @@ fn worker_process() {
         }
         // rdist_comm_abort on an NCCL communicator.
         "abort" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(None);
             comm.abort();
             let buf = device::Buffer::zeroed(4);
             let call = in_place_sum(&buf, 1);
@@ -788,14 +769,7 @@ fn worker_process() {
         // rdist_comm_abort from another thread while a barrier waits for
         // NCCL work that cannot finish (the doubles stall it).
         "abort_during_wait" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl"), ("timeout_ms", "30000")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(Some("30000"));
             let started = Instant::now();
             let waited = std::thread::scope(|s| {
                 s.spawn(|| {
@@ -813,14 +787,7 @@ fn worker_process() {
         // rdist_comm_abort from another thread while a call is stuck
         // inside NCCL (the doubles block it until an abort).
         "abort_stuck_call" => {
-            device::use_device(0);
-            let comm = Comm::init_rank(
-                &Comm::unique_id().unwrap(),
-                0,
-                1,
-                &options(&[("backend", "nccl"), ("timeout_ms", "30000")]),
-            )
-            .unwrap();
+            let comm = nccl_world_of_one(Some("30000"));
             let buf = device::Buffer::zeroed(4);
             let started = Instant::now();
             let ran = std::thread::scope(|s| {
@@ -840,6 +807,17 @@ fn worker_process() {
         }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// The number after "`key` " in a role's output (the test harness may
+/// print its own text before it on the line).
+fn number_after(text: &str, key: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.split_once(&format!("{key} ")).map(|x| x.1))
+        .unwrap_or_else(|| panic!("no {key} in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{key}: {e} in:\n{text}"))
 }
 
 /// Lines of the doubles' log from NCCL naming `event`.
@@ -1040,12 +1018,7 @@ fn a_stalled_nccl_operation_times_out_and_is_aborted() {
         text.contains("allreduce") && text.contains("has not finished on the GPU"),
         "{text}"
     );
-    let after: f64 = text
-        .lines()
-        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let after = number_after(&text, "AFTER");
     assert!(
         (1.4..6.0).contains(&after),
         "timed out after {after} s (timeout 1.5 s)"
@@ -1083,12 +1056,7 @@ fn an_abort_ends_a_blocked_call_with_an_error() {
     let (out, log) = run_role("abort_during_wait", &[("RDIST_STUB_NCCL_HANG", "1")], true);
     let text = stdout(&out);
     assert!(text.contains("KIND Aborted"), "{text}\n{}", stderr(&out));
-    let after: f64 = text
-        .lines()
-        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let after = number_after(&text, "AFTER");
     assert!(after < 5.0, "the barrier ended {after} s after the start");
     assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
 }
@@ -1104,15 +1072,8 @@ fn an_abort_frees_a_call_stuck_inside_nccl() {
     );
     let text = stdout(&out);
     assert!(text.contains("KIND Aborted"), "{text}\n{log}");
-    let at = |key: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.split_once(&format!("{key} ")).map(|x| x.1))
-            .unwrap_or_else(|| panic!("no {key} in {text}"))
-            .parse()
-            .unwrap()
-    };
-    assert!(at("ABORTED") < 5.0, "{text}");
-    assert!(at("AFTER") < 5.0, "{text}");
+    assert!(number_after(&text, "ABORTED") < 5.0, "{text}");
+    assert!(number_after(&text, "AFTER") < 5.0, "{text}");
     assert_eq!(nccl_lines(&log, "blocked").len(), 1, "{log}");
     assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
 }
@@ -1221,12 +1182,7 @@ fn a_peer_dying_with_nccl_work_in_flight_is_found_within_seconds() {
     let text = stdout(&out);
     assert!(text.contains("KIND PeerLost"), "{text}\n{}", stderr(&out));
     assert!(text.contains("rank 1's connection closed"), "{text}");
-    let after: f64 = text
-        .lines()
-        .find_map(|l| l.split_once("AFTER ").map(|x| x.1))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let after = number_after(&text, "AFTER");
     assert!(after < 10.0, "found after {after} s");
     assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
 }
