@@ -79,6 +79,9 @@ struct Job {
     /// The callers' streams for blocking calls queued behind non-blocking
     /// ones (None for non-blocking calls, which have none).
     streams: Option<Vec<Stream>>,
+    /// Complete only once device work finished (non-blocking calls, whose
+    /// requests promise that), not once it is enqueued.
+    finish_on_device: bool,
     /// One per call (a batch of deferred sends/receives completes together).
     done: Vec<Arc<Completion>>,
 }
@@ -162,12 +165,15 @@ impl Shared {
         calls: Vec<Call>,
         streams: Vec<Stream>,
     ) -> Result<()> {
+        if calls.iter().all(Call::is_p2p) && self.has_deferred.load(Ordering::Acquire) {
+            return self.run_with_deferred(calls, streams);
+        }
         self.flush_deferred()?;
         let busy = lock(&self.queue).unfinished > 0;
         if busy {
             return self.submit(calls, Some(streams))?.wait();
         }
-        self.run_now(&calls, Some(&streams))
+        self.run_now(&calls, Some(&streams), false)
     }
 
     /// `run_batch` of one call, without allocating on the inline path
@@ -176,20 +182,28 @@ impl Shared {
     /// # Safety
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
+        if call.is_p2p() && self.has_deferred.load(Ordering::Acquire) {
+            return self.run_with_deferred(vec![call], vec![stream]);
+        }
         self.flush_deferred()?;
         let busy = self.queued.load(Ordering::Acquire) > 0;
         if busy {
             return self.submit(vec![call], Some(vec![stream]))?.wait();
         }
-        self.run_now(std::slice::from_ref(&call), Some(&[stream]))
+        self.run_now(std::slice::from_ref(&call), Some(&[stream]), false)
     }
 
     /// Runs calls where their buffers say (see `route`). `streams` are the
-    /// callers' streams, one per call; None for calls running on the
-    /// worker (non-blocking twins, which have no stream): their device
-    /// work runs on the default stream and is finished when they return.
-    unsafe fn run_now(&self, calls: &[Call], streams: Option<&[Stream]>) -> Result<()> {
-        self.dispatch(calls, streams, false)
+    /// callers' streams, one per call; None for non-blocking twins, which
+    /// have none: their device work runs on the default stream. With
+    /// `finish_on_device`, device work is finished when this returns.
+    unsafe fn run_now(
+        &self,
+        calls: &[Call],
+        streams: Option<&[Stream]>,
+        finish_on_device: bool,
+    ) -> Result<()> {
+        self.dispatch(calls, streams, false, finish_on_device)
             .unwrap_or_else(|| Err(Error::internal("a call was left unrun")))
     }
 
@@ -209,7 +223,7 @@ impl Shared {
         if self.queued.load(Ordering::Acquire) > 0 || self.has_deferred.load(Ordering::Acquire) {
             return None; // behind queued calls: run_batch keeps the order
         }
-        self.dispatch(calls, Some(streams), true)
+        self.dispatch(calls, Some(streams), true, false)
     }
 
     /// Runs `calls` where their buffers say; with `device_only`, only when
@@ -219,6 +233,7 @@ impl Shared {
         calls: &[Call],
         streams: Option<&[Stream]>,
         device_only: bool,
+        background: bool,
     ) -> Option<Result<()>> {
         let mut engine = lock(&self.engine);
         let Engine {
@@ -245,7 +260,6 @@ impl Shared {
         let Some(cuda) = cuda else {
             return (!device_only).then(|| run_host(backend, trace, calls));
         };
-        let background = streams.is_none();
         let defaults;
         let streams = match streams {
             Some(s) => s,
@@ -329,9 +343,11 @@ impl Shared {
     fn submit(self: &Arc<Self>, calls: Vec<Call>, streams: Option<Vec<Stream>>) -> Result<Request> {
         self.flush_deferred()?;
         let done = Arc::new(Completion::default());
+        let finish_on_device = streams.is_none();
         self.enqueue(Job {
             calls,
             streams,
+            finish_on_device,
             done: vec![done.clone()],
         })?;
         Ok(Request {
@@ -357,6 +373,44 @@ impl Shared {
         }
     }
 
+    /// Runs blocking sends/receives together with the held non-blocking
+    /// ones, as one exchange, and waits for it: in `irecv; send; wait` on
+    /// every rank, the irecv alone would wait for a send queued behind it.
+    /// Device work is finished on return (the held calls' requests
+    /// promise that).
+    ///
+    /// # Safety
+    /// Buffers of `calls` valid until this returns.
+    unsafe fn run_with_deferred(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Vec<Stream>,
+    ) -> Result<()> {
+        let held = {
+            let mut d = lock(&self.deferred);
+            self.has_deferred.store(false, Ordering::Release);
+            std::mem::take(&mut *d)
+        };
+        let (mut all, mut done): (Vec<Call>, Vec<Arc<Completion>>) = held.into_iter().unzip();
+        let mut all_streams = vec![Stream::DEFAULT; all.len()];
+        all.extend(calls);
+        all_streams.extend(streams);
+        let mine = Arc::new(Completion::default());
+        done.push(mine.clone());
+        self.enqueue(Job {
+            calls: all,
+            streams: Some(all_streams),
+            finish_on_device: true,
+            done,
+        })?;
+        Request {
+            done: mine,
+            timeout: self.timeout,
+            owner: None,
+        }
+        .wait()
+    }
+
     /// Starts the held sends/receives on the worker.
     fn flush_deferred(self: &Arc<Self>) -> Result<()> {
         if !self.has_deferred.load(Ordering::Acquire) {
@@ -374,6 +428,7 @@ impl Shared {
         self.enqueue(Job {
             calls,
             streams: None,
+            finish_on_device: true,
             done,
         })
     }
@@ -426,7 +481,7 @@ impl Shared {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: whoever submitted the job keeps its buffers valid
                 // until the request completes.
-                unsafe { self.run_now(&job.calls, job.streams.as_deref()) }
+                unsafe { self.run_now(&job.calls, job.streams.as_deref(), job.finish_on_device) }
             }))
             .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
             for done in &job.done {

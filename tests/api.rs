@@ -396,6 +396,53 @@ fn an_auth_token_is_refused_rather_than_ignored() {
     assert!(e.to_string().contains("auth_token"), "{e}");
 }
 
+/// MPI's usual exchange: post the receive, send (blocking), wait for the
+/// receive; and the mirror image. On every rank at once, so each blocking
+/// call needs the peers' non-blocking one to be under way.
+#[test]
+fn a_blocking_send_or_receive_starts_the_held_ones_with_it() {
+    common::world(3, common::opts(10_000), LIMIT, |comm| {
+        let (r, n) = (comm.rank(), comm.size());
+        let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+        let d = |c| Data {
+            count: c,
+            dtype: DType::Uint64,
+        };
+        let send_call = |buf: &[u64], to: usize| {
+            Call::new(
+                OpKind::Send,
+                buf.as_ptr().cast(),
+                std::ptr::null_mut(),
+                d(buf.len()),
+                ReduceOp::Sum,
+                to as i64,
+                r,
+                n,
+            )
+            .unwrap()
+        };
+        for (round, len) in [1usize, 300_000].into_iter().enumerate() {
+            let tag = (round * 1000 + r) as u64;
+            let out = vec![tag; len];
+            // irecv from the left; send right (blocking); wait.
+            let mut got = vec![0u64; len];
+            let recv = unsafe {
+                comm.submit(Call::recv(got.as_mut_ptr().cast(), d(len), left as i64, n).unwrap())
+                    .unwrap()
+            };
+            comm.send(&out, right).unwrap();
+            recv.wait().unwrap();
+            assert!(got.iter().all(|v| *v == (round * 1000 + left) as u64));
+            // isend left; receive from the right (blocking); wait.
+            let mut got = vec![0u64; len];
+            let send = unsafe { comm.submit(send_call(&out, left)) }.unwrap();
+            comm.recv(&mut got, right).unwrap();
+            send.wait().unwrap();
+            assert!(got.iter().all(|v| *v == (round * 1000 + right) as u64));
+        }
+    });
+}
+
 #[test]
 fn irecv_before_isend_on_every_rank_does_not_deadlock() {
     common::world(3, common::opts(10_000), LIMIT, |comm| {
