@@ -585,6 +585,20 @@ fn worker_process() {
             assert_eq!(host, [1.5, 2.5]);
             println!("CALLS {calls}");
         }
+        // Host buffers on threads with no CUDA context current.
+        "host_without_context" => {
+            common::world(
+                2,
+                options(&[("backend", "socket")]),
+                Duration::from_secs(50),
+                |comm| {
+                    let mut v = vec![comm.rank() as i32 + 1; 1000];
+                    comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                    assert!(v.iter().all(|x| *x == 3));
+                },
+            );
+            println!("DONE");
+        }
         // N ranks (threads) on sockets with device buffers: staged.
         "socket_world" => {
             let n: usize = std::env::var("RANKS").unwrap().parse().unwrap();
@@ -910,6 +924,15 @@ fn buffers_are_told_apart_where_the_driver_lacks_a_pointer_attribute() {
     );
     let (_, log) = run_role("nccl_world1", &env[..1], true);
     assert!(!nccl_lines(&log, "ncclAllReduce").is_empty(), "{log}");
+}
+
+#[test]
+fn host_buffers_are_told_apart_on_a_thread_with_no_context() {
+    // A driver that answers pointer queries only in a context: rdist asks
+    // again in device 0's primary context.
+    let env = [("RDIST_STUB_POINTER_NEEDS_CONTEXT", "1")];
+    let (out, _) = run_role("host_without_context", &env, true);
+    assert!(stdout(&out).contains("DONE"), "{}", stderr(&out));
 }
 
 #[test]

@@ -120,16 +120,27 @@ impl Cuda {
             (&mut ordinal as *mut i32).cast(),
             (&mut managed as *mut u32).cast(),
         ];
-        // SAFETY: four attributes, four outputs of the documented types.
-        // An address the driver does not know yields zeros and success.
-        let all = check("cuPointerGetAttributes", || unsafe {
-            cu::cuPointerGetAttributes(
-                attrs.len() as u32,
-                attrs.as_mut_ptr(),
-                data.as_mut_ptr(),
-                addr as cu::CUdeviceptr,
-            )
-        });
+        let mut ask = || {
+            // SAFETY: four attributes, four outputs of the documented
+            // types. An address the driver does not know yields zeros and
+            // success.
+            check("cuPointerGetAttributes", || unsafe {
+                cu::cuPointerGetAttributes(
+                    attrs.len() as u32,
+                    attrs.as_mut_ptr(),
+                    data.as_mut_ptr(),
+                    addr as cu::CUdeviceptr,
+                )
+            })
+        };
+        let mut all = ask();
+        if all.is_err() && !has_current_context() {
+            // A driver may want a context to answer in; this thread has
+            // none (its program works on another thread).
+            if let Ok(_ctx) = primary_context(0).and_then(ContextGuard::push) {
+                all = ask();
+            }
+        }
         if let Err(e) = all {
             // A driver that lacks one of the attributes fails the whole
             // list: ask one at a time.
@@ -149,6 +160,17 @@ impl Cuda {
             false => Memory::Host,
         })
     }
+}
+
+/// Whether a context is current on this thread.
+fn has_current_context() -> bool {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local.
+    check("cuCtxGetCurrent", || unsafe {
+        cu::cuCtxGetCurrent(&mut ctx)
+    })
+    .is_ok()
+        && !ctx.is_null()
 }
 
 /// Device memory of `ordinal`, owned by `context`. Memory mapped with
@@ -247,9 +269,20 @@ impl Drop for ContextGuard {
     }
 }
 
-/// The primary context of device `ordinal` (retained for the life of the
-/// process, as the CUDA runtime does).
+/// The primary context of device `ordinal` (retained once, for the life
+/// of the process, as the CUDA runtime does).
 pub fn primary_context(ordinal: i32) -> Result<usize> {
+    static RETAINED: std::sync::Mutex<Vec<(i32, usize)>> = std::sync::Mutex::new(Vec::new());
+    let mut retained = RETAINED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, ctx)) = retained.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(ctx);
+    }
+    let ctx = retain_primary_context(ordinal)?;
+    retained.push((ordinal, ctx));
+    Ok(ctx)
+}
+
+fn retain_primary_context(ordinal: i32) -> Result<usize> {
     let mut dev: cu::CUdevice = 0;
     // SAFETY: out-pointers to locals.
     check(&format!("cuDeviceGet({ordinal})"), || unsafe {

@@ -921,9 +921,27 @@ static CUresult write_attr(int attr, void *data, const struct alloc *a, CUdevice
     }
 }
 
+/* RDIST_STUB_POINTER_NEEDS_CONTEXT=1: pointer queries fail with
+ * CUDA_ERROR_INVALID_CONTEXT on a thread with no current context (as some
+ * drivers answer only in one). */
+static CUresult pointer_query_context(void)
+{
+    const char *v = getenv("RDIST_STUB_POINTER_NEEDS_CONTEXT");
+    struct stub_ctx *c;
+    if (!v || strcmp(v, "1") != 0)
+        return CUDA_SUCCESS;
+    lock();
+    CUresult r = current_ctx(&c);
+    unlock();
+    return r;
+}
+
 EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr)
 {
     REQUIRE_INIT();
+    CUresult needs = pointer_query_context();
+    if (needs)
+        return needs;
     lock();
     const struct alloc *a = alloc_find((uintptr_t)ptr, 1); /* one past the end is not inside */
     CUresult r = a ? write_attr(attribute, data, a, ptr) : CUDA_ERROR_INVALID_VALUE;
@@ -936,6 +954,9 @@ EXPORT CUresult cuPointerGetAttributes(unsigned num, int *attributes, void **dat
     REQUIRE_INIT();
     if (num == 0 || !attributes || !data)
         return CUDA_ERROR_INVALID_VALUE;
+    CUresult needs = pointer_query_context();
+    if (needs)
+        return needs;
     lock();
     const struct alloc *a = alloc_find((uintptr_t)ptr, 1);
     CUresult r = CUDA_SUCCESS;

@@ -173,6 +173,9 @@ pub(crate) struct Raw {
     handle: usize,
     /// Aborted (as opposed to destroyed).
     aborted: AtomicBool,
+    /// Freed by NCCL (destroyed or aborted): whoever sets it frees it,
+    /// once, even when an abort goes ahead without the lock.
+    freed: AtomicBool,
     /// An abort is waiting for the lock: a holder polling NCCL gives up.
     abort_requested: AtomicBool,
 }
@@ -191,6 +194,7 @@ impl Raw {
             comm: Mutex::new(comm as usize),
             handle: comm as usize,
             aborted: AtomicBool::new(false),
+            freed: AtomicBool::new(false),
             abort_requested: AtomicBool::new(false),
         }
     }
@@ -234,7 +238,7 @@ impl Raw {
     /// `ncclCommDestroy` (after a finalize), once.
     fn destroy(&self) {
         let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        if *comm != 0 && !self.is_aborted() {
+        if *comm != 0 && !self.freed.swap(true, Ordering::AcqRel) {
             if let Some(f) = self.lib.api.ncclCommDestroy {
                 let _ctx = ContextGuard::push(self.context);
                 // SAFETY: a live, finalized communicator, freed once.
@@ -269,15 +273,15 @@ impl Raw {
                 Err(std::sync::TryLockError::WouldBlock) => break None,
             }
         };
-        let live = match &comm {
-            Some(c) => **c != 0 && !self.is_aborted(),
-            None => !self.aborted.load(Ordering::Acquire),
-        };
-        if live && !self.aborted.swap(true, Ordering::AcqRel) {
+        let live = comm.as_ref().is_none_or(|c| **c != 0);
+        if live && !self.freed.swap(true, Ordering::AcqRel) {
+            // Before NCCL's abort: a stuck holder returning from NCCL sees
+            // it and never touches the communicator again.
+            self.aborted.store(true, Ordering::Release);
             if let Some(f) = self.lib.api.ncclCommAbort {
                 let _ctx = ContextGuard::push(self.context);
-                // SAFETY: a live communicator, freed here once (`aborted`
-                // keeps every other path off it from now on).
+                // SAFETY: a live communicator, freed here once (`freed`);
+                // `aborted` keeps every other path off it from now on.
                 unsafe { f(self.handle as ncclComm_t) };
             }
         }
@@ -320,6 +324,9 @@ impl Held<'_> {
             _ => ErrorKind::Backend,
         };
         let last = match self.raw.lib.api.ncclGetLastError {
+            // An abort may have freed it under a stuck holder: NCCL's
+            // last error outside a communicator then.
+            Some(_) if self.raw.freed.load(Ordering::Acquire) => self.raw.lib.last_error(),
             // SAFETY: a live communicator; NCCL returns a string it owns.
             Some(f) => self.call(|comm| unsafe { text(f(comm)) }),
             None => String::new(),
