@@ -100,6 +100,8 @@ pub struct Request {
     /// For deferred sends/receives: the communicator to start them on
     /// when this request is waited for or tested.
     owner: Option<Arc<Shared>>,
+    /// The communicator, to abort if the call never completes.
+    comm: std::sync::Weak<Shared>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,13 +127,8 @@ impl Request {
             let limit = self.timeout * 4 + Duration::from_secs(10);
             let left = limit.saturating_sub(started.elapsed());
             if left.is_zero() {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "request did not complete within {:.1} s",
-                        limit.as_secs_f64()
-                    ),
-                ));
+                drop(r);
+                return Err(self.give_up(limit));
             }
             r = self
                 .done
@@ -140,6 +137,36 @@ impl Request {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// The backstop fired: the call may still be queued, and must never
+    /// touch its buffers after the caller hears it failed (and frees them).
+    /// Aborting the communicator ends a running call and makes queued ones
+    /// fail without running; this waits (bounded) for that.
+    fn give_up(&self, limit: Duration) -> Error {
+        let mut msg = format!(
+            "request did not complete within {:.1} s; the communicator was aborted",
+            limit.as_secs_f64()
+        );
+        if let Some(comm) = self.comm.upgrade() {
+            comm.abort();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut r = lock(&self.done.result);
+        while r.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                msg.push_str(" (and the call still had not ended 10 s later)");
+                break;
+            }
+            r = self
+                .done
+                .ready
+                .wait_timeout(r, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Error::new(ErrorKind::Timeout, msg)
     }
 
     /// The result if the call has completed; never blocks (it may start
@@ -216,14 +243,55 @@ impl Shared {
     /// # Safety
     /// Device buffers valid until the work on their streams is done.
     pub(crate) unsafe fn try_device_batch(
-        &self,
+        self: &Arc<Self>,
         calls: &[Call],
         streams: &[Stream],
     ) -> Option<Result<()>> {
+        if self.nccl_raw_is_none() {
+            return None;
+        }
         if self.queued.load(Ordering::Acquire) > 0 || self.has_deferred.load(Ordering::Acquire) {
-            return None; // behind queued calls: run_batch keeps the order
+            // Behind queued calls. Waiting for them here, rather than
+            // leaving the batch to run behind them later, keeps the
+            // group's order on every rank whatever the timing.
+            if let Err(e) = self.drain("rdist_group_end") {
+                return Some(Err(e));
+            }
         }
         self.dispatch(calls, Some(streams), true, false)
+    }
+
+    fn nccl_raw_is_none(&self) -> bool {
+        lock(&self.nccl_raw).is_none()
+    }
+
+    /// Starts the held non-blocking calls and waits until every queued
+    /// one has finished. Each is bounded by the timeout; this bound is a
+    /// backstop.
+    fn drain(self: &Arc<Self>, what: &str) -> Result<()> {
+        self.flush_deferred()?;
+        let limit = self.timeout * 4 + Duration::from_secs(10);
+        let started = Instant::now();
+        let mut q = lock(&self.queue);
+        while q.unfinished > 0 {
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{what}: {} queued non-blocking call(s) did not finish within {:.1} s",
+                        q.unfinished,
+                        limit.as_secs_f64()
+                    ),
+                ));
+            }
+            q = self
+                .queue_changed
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
     }
 
     /// Runs `calls` where their buffers say; with `device_only`, only when
@@ -354,6 +422,7 @@ impl Shared {
             done,
             timeout: self.timeout,
             owner: None,
+            comm: Arc::downgrade(self),
         })
     }
 
@@ -370,6 +439,7 @@ impl Shared {
             done,
             timeout: self.timeout,
             owner: Some(self.clone()),
+            comm: Arc::downgrade(self),
         }
     }
 
@@ -407,6 +477,7 @@ impl Shared {
             done: mine,
             timeout: self.timeout,
             owner: None,
+            comm: Arc::downgrade(self),
         }
         .wait()
     }
@@ -762,33 +833,8 @@ impl Comm {
                 "rdist_comm_split cannot be called inside a group",
             ));
         }
-        // Wait for queued non-blocking calls: split comes after them.
-        // Each is bounded by the timeout; this bound is a backstop.
-        self.shared.flush_deferred()?;
-        {
-            let limit = self.shared.timeout * 4 + Duration::from_secs(10);
-            let started = Instant::now();
-            let mut q = lock(&self.shared.queue);
-            while q.unfinished > 0 {
-                let left = limit.saturating_sub(started.elapsed());
-                if left.is_zero() {
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "rdist_comm_split: {} queued non-blocking call(s) did not finish within {:.1} s",
-                            q.unfinished,
-                            limit.as_secs_f64()
-                        ),
-                    ));
-                }
-                q = self
-                    .shared
-                    .queue_changed
-                    .wait_timeout(q, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-        }
+        // Split comes after the queued non-blocking calls.
+        self.shared.drain("rdist_comm_split")?;
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
         let mut engine = lock(&self.shared.engine);
         let split = engine.backend.split(color, key, signal.clone())?;

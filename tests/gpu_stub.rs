@@ -478,6 +478,22 @@ fn options(pairs: &[(&str, &str)]) -> Options {
     o
 }
 
+/// The doubles' `rdist_stub_stall_stream(stream, on)`, from the loaded
+/// libcuda.so.1.
+fn stub_stall_stream() -> unsafe extern "C" fn(*mut std::ffi::c_void, i32) {
+    // SAFETY: looks up a library already loaded (RTLD_NOLOAD) and a symbol
+    // the doubles export with this signature.
+    unsafe {
+        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!lib.is_null(), "the CUDA doubles are not loaded");
+        let f = libc::dlsym(lib, c"rdist_stub_stall_stream".as_ptr());
+        assert!(!f.is_null(), "rdist_stub_stall_stream is missing");
+        std::mem::transmute::<*mut std::ffi::c_void, unsafe extern "C" fn(*mut std::ffi::c_void, i32)>(
+            f,
+        )
+    }
+}
+
 /// A one-rank NCCL communicator on device 0 (made current), with
 /// `timeout_ms` when given.
 fn nccl_world_of_one(timeout_ms: Option<&str>) -> Comm {
@@ -584,6 +600,38 @@ fn worker_process() {
             comm.allreduce(&mut host, ReduceOp::Sum).unwrap();
             assert_eq!(host, [1.5, 2.5]);
             println!("CALLS {calls}");
+        }
+        // A group over two NCCL communicators, the first with a
+        // non-blocking call still running (the doubles stall the default
+        // stream it waits on, for 300 ms).
+        "group_behind_queued_work" => {
+            let first = nccl_world_of_one(None);
+            let second = first.split(0, 0).unwrap().expect("a color");
+            let stall = stub_stall_stream();
+            let queued = device::Buffer::zeroed(4);
+            // SAFETY: a helper of the doubles; NULL is the default stream.
+            unsafe { stall(std::ptr::null_mut(), 1) };
+            // SAFETY: the buffer outlives the request (waited below).
+            let req = unsafe { first.submit(in_place_sum(&queued, 1)) }.unwrap();
+            let stream = device::stream();
+            let (a, b) = (device::Buffer::zeroed(4), device::Buffer::zeroed(4));
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    // SAFETY: as above.
+                    unsafe { stall(std::ptr::null_mut(), 0) };
+                });
+                rdist::group::start();
+                // SAFETY: buffers alive until the stream is synchronised.
+                unsafe {
+                    first.run_on(in_place_sum(&a, 1), Stream(stream)).unwrap();
+                    second.run_on(in_place_sum(&b, 1), Stream(stream)).unwrap();
+                    rdist::group::end().unwrap();
+                }
+            });
+            req.wait().unwrap();
+            device::sync(stream);
+            println!("DONE");
         }
         // Host buffers on threads with no CUDA context current.
         "host_without_context" => {
@@ -924,6 +972,31 @@ fn buffers_are_told_apart_where_the_driver_lacks_a_pointer_attribute() {
     );
     let (_, log) = run_role("nccl_world1", &env[..1], true);
     assert!(!nccl_lines(&log, "ncclAllReduce").is_empty(), "{log}");
+}
+
+#[test]
+fn a_group_enqueues_in_its_order_behind_queued_work() {
+    // Every rank must put the group's kernels on the shared stream in the
+    // group's order, whatever work is still queued: the first
+    // communicator's allreduce before the second's.
+    let (out, log) = run_role("group_behind_queued_work", &[], true);
+    assert!(stdout(&out).contains("DONE"), "{}", stderr(&out));
+    let comm_of = |l: &str| {
+        l.split_whitespace()
+            .find_map(|w| w.strip_prefix("comm="))
+            .map(str::to_string)
+    };
+    let first = comm_of(nccl_lines(&log, "init")[0]).expect("init names its comm");
+    let on_stream: Vec<String> = nccl_lines(&log, "ncclAllReduce")
+        .into_iter()
+        .filter(|l| !l.contains("stream=(nil)"))
+        .filter_map(comm_of)
+        .collect();
+    assert_eq!(on_stream.len(), 2, "{log}");
+    assert_eq!(
+        on_stream[0], first,
+        "the second communicator went first:\n{log}"
+    );
 }
 
 #[test]
