@@ -21,6 +21,7 @@ from ._library import (
     UniqueId,
     lib,
 )
+from ._streams import order_after
 
 __all__ = [
     "SPLIT_NOCOLOR",
@@ -536,6 +537,7 @@ class Comm:
         try:
             handle = self._live_handle(base)
             if nonblocking:
+                order_after(pinned)
                 request = RequestHandle()
                 function = getattr(lib, "rdist_i" + base)
                 check(function(*args, handle, ctypes.byref(request)))

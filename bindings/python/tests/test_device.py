@@ -34,6 +34,7 @@ def test_device_arrays_are_staged_on_the_socket_backend(stub_dir, world_size):
     for r in results:
         assert r["checked"] == ["float32", "float16", "int64", "uint8"]
         assert "must be C-contiguous" in r["refused"], r["refused"]
+        assert r["ordered"], "a non-blocking call did not wait for its array's stream"
 
 
 def test_device_arrays_go_to_nccl_on_one_rank(stub_dir):
@@ -48,6 +49,7 @@ def test_device_arrays_go_to_nccl_on_one_rank(stub_dir):
     )
     (result,) = expect_success(ranks)
     assert result["backend"].lower().endswith("nccl"), result
+    assert result["ordered"], "a non-blocking call did not wait for its array's stream"
 
 
 def _python(code, **env):

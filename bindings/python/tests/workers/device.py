@@ -102,7 +102,24 @@ def main():
             refused = ""
         except rdist.InvalidArgumentError as error:
             refused = str(error)
-        report(rank=rank, checked=checked, refused=refused, backend=str(comm.backend))
+        # A non-blocking call (no stream of its own: the default stream)
+        # must wait for the stream its array names: with that stream's
+        # work held back (the doubles stall it), the default stream must
+        # stall too, until the producer's work is done.
+        stall = cuda.rdist_stub_stall_stream
+        stall.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        is_stalled = cuda.rdist_stub_stream_is_stalled
+        is_stalled.argtypes = [ctypes.c_void_p]
+        producer = new_stream()
+        x = DeviceArray(np.full(8, rank + 1, np.int32), producer)
+        stall(producer, 1)
+        request = comm.iallreduce(x)
+        ordered = is_stalled(None) == 1
+        stall(producer, 0)
+        stall(None, 0)
+        request.wait()
+        assert (x.get() == size * (size + 1) // 2).all(), x.get()
+        report(rank=rank, checked=checked, refused=refused, backend=str(comm.backend), ordered=ordered)
 
 
 main()
