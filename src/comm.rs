@@ -361,12 +361,28 @@ impl Shared {
                 None => Some(Err(Error::internal("device route without NCCL"))),
             },
             _ if device_only => None,
-            Route::Host => Some(run_host(backend, trace, calls)),
+            Route::Host => Some(run_host(backend, trace, calls).map_err(|e| mixed(e, nccl))),
             Route::Staged(plan) => {
                 let deadline = Instant::now() + self.timeout;
-                Some(plan.run(calls, deadline, staging, |c| run_host(backend, trace, c)))
+                let r = plan.run(calls, deadline, staging, |c| run_host(backend, trace, c));
+                Some(r.map_err(|e| mixed(e, nccl)))
             }
         }
+    }
+}
+
+/// A timeout on the sockets of a communicator that also has NCCL: each
+/// rank picks NCCL or the sockets from its own buffers, so say so.
+fn mixed(e: Error, nccl: &Option<NcclComm>) -> Error {
+    match (e.kind(), nccl) {
+        (ErrorKind::Timeout, Some(_)) => Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "{} (this call ran on the sockets because this rank's buffers were host memory, or mixed; a rank whose buffers were all device memory ran it on NCCL instead: every rank must pass the same kind of memory)",
+                e.message()
+            ),
+        ),
+        _ => e,
     }
 }
 

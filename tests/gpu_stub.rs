@@ -734,6 +734,49 @@ fn worker_process() {
                 println!("RESULT {}", h.join().unwrap());
             }
         }
+        // Two NCCL ranks passing different kinds of memory to one call:
+        // rank 0 host buffers (sockets), rank 1 device buffers (NCCL).
+        "kinds_differ" => {
+            let id = Comm::unique_id().unwrap();
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    std::thread::spawn(move || {
+                        device::use_device(rank as i32);
+                        let o = options(&[("backend", "nccl"), ("timeout_ms", "1500")]);
+                        let comm = Comm::init_rank(&id, rank, 2, &o).unwrap();
+                        if rank == 0 {
+                            let mut host = vec![1i32; 4];
+                            let e = comm.allreduce(&mut host, ReduceOp::Sum).unwrap_err();
+                            println!("RANK0 {:?} {}", e.kind(), e.message());
+                        } else {
+                            let buf = device::Buffer::zeroed(16);
+                            let data = Data {
+                                count: 4,
+                                dtype: DType::Int32,
+                            };
+                            let call = Call::new(
+                                OpKind::AllReduce,
+                                buf.ptr(),
+                                buf.ptr(),
+                                data,
+                                ReduceOp::Sum,
+                                0,
+                                1,
+                                2,
+                            )
+                            .unwrap();
+                            // SAFETY: the buffer outlives the (simulated) work.
+                            let _ = unsafe { comm.run_on(call, Stream::DEFAULT) };
+                            // Still there when rank 0 times out.
+                            std::thread::sleep(Duration::from_secs(3));
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        }
         // NCCL work that never finishes on the GPU: the watchdog aborts it.
         "stall" => {
             let comm = nccl_world_of_one(Some("1500"));
@@ -1103,6 +1146,17 @@ fn two_ranks_share_one_unique_id_or_agree_to_fall_back() {
             "{text}"
         );
     }
+}
+
+#[test]
+fn ranks_passing_different_kinds_of_memory_are_told_why_they_timed_out() {
+    let (out, _) = run_role("kinds_differ", &[("RDIST_STUB_DEVICES", "2")], true);
+    let text = stdout(&out);
+    assert!(text.contains("RANK0 Timeout"), "{text}\n{}", stderr(&out));
+    assert!(
+        text.contains("every rank must pass the same kind of memory"),
+        "{text}"
+    );
 }
 
 #[test]

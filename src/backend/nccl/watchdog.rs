@@ -229,7 +229,7 @@ impl Inner {
                     return Some(Error::new(
                         ErrorKind::Timeout,
                         format!(
-                            "rank {}: {} enqueued {:.1} s ago has not finished on the GPU (timeout {:.1} s; a peer may have died or not made the same call); the NCCL communicator was aborted",
+                            "rank {}: {} enqueued {:.1} s ago has not finished on the GPU (timeout {:.1} s; a peer may have died, not made the same call, or run it on the sockets because its buffers were host memory); the NCCL communicator was aborted",
                             self.rank,
                             p.what,
                             p.since.elapsed().as_secs_f64(),
