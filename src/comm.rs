@@ -250,6 +250,12 @@ impl Shared {
         if self.nccl_raw_is_none() {
             return None;
         }
+        if self.has_deferred.load(Ordering::Acquire) && calls.iter().all(Call::is_p2p) {
+            // Sends/receives join the held ones in one exchange
+            // (`run_batch`); which batches go there depends only on the
+            // program, so the order is the same on every rank.
+            return None;
+        }
         if self.queued.load(Ordering::Acquire) > 0 || self.has_deferred.load(Ordering::Acquire) {
             // Behind queued calls. Waiting for them here, rather than
             // leaving the batch to run behind them later, keeps the

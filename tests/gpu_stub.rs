@@ -633,6 +633,46 @@ fn worker_process() {
             device::sync(stream);
             println!("DONE");
         }
+        // A held non-blocking receive, then a group with the matching
+        // send (to self, the one rank): they must run as one exchange.
+        "irecv_then_group_send" => {
+            let comm = nccl_world_of_one(Some("3000"));
+            let stream = device::stream();
+            let src = device::Buffer::new(&encode_all(DType::Int32, [5, 6, 7]));
+            let dst = device::Buffer::zeroed(12);
+            let data = Data {
+                count: 3,
+                dtype: DType::Int32,
+            };
+            // SAFETY: both buffers outlive the request and the group.
+            let recv = unsafe { comm.submit(Call::recv(dst.ptr(), data, 0, 1).unwrap()) }.unwrap();
+            let send = Call::new(
+                OpKind::Send,
+                src.ptr(),
+                std::ptr::null_mut(),
+                data,
+                ReduceOp::Sum,
+                0,
+                0,
+                1,
+            )
+            .unwrap();
+            rdist::group::start();
+            // SAFETY: as above.
+            let grouped = unsafe {
+                comm.run_on(send, Stream(stream)).unwrap();
+                rdist::group::end()
+            };
+            let waited = recv.wait();
+            device::sync(stream);
+            match (grouped, waited) {
+                (Ok(()), Ok(())) => println!(
+                    "RESULT {}",
+                    dst.read() == encode_all(DType::Int32, [5, 6, 7])
+                ),
+                (g, w) => println!("RESULT error {g:?} {w:?}"),
+            }
+        }
         // Host buffers on threads with no CUDA context current.
         "host_without_context" => {
             common::world(
@@ -1039,6 +1079,16 @@ fn a_group_enqueues_in_its_order_behind_queued_work() {
     assert_eq!(
         on_stream[0], first,
         "the second communicator went first:\n{log}"
+    );
+}
+
+#[test]
+fn a_held_receive_and_a_grouped_send_run_together() {
+    let (out, log) = run_role("irecv_then_group_send", &[], true);
+    assert!(
+        stdout(&out).contains("RESULT true"),
+        "{}\n{log}",
+        stdout(&out)
     );
 }
 
