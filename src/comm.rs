@@ -93,6 +93,27 @@ struct Completion {
     ready: Condvar,
 }
 
+impl Completion {
+    /// The result once the call completed, or None at `deadline`.
+    fn wait_until(&self, deadline: Instant) -> Option<Result<()>> {
+        let mut r = lock(&self.result);
+        loop {
+            if let Some(res) = r.as_ref() {
+                return Some(res.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            r = self
+                .ready
+                .wait_timeout(r, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 /// A non-blocking call in flight.
 pub struct Request {
     done: Arc<Completion>,
@@ -116,26 +137,12 @@ impl Request {
         if let Some(owner) = &self.owner {
             owner.flush_deferred()?;
         }
-        let mut r = lock(&self.done.result);
-        let started = Instant::now();
-        loop {
-            if let Some(res) = r.as_ref() {
-                return res.clone();
-            }
-            // Calls are bounded by the timeout themselves; this bound is a
-            // backstop against a bug, generous enough for queued calls.
-            let limit = self.timeout * 4 + Duration::from_secs(10);
-            let left = limit.saturating_sub(started.elapsed());
-            if left.is_zero() {
-                drop(r);
-                return Err(self.give_up(limit));
-            }
-            r = self
-                .done
-                .ready
-                .wait_timeout(r, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        // Calls are bounded by the timeout themselves; this bound is a
+        // backstop against a bug, generous enough for queued calls.
+        let limit = self.timeout * 4 + Duration::from_secs(10);
+        match self.done.wait_until(Instant::now() + limit) {
+            Some(res) => res,
+            None => Err(self.give_up(limit)),
         }
     }
 
@@ -151,20 +158,9 @@ impl Request {
         if let Some(comm) = self.comm.upgrade() {
             comm.abort();
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut r = lock(&self.done.result);
-        while r.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                msg.push_str(" (and the call still had not ended 10 s later)");
-                break;
-            }
-            r = self
-                .done
-                .ready
-                .wait_timeout(r, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let grace = Duration::from_secs(10);
+        if self.done.wait_until(Instant::now() + grace).is_none() {
+            msg.push_str(" (and the call still had not ended 10 s later)");
         }
         Error::new(ErrorKind::Timeout, msg)
     }
