@@ -125,6 +125,13 @@ pub struct Request {
     comm: std::sync::Weak<Shared>,
 }
 
+/// How long a wait for queued calls may last. Calls are bounded by the
+/// timeout themselves; this bound is a backstop against a bug, generous
+/// enough for several queued calls.
+fn backstop(timeout: Duration) -> Duration {
+    timeout * 4 + Duration::from_secs(10)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock was already reported as an error; the
     // state itself stays consistent, so keep going.
@@ -137,9 +144,7 @@ impl Request {
         if let Some(owner) = &self.owner {
             owner.flush_deferred()?;
         }
-        // Calls are bounded by the timeout themselves; this bound is a
-        // backstop against a bug, generous enough for queued calls.
-        let limit = self.timeout * 4 + Duration::from_secs(10);
+        let limit = backstop(self.timeout);
         match self.done.wait_until(Instant::now() + limit) {
             Some(res) => res,
             None => Err(self.give_up(limit)),
@@ -243,7 +248,7 @@ impl Shared {
         calls: &[Call],
         streams: &[Stream],
     ) -> Option<Result<()>> {
-        if self.nccl_raw_is_none() {
+        if lock(&self.nccl_raw).is_none() {
             return None;
         }
         if self.has_deferred.load(Ordering::Acquire) && calls.iter().all(Call::is_p2p) {
@@ -263,16 +268,11 @@ impl Shared {
         self.dispatch(calls, Some(streams), true, false)
     }
 
-    fn nccl_raw_is_none(&self) -> bool {
-        lock(&self.nccl_raw).is_none()
-    }
-
     /// Starts the held non-blocking calls and waits until every queued
-    /// one has finished. Each is bounded by the timeout; this bound is a
-    /// backstop.
+    /// one has finished (bounded by `backstop`).
     fn drain(self: &Arc<Self>, what: &str) -> Result<()> {
         self.flush_deferred()?;
-        let limit = self.timeout * 4 + Duration::from_secs(10);
+        let limit = backstop(self.timeout);
         let started = Instant::now();
         let mut q = lock(&self.queue);
         while q.unfinished > 0 {
