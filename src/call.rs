@@ -2,9 +2,9 @@
 //! non-blocking calls can carry them to another thread) and parameters.
 //! Constructors validate everything that can be checked locally.
 
+use crate::descriptor::OpKind;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::op::OpKind;
 use crate::reduce::ReduceOp;
 
 /// A caller's buffer: address and length in bytes. Whoever makes a `Call`

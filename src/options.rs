@@ -1,8 +1,26 @@
 //! Key/value settings: what `rdist_options_set` accepts, plus the environment
 //! variables that back each key. Parsed once, when a communicator is created.
+//!
+//! This is the one place where rdist reads its environment: the options'
+//! variables (`KEYS`), the developers' tuning variables (`Tuning`), and,
+//! through `process_env`, the launcher's variables that rendezvous reads
+//! (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and the places the NCCL
+//! loader searches. Every layer gets its settings from here.
 
 use crate::error::{Error, Result};
+use std::ffi::OsString;
 use std::time::Duration;
+
+/// A variable of the process environment (None when unset or not UTF-8).
+/// Rendezvous asks for the launcher's variables through this.
+pub(crate) fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// `process_env` for paths (the NCCL loader's search).
+pub(crate) fn process_env_os(name: &str) -> Option<OsString> {
+    std::env::var_os(name)
+}
 
 /// Which backend runs the collectives (values equal `rdist_backend_t`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +85,62 @@ pub enum TransportKind {
     Tcp,
 }
 
+/// Developers' switches for shared memory, from the environment only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmTuning {
+    /// Use membarrier() to order ring updates (RDIST_NO_MEMBARRIER unsets).
+    pub membarrier: bool,
+    /// Allow single-copy payloads (RDIST_NO_SINGLE_COPY unsets).
+    pub single_copy: bool,
+}
+
+/// Developers' tuning, from the environment only (no option key): knobs
+/// for measuring, not for users.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tuning {
+    /// How long a waiting rank busy-waits before sleeping (RDIST_SPIN_US).
+    pub spin: Duration,
+    pub shm: ShmTuning,
+    /// NCCL_COMM_BLOCKING as set: NCCL reads it too, and rdist refuses
+    /// NCCL when it makes calls block (see `backend::nccl`).
+    pub nccl_comm_blocking: Option<String>,
+}
+
+/// Long enough to cover a peer's step in a collective, short enough not to
+/// burn a core while a rank computes between collectives.
+pub const DEFAULT_SPIN_US: u64 = 500;
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
+            spin: Duration::from_micros(DEFAULT_SPIN_US),
+            shm: ShmTuning {
+                membarrier: true,
+                single_copy: true,
+            },
+            nccl_comm_blocking: None,
+        }
+    }
+}
+
+impl Tuning {
+    fn from_lookup(lookup: &impl Fn(&str) -> Option<String>) -> Result<Tuning> {
+        let mut t = Tuning::default();
+        if let Some(v) = lookup("RDIST_SPIN_US").filter(|v| !v.trim().is_empty()) {
+            let us: u64 = v.trim().parse().map_err(|_| {
+                Error::invalid_argument(format!(
+                    "environment variable RDIST_SPIN_US: '{v}' is not a number of microseconds"
+                ))
+            })?;
+            t.spin = Duration::from_micros(us);
+        }
+        t.shm.membarrier = lookup("RDIST_NO_MEMBARRIER").is_none();
+        t.shm.single_copy = lookup("RDIST_NO_SINGLE_COPY").is_none();
+        t.nccl_comm_blocking = lookup("NCCL_COMM_BLOCKING");
+        Ok(t)
+    }
+}
+
 /// Log verbosity (to stderr).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
@@ -93,6 +167,8 @@ pub struct Options {
     /// Which shared-memory payloads travel single-copy (process_vm_readv)
     /// instead of through the rings.
     pub single_copy_min: SingleCopy,
+    /// Developers' tuning (environment only).
+    pub tuning: Tuning,
     /// Keys set explicitly (they win over the environment).
     explicit: Vec<&'static str>,
 }
@@ -111,6 +187,7 @@ impl Default for Options {
             debug: LogLevel::Warn,
             trace_file: None,
             single_copy_min: SingleCopy::Auto,
+            tuning: Tuning::default(),
             explicit: Vec::new(),
         }
     }
@@ -155,12 +232,13 @@ impl Options {
     /// These options with the environment filled in for every key not set
     /// explicitly. A malformed environment variable is an error naming it.
     pub fn with_env(&self) -> Result<Options> {
-        self.with_env_from(|name| std::env::var(name).ok())
+        self.with_env_from(process_env)
     }
 
     /// `with_env` with an injectable lookup (for tests).
     pub fn with_env_from(&self, lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let mut merged = self.clone();
+        merged.tuning = Tuning::from_lookup(&lookup)?;
         for (key, var) in KEYS {
             if self.explicit.contains(&key) {
                 continue;
@@ -344,6 +422,26 @@ mod tests {
         let merged = o.with_env_from(env).unwrap();
         assert_eq!(merged.timeout, Duration::from_millis(1000));
         assert_eq!(merged.transport, TransportKind::Tcp);
+    }
+
+    #[test]
+    fn tuning_comes_from_the_environment() {
+        let env = |name: &str| match name {
+            "RDIST_SPIN_US" => Some("20".to_string()),
+            "RDIST_NO_SINGLE_COPY" => Some("1".to_string()),
+            "NCCL_COMM_BLOCKING" => Some("1".to_string()),
+            _ => None,
+        };
+        let t = Options::default().with_env_from(env).unwrap().tuning;
+        assert_eq!(t.spin, Duration::from_micros(20));
+        assert!(t.shm.membarrier);
+        assert!(!t.shm.single_copy);
+        assert_eq!(t.nccl_comm_blocking.as_deref(), Some("1"));
+        let none = Options::default().with_env_from(|_| None).unwrap().tuning;
+        assert_eq!(none, Tuning::default());
+        let bad = |name: &str| (name == "RDIST_SPIN_US").then(|| "fast".to_string());
+        let e = Options::default().with_env_from(bad).unwrap_err();
+        assert!(e.message().contains("RDIST_SPIN_US"), "{e}");
     }
 
     #[test]

@@ -16,6 +16,8 @@ pub struct Trace {
 
 struct Event {
     name: &'static str,
+    /// The call's number (see `backend::engine::Sequence`).
+    seq: u64,
     start_us: f64,
     dur_us: f64,
     bytes: usize,
@@ -39,9 +41,11 @@ impl Trace {
         }
     }
 
-    pub fn record(&mut self, call: &Call, started: Instant, ok: bool) {
+    /// Records `call`, number `seq`, which started at `started` and ends now.
+    pub fn record(&mut self, call: &Call, seq: u64, started: Instant, ok: bool) {
         self.events.push(Event {
             name: call.name(),
+            seq,
             start_us: started.duration_since(self.epoch).as_secs_f64() * 1e6,
             dur_us: started.elapsed().as_secs_f64() * 1e6,
             bytes: call.bytes(),
@@ -55,12 +59,13 @@ impl Trace {
         for (i, e) in self.events.iter().enumerate() {
             let _ = write!(
                 s,
-                "{}{{\"name\":\"{}\",\"ph\":\"X\",\"pid\":{},\"tid\":0,\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"bytes\":{},\"ok\":{}}}}}",
+                "{}{{\"name\":\"{}\",\"ph\":\"X\",\"pid\":{},\"tid\":0,\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"seq\":{},\"bytes\":{},\"ok\":{}}}}}",
                 if i == 0 { "" } else { ",\n" },
                 e.name,
                 self.rank,
                 e.start_us,
                 e.dur_us,
+                e.seq,
                 e.bytes,
                 e.ok
             );

@@ -3,7 +3,6 @@
 
 mod common;
 
-use rdist::call::{Call, Data};
 use rdist::ffi::collectives::*;
 use rdist::ffi::comm::*;
 use rdist::ffi::options::*;
@@ -11,7 +10,8 @@ use rdist::ffi::p2p::*;
 use rdist::ffi::requests::*;
 use rdist::ffi::types::*;
 use rdist::ffi::version::*;
-use rdist::op::OpKind;
+use rdist::internals::OpKind;
+use rdist::internals::{Call, Data};
 use rdist::{Comm, DType, ErrorKind, ReduceOp};
 use std::ffi::{c_void, CStr};
 use std::time::Duration;
@@ -98,7 +98,7 @@ fn groups_let_ranks_swap_with_a_neighbour_and_themselves() {
             dtype: DType::Uint32,
         };
         unsafe {
-            rdist::group::start();
+            rdist::internals::group::start();
             comm.run(
                 Call::new(
                     OpKind::Send,
@@ -147,7 +147,7 @@ fn groups_let_ranks_swap_with_a_neighbour_and_themselves() {
                 .unwrap();
             comm.run(Call::recv(from_right.as_mut_ptr().cast(), d(big), right as i64, n).unwrap())
                 .unwrap();
-            rdist::group::end().unwrap();
+            rdist::internals::group::end().unwrap();
         }
         assert_eq!(from_left[5], (left * big + 5) as u32);
         assert_eq!(from_right[big - 1], (right * big + big - 1) as u32);
@@ -352,7 +352,7 @@ fn bad_arguments_through_the_c_abi_are_precise_and_harmless() {
 fn env_rendezvous_reads_torchrun_variables() {
     // env:// is exercised end to end by tests/c_api.rs through rdistrun;
     // here only that a missing MASTER_ADDR is explained.
-    let e = rdist::rendezvous::method::parse("env://", &|_| None).unwrap_err();
+    let e = rdist::internals::method::parse("env://", &|_| None).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     assert!(e.message().contains("MASTER_ADDR"));
 }

@@ -4,8 +4,8 @@
 mod common;
 
 use half::{bf16, f16};
-use rdist::call::{Call, Data};
-use rdist::op::OpKind;
+use rdist::internals::OpKind;
+use rdist::internals::{Call, Data};
 use rdist::{Comm, DType, ReduceOp};
 use std::time::Duration;
 

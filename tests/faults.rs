@@ -347,7 +347,7 @@ fn fd_probe_process() {
     common::world(3, common::opts(10_000), Duration::from_secs(20), |comm| {
         let mut v = vec![1u32; 1000];
         comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
-        let req = unsafe { comm.submit(rdist::call::Call::Barrier).unwrap() };
+        let req = unsafe { comm.submit(rdist::internals::Call::Barrier).unwrap() };
         req.wait().unwrap();
         let sub = comm.split((comm.rank() % 2) as i32, 0).unwrap().unwrap();
         sub.barrier().unwrap();

@@ -17,9 +17,9 @@
 mod common;
 
 use cudarc::driver::sys as cu;
-use rdist::backend::cuda::Stream;
-use rdist::call::{Call, Data};
-use rdist::op::OpKind;
+use rdist::internals::OpKind;
+use rdist::internals::Stream;
+use rdist::internals::{Call, Data};
 use rdist::{Backend, Comm, DType, Options, ReduceOp};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -375,7 +375,7 @@ fn every_collective(comm: &Comm, dtype: DType, count: usize, stream: usize) -> u
     // A ring of sends and receives in one group.
     let recv = device::Buffer::zeroed(count * dtype.size());
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
-    rdist::group::start();
+    rdist::internals::group::start();
     let s = Call::new(
         OpKind::Send,
         send.ptr(),
@@ -392,7 +392,8 @@ fn every_collective(comm: &Comm, dtype: DType, count: usize, stream: usize) -> u
     unsafe {
         comm.run_on(s, Stream(stream)).unwrap();
         comm.run_on(r, Stream(stream)).unwrap();
-        rdist::group::end().unwrap_or_else(|e| panic!("rank {me}: send/recv group: {e}"));
+        rdist::internals::group::end()
+            .unwrap_or_else(|e| panic!("rank {me}: send/recv group: {e}"));
     }
     device::sync(stream);
     check(
@@ -572,12 +573,12 @@ fn worker_process() {
             // order on this thread).
             let a = device::Buffer::new(&encode_all(DType::Float32, [1, 2]));
             let b = device::Buffer::new(&encode_all(DType::Float32, [3, 4]));
-            rdist::group::start();
+            rdist::internals::group::start();
             // SAFETY: buffers alive until the stream is synchronised.
             unsafe {
                 comm.run_on(in_place_sum(&a, 2), Stream(stream)).unwrap();
                 sub.run_on(in_place_sum(&b, 2), Stream(stream)).unwrap();
-                rdist::group::end().unwrap();
+                rdist::internals::group::end().unwrap();
             }
             device::sync(stream);
             assert_eq!(a.read(), encode_all(DType::Float32, [1, 2]));
@@ -585,13 +586,13 @@ fn worker_process() {
             drop(sub);
             // A barrier grouped with device calls joins NCCL's group.
             let buf = device::Buffer::new(&encode_all(DType::Float32, [6, 7]));
-            rdist::group::start();
+            rdist::internals::group::start();
             // SAFETY: the buffer is alive until the group ends and the
             // stream is synchronised.
             unsafe {
                 comm.run_on(in_place_sum(&buf, 2), Stream(stream)).unwrap();
                 comm.run_on(Call::Barrier, Stream(stream)).unwrap();
-                rdist::group::end().unwrap();
+                rdist::internals::group::end().unwrap();
             }
             device::sync(stream);
             assert_eq!(buf.read(), encode_all(DType::Float32, [6, 7]));
@@ -621,12 +622,12 @@ fn worker_process() {
                     // SAFETY: as above.
                     unsafe { stall(std::ptr::null_mut(), 0) };
                 });
-                rdist::group::start();
+                rdist::internals::group::start();
                 // SAFETY: buffers alive until the stream is synchronised.
                 unsafe {
                     first.run_on(in_place_sum(&a, 1), Stream(stream)).unwrap();
                     second.run_on(in_place_sum(&b, 1), Stream(stream)).unwrap();
-                    rdist::group::end().unwrap();
+                    rdist::internals::group::end().unwrap();
                 }
             });
             req.wait().unwrap();
@@ -657,11 +658,11 @@ fn worker_process() {
                 1,
             )
             .unwrap();
-            rdist::group::start();
+            rdist::internals::group::start();
             // SAFETY: as above.
             let grouped = unsafe {
                 comm.run_on(send, Stream(stream)).unwrap();
-                rdist::group::end()
+                rdist::internals::group::end()
             };
             let waited = recv.wait();
             device::sync(stream);
@@ -1293,7 +1294,7 @@ fn the_doubles_keep_device_memory_away_from_the_cpu() {
 
 /// A real CUDA device, or None after printing why the test skips.
 fn real_device() -> Option<usize> {
-    match rdist::backend::nccl::cuda_devices() {
+    match rdist::internals::cuda::cuda_devices() {
         Ok(n) => Some(n),
         Err(why) => {
             eprintln!("skipped: no CUDA device ({why})");

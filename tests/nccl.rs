@@ -11,7 +11,7 @@
 
 mod common;
 
-use rdist::backend::nccl::{self, loader};
+use rdist::internals::nccl::{self, loader};
 use rdist::{Backend, Comm, ErrorKind, Options};
 use std::ffi::{CStr, CString, OsString};
 use std::path::{Path, PathBuf};
@@ -294,7 +294,7 @@ fn check_loaded(out: &Output) {
 
 #[test]
 fn availability_gives_the_reason_nccl_cannot_run() {
-    match nccl::cuda_devices() {
+    match rdist::internals::cuda::cuda_devices() {
         Err(why) => {
             assert!(why.contains("CUDA"), "{why}");
             assert_eq!(nccl::availability().unwrap_err(), why);
@@ -382,7 +382,7 @@ fn auto_falls_back_to_sockets_with_one_info_line() {
     );
     let line = lines[0];
     assert!(line.ends_with("; using sockets"), "{line}");
-    match nccl::cuda_devices() {
+    match rdist::internals::cuda::cuda_devices() {
         Err(why) => assert!(
             line.contains(&format!("NCCL unavailable: {why}; using sockets")),
             "{line}"
@@ -402,7 +402,7 @@ fn auto_falls_back_to_sockets_with_one_info_line() {
 /// Without a CUDA device it says so and passes.
 #[test]
 fn gpu_nccl_is_found_where_there_is_a_device() {
-    let devices = match nccl::cuda_devices() {
+    let devices = match rdist::internals::cuda::cuda_devices() {
         Ok(n) => n,
         Err(why) => {
             eprintln!("skipped: no CUDA device ({why})");

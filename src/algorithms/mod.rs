@@ -10,9 +10,9 @@ pub mod halving_doubling;
 pub mod recursive_doubling;
 pub mod ring;
 
+use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::op::{Desc, OpKind};
 use crate::reduce::ReduceOp;
 use crate::transport::{Transport, Xfer};
 use std::ops::Range;
@@ -182,10 +182,6 @@ impl<'t> Link<'t> {
 
     pub fn size(&self) -> usize {
         self.transport.size()
-    }
-
-    pub fn desc(&self) -> Desc {
-        self.desc
     }
 
     pub fn send_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {

@@ -53,12 +53,31 @@ pub struct Cuda {
 pub fn driver() -> Option<&'static Cuda> {
     static DRIVER: OnceLock<Option<Cuda>> = OnceLock::new();
     DRIVER
-        .get_or_init(|| {
-            super::nccl::cuda_devices()
-                .ok()
-                .map(|devices| Cuda { devices })
-        })
+        .get_or_init(|| cuda_devices().ok().map(|devices| Cuda { devices }))
         .as_ref()
+}
+
+/// The number of CUDA devices, or why there are none usable. Never panics:
+/// cudarc panics when a library or symbol is missing, so the driver's
+/// presence is checked first and every driver call runs under
+/// `catch_unwind`.
+pub fn cuda_devices() -> std::result::Result<usize, String> {
+    // SAFETY: only tries to open the driver's library by its names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda.so not found)".to_string());
+    }
+    let counted = std::panic::catch_unwind(|| {
+        cudarc::driver::result::init()?;
+        cudarc::driver::result::device::get_count()
+    });
+    use cudarc::driver::sys::CUresult;
+    match counted {
+        Err(_) => Err("the CUDA driver could not be used (loading it failed)".to_string()),
+        Ok(Err(e)) if e.0 == CUresult::CUDA_ERROR_NO_DEVICE => Err("no CUDA device".to_string()),
+        Ok(Err(e)) => Err(format!("the CUDA driver failed to initialise ({:?})", e.0)),
+        Ok(Ok(n)) if n <= 0 => Err("no CUDA device".to_string()),
+        Ok(Ok(n)) => Ok(n as usize),
+    }
 }
 
 /// Runs one driver call; a failure becomes a Backend error naming `what`

@@ -1,9 +1,13 @@
-//! Backends run calls: `socket` (the transport plus rdist's algorithms)
-//! for host buffers, `nccl` for device buffers when every rank can run it;
-//! `route` decides per call from where the buffers live, and `cuda` is the
-//! driver both use.
+//! Backends run calls. `engine` is where every call starts and ends: it
+//! numbers and traces it and sends it where `route` says from where its
+//! buffers live: `socket` (rdist's algorithms over the transport) for host
+//! buffers, `nccl` for device buffers when every rank can run it, and
+//! `staging` (host copies) for device buffers NCCL cannot take. `cuda` is
+//! the driver, loaded at run time.
 
 pub mod cuda;
+pub(crate) mod engine;
 pub mod nccl;
 pub(crate) mod route;
-pub mod socket;
+pub(crate) mod socket;
+pub(crate) mod staging;

@@ -6,10 +6,11 @@ use crate::algorithms::{
     Link,
 };
 use crate::call::{Call, Data, RawBuf};
+use crate::descriptor::{Desc, OpKind};
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::{Desc, OpKind};
-use crate::options::{SingleCopy, TransportKind};
+use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
 use crate::transport::mesh::{self, MeshSpec};
+use crate::transport::roster::{fnv1a, Roster};
 use crate::transport::shm;
 use crate::transport::signal::AbortSignal;
 use crate::transport::stream::{StreamTransport, Tuning};
@@ -19,25 +20,6 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Who the ranks of a communicator are and how to reach them.
-#[derive(Clone, Debug)]
-pub struct Roster {
-    pub job: [u8; 16],
-    pub comm_id: u64,
-    pub addrs: Vec<SocketAddr>,
-    pub hosts: Vec<String>,
-}
-
-impl Roster {
-    /// Rank within its host: how many lower ranks share its host name.
-    pub fn local_rank(&self, rank: usize) -> usize {
-        self.hosts[..rank]
-            .iter()
-            .filter(|h| **h == self.hosts[rank])
-            .count()
-    }
-}
-
 /// How a communicator's backend behaves (inherited by splits).
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -46,35 +28,25 @@ pub struct Settings {
     pub transport: TransportKind,
     /// Busy-wait before sleeping (RDIST_SPIN_US).
     pub spin: Duration,
+    /// Developers' switches for shared memory (see `options::ShmTuning`).
+    pub shm: ShmTuning,
     /// Which shared-memory payloads travel single-copy (option
     /// `single_copy_min`), resolved per communicator at connect.
     pub single_copy: SingleCopy,
 }
 
 impl Settings {
-    pub fn new(
-        timeout: Duration,
-        forced: Option<Algo>,
-        transport: TransportKind,
-        single_copy: SingleCopy,
-    ) -> Settings {
-        let spin_us = std::env::var("RDIST_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(DEFAULT_SPIN_US);
+    pub fn new(options: &Options, forced: Option<Algo>) -> Settings {
         Settings {
-            timeout,
+            timeout: options.timeout,
             forced,
-            transport,
-            spin: Duration::from_micros(spin_us),
-            single_copy,
+            transport: options.transport,
+            spin: options.tuning.spin,
+            single_copy: options.single_copy_min,
+            shm: options.tuning.shm,
         }
     }
 }
-
-/// Long enough to cover a peer's step in a collective, short enough not to
-/// burn a core while a rank computes between collectives.
-const DEFAULT_SPIN_US: u64 = 500;
 
 fn online_cores() -> usize {
     std::thread::available_parallelism()
@@ -91,11 +63,6 @@ pub struct SocketBackend {
     size: usize,
     roster: Roster,
     settings: Settings,
-    /// Collectives started so far (the label every rank must agree on).
-    seq: u64,
-    /// Messages sent to / received from each peer so far.
-    sent: Vec<u64>,
-    received: Vec<u64>,
     /// Reused by the algorithms (see Link::take_scratch).
     scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
@@ -173,17 +140,9 @@ impl SocketBackend {
             size,
             roster,
             settings,
-            seq: 0,
-            sent: vec![0; size],
-            received: vec![0; size],
             to_self: VecDeque::new(),
             scratch: Vec::new(),
         })
-    }
-
-    /// "shared memory" or "tcp".
-    pub fn transport_name(&self) -> &'static str {
-        self.transport_name
     }
 
     /// The transport with its cores and single-copy choice, for the log.
@@ -223,12 +182,6 @@ impl SocketBackend {
         }
     }
 
-    fn next_desc(&mut self, kind: OpKind, data: Data) -> Desc {
-        let d = Desc::new(kind, self.seq).data(data.count, data.dtype);
-        self.seq += 1;
-        d
-    }
-
     fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
         let over_tcp = self.transport_name == "tcp";
         let algo = algorithms::choose(desc.kind, bytes, self.size, self.settings.forced, over_tcp);
@@ -236,15 +189,17 @@ impl SocketBackend {
         (desc, algo)
     }
 
-    /// Runs one call to completion.
+    /// Runs one call to completion; `seq` is its number (see
+    /// `engine::Sequence`).
     ///
     /// # Safety
     /// The call's buffers must be valid as its constructor describes and not
     /// used by anyone else until this returns.
-    pub unsafe fn run(&mut self, call: &Call) -> Result<()> {
+    pub unsafe fn run(&mut self, call: &Call, seq: u64) -> Result<()> {
         if call.is_p2p() {
-            return self.run_p2p(std::slice::from_ref(call));
+            return self.run_p2p(&[(call, seq)]);
         }
+        let desc = |kind: OpKind, data: Data| Desc::new(kind, seq).data(data.count, data.dtype);
         match *call {
             Call::AllReduce {
                 send,
@@ -252,10 +207,7 @@ impl SocketBackend {
                 data,
                 op,
             } => {
-                let d = Desc::new(OpKind::AllReduce, self.seq)
-                    .data(data.count, data.dtype)
-                    .reduction(op);
-                self.seq += 1;
+                let d = desc(OpKind::AllReduce, data).reduction(op);
                 let (desc, algo) = self.label(d, recv.len());
                 move_bytes(&send, recv.addr(), recv.len());
                 let buf = recv.bytes_mut();
@@ -276,7 +228,7 @@ impl SocketBackend {
                 data,
                 root,
             } => {
-                let d = self.next_desc(OpKind::Broadcast, data).root(root);
+                let d = desc(OpKind::Broadcast, data).root(root);
                 let (desc, algo) = self.label(d, recv.len());
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
@@ -298,10 +250,7 @@ impl SocketBackend {
                 op,
                 root,
             } => {
-                let d = self
-                    .next_desc(OpKind::Reduce, data)
-                    .reduction(op)
-                    .root(root);
+                let d = desc(OpKind::Reduce, data).reduction(op).root(root);
                 let (desc, _) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 if self.rank == root {
@@ -313,7 +262,7 @@ impl SocketBackend {
                 }
             }
             Call::AllGather { send, recv, data } => {
-                let d = self.next_desc(OpKind::AllGather, data);
+                let d = desc(OpKind::AllGather, data);
                 let (desc, _) = self.label(d, recv.len());
                 let bb = send.len();
                 move_bytes(&send, recv.addr() + self.rank * bb, bb);
@@ -329,7 +278,7 @@ impl SocketBackend {
                 data,
                 op,
             } => {
-                let d = self.next_desc(OpKind::ReduceScatter, data).reduction(op);
+                let d = desc(OpKind::ReduceScatter, data).reduction(op);
                 let (desc, _) = self.label(d, send.len());
                 let copy;
                 let input: &[u8] = if send.overlaps(&recv) {
@@ -347,7 +296,7 @@ impl SocketBackend {
                 data,
                 root,
             } => {
-                let d = self.next_desc(OpKind::Gather, data).root(root);
+                let d = desc(OpKind::Gather, data).root(root);
                 let (desc, _) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 let bb = send.len();
@@ -364,7 +313,7 @@ impl SocketBackend {
                 data,
                 root,
             } => {
-                let d = self.next_desc(OpKind::Scatter, data).root(root);
+                let d = desc(OpKind::Scatter, data).root(root);
                 let (desc, _) = self.label(d, recv.len());
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
                 let bb = recv.len();
@@ -390,7 +339,7 @@ impl SocketBackend {
                 }
             }
             Call::AllToAll { send, recv, data } => {
-                let d = self.next_desc(OpKind::AllToAll, data);
+                let d = desc(OpKind::AllToAll, data);
                 let (desc, _) = self.label(d, send.len());
                 let copy;
                 let input: &[u8] = if send.overlaps(&recv) {
@@ -408,13 +357,7 @@ impl SocketBackend {
                 )
             }
             Call::Barrier => {
-                let d = self.next_desc(
-                    OpKind::Barrier,
-                    Data {
-                        count: 0,
-                        dtype: crate::dtype::DType::Uint8,
-                    },
-                );
+                let d = Desc::new(OpKind::Barrier, seq);
                 let (desc, _) = self.label(d, 0);
                 dissemination::barrier(&mut Link::new(&mut self.transport, desc, &mut self.scratch))
             }
@@ -427,9 +370,9 @@ impl SocketBackend {
     ///
     /// # Safety
     /// As for `run`.
-    pub unsafe fn run_p2p(&mut self, calls: &[Call]) -> Result<()> {
+    pub unsafe fn run_p2p(&mut self, calls: &[(&Call, u64)]) -> Result<()> {
         // Sends to self first, so receives from self in the same group find them.
-        for c in calls {
+        for (c, _) in calls {
             if let Call::Send { buf, peer, .. } = c {
                 if *peer == self.rank {
                     self.to_self.push_back(buf.bytes().to_vec());
@@ -437,20 +380,18 @@ impl SocketBackend {
             }
         }
         let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(calls.len());
-        for c in calls {
+        for &(c, seq) in calls {
             match *c {
                 Call::Send { buf, data, peer } if peer != self.rank => {
-                    let desc = Desc::new(OpKind::Send, self.sent[peer])
+                    let desc = Desc::new(OpKind::Send, seq)
                         .data(data.count, data.dtype)
                         .root(self.rank);
-                    self.sent[peer] += 1;
                     xfers.push(Xfer::send(peer, buf.bytes(), desc));
                 }
                 Call::Recv { buf, data, peer } if peer != self.rank => {
-                    let desc = Desc::new(OpKind::Send, self.received[peer])
+                    let desc = Desc::new(OpKind::Send, seq)
                         .data(data.count, data.dtype)
                         .root(peer);
-                    self.received[peer] += 1;
                     xfers.push(Xfer::recv(peer, buf.bytes_mut(), desc));
                 }
                 Call::Recv { buf, data, .. } => self.recv_from_self(buf, data)?,
@@ -485,22 +426,17 @@ impl SocketBackend {
     }
 
     /// Collective split: ranks with equal `color` form a new communicator
-    /// ordered by (key, rank). Returns the new rank and backend, or None for
+    /// ordered by (key, rank). `seq` is the split's number (it also seeds
+    /// the child's id). Returns the new rank and backend, or None for
     /// `color < 0` (no color).
     pub fn split(
         &mut self,
         color: i32,
         key: i32,
+        seq: u64,
         signal: Arc<AbortSignal>,
     ) -> Result<Option<(usize, SocketBackend)>> {
-        let seq = self.seq;
-        let d = self.next_desc(
-            OpKind::Split,
-            Data {
-                count: 0,
-                dtype: crate::dtype::DType::Uint8,
-            },
-        );
+        let d = Desc::new(OpKind::Split, seq);
         let (desc, _) = self.label(d, 0);
         let ip = self.roster.addrs[self.rank].ip();
         let listener = TcpListener::bind((ip, 0))
@@ -560,16 +496,4 @@ impl SocketBackend {
             SocketBackend::connect(new_rank, roster, &listener, signal, self.settings.clone())?;
         Ok(Some((new_rank, child)))
     }
-}
-
-/// 64-bit FNV-1a over several byte strings (communicator ids).
-pub fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in parts {
-        for b in *part {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
 }

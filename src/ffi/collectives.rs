@@ -10,9 +10,9 @@ use super::{boundary, check_out, handle, write_out};
 use crate::backend::cuda::Stream;
 use crate::call::{Call, Data};
 use crate::comm::Comm;
+use crate::descriptor::OpKind;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::op::OpKind;
 use crate::reduce::ReduceOp;
 use std::ffi::{c_int, c_void};
 

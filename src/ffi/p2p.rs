@@ -4,9 +4,9 @@ use super::boundary;
 use super::collectives::{data_call, issue};
 use super::types::*;
 use crate::call::{Call, Data};
+use crate::comm::group;
+use crate::descriptor::OpKind;
 use crate::dtype::DType;
-use crate::group;
-use crate::op::OpKind;
 use std::ffi::{c_int, c_void};
 
 /// Sends count elements to `peer`; returns when buf may be reused.

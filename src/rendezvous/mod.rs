@@ -6,10 +6,10 @@ pub mod method;
 pub mod store;
 pub mod unique_id;
 
-use crate::backend::socket::Roster;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
+use crate::transport::roster::Roster;
 use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -26,7 +26,6 @@ pub enum Meeting {
 
 /// What a rank knows once everyone has joined.
 pub struct Joined {
-    pub rank: usize,
     pub size: usize,
     pub local_rank: usize,
     pub roster: Roster,
@@ -217,7 +216,6 @@ fn join_hosting(
         },
     };
     Ok(Joined {
-        rank,
         size,
         local_rank,
         roster,

@@ -19,7 +19,7 @@ pub struct UniqueId {
 }
 
 impl UniqueId {
-    pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
+    pub fn to_bytes(self) -> [u8; UNIQUE_ID_BYTES] {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[0..4].copy_from_slice(MAGIC);
         b[4] = VERSION;

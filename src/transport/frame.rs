@@ -1,8 +1,8 @@
 //! The frame header every message carries on a stream connection.
 
+use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::{Desc, OpKind};
 use crate::reduce::ReduceOp;
 
 pub const HEADER_BYTES: usize = 40;

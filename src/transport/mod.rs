@@ -5,13 +5,14 @@ pub mod channel;
 pub mod frame;
 pub mod iface;
 pub mod mesh;
+pub(crate) mod roster;
 pub mod shm;
 pub mod signal;
 pub mod stream;
 
+use crate::descriptor::Desc;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::op::Desc;
 use crate::reduce::ReduceOp;
 
 /// One direction of one transfer in an exchange.

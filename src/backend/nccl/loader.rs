@@ -329,7 +329,7 @@ impl Search {
     /// The search order for this process's environment (see the module
     /// documentation).
     pub fn from_env() -> Search {
-        Search::from_lookup(|k| std::env::var_os(k))
+        Search::from_lookup(crate::options::process_env_os)
     }
 
     /// `from_env` with an injectable environment (for tests).

@@ -9,25 +9,23 @@ pub mod probe;
 pub mod watchdog;
 
 pub use loader::{NcclLibrary, NcclVersion, Search};
-pub use probe::{availability, cuda_devices, NcclInfo};
+pub use probe::{availability, NcclInfo};
 
-use crate::backend::socket::SocketBackend;
 use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
-use crate::options::{Backend, LogLevel};
+use crate::options::{Backend, LogLevel, Options};
 use communicator::NcclComm;
-use std::time::Duration;
 
 /// What this rank can offer for an NCCL communicator: NCCL's library and
 /// the device to drive, or why not (for people).
 pub(crate) fn readiness(
-    requested: Backend,
+    options: &Options,
     local_rank: usize,
-    device: Option<i32>,
 ) -> std::result::Result<(&'static NcclLibrary, i32), String> {
-    if requested == Backend::Socket {
+    let device = options.device;
+    if options.backend == Backend::Socket {
         return Err("backend=socket was requested".to_string());
     }
     let info = availability()?;
@@ -63,7 +61,7 @@ pub(crate) fn readiness(
             ),
         });
     }
-    blocking_override()?;
+    blocking_override(options.tuning.nccl_comm_blocking.as_deref())?;
     Ok((lib, ordinal))
 }
 
@@ -71,9 +69,9 @@ pub(crate) fn readiness(
 /// runs NCCL non-blocking so that its timeout can end a stuck call (even
 /// `ncclCommInitRankConfig` waiting for a rank that never comes); with
 /// blocking forced, that call would hang past every timeout.
-fn blocking_override() -> std::result::Result<(), String> {
-    match std::env::var("NCCL_COMM_BLOCKING") {
-        Ok(v) if !v.trim().is_empty() && v.trim() != "0" => Err(format!(
+fn blocking_override(set: Option<&str>) -> std::result::Result<(), String> {
+    match set {
+        Some(v) if !v.trim().is_empty() && v.trim() != "0" => Err(format!(
             "NCCL_COMM_BLOCKING={v} is set, which makes NCCL calls block past rdist's timeout (rdist runs NCCL non-blocking so that a stuck call can be ended); unset it"
         )),
         _ => Ok(()),
@@ -85,34 +83,31 @@ fn blocking_override() -> std::result::Result<(), String> {
 /// the sockets), rank 0 makes the unique id and broadcasts it, and every
 /// rank initialises NCCL on its device. `auto` falls back to sockets (one
 /// INFO line saying why) unless every rank can; `nccl` fails on every
-/// rank with Unavailable and the reason.
+/// rank with Unavailable and the reason. `exchange` runs a host call on
+/// the sockets.
 pub(crate) fn establish(
-    socket: &mut SocketBackend,
-    requested: Backend,
+    exchange: &mut dyn FnMut(&Call) -> Result<()>,
+    options: &Options,
     rank: usize,
     size: usize,
     local_rank: usize,
-    device: Option<i32>,
-    timeout: Duration,
 ) -> Result<Option<NcclComm>> {
+    let requested = options.backend;
     if requested == Backend::Socket {
         return Ok(None);
     }
-    let ready = readiness(requested, local_rank, device);
+    let ready = readiness(options, local_rank);
     let mine = [ready.is_ok() as u8];
     let mut all = vec![0u8; size];
     let byte = Data {
         count: 1,
         dtype: DType::Uint8,
     };
-    // SAFETY: local buffers, alive for the call.
-    unsafe {
-        socket.run(&Call::AllGather {
-            send: RawBuf::of(&mine),
-            recv: RawBuf::new(all.as_mut_ptr(), size),
-            data: byte,
-        })?;
-    }
+    exchange(&Call::AllGather {
+        send: RawBuf::of(&mine),
+        recv: RawBuf::new(all.as_mut_ptr(), size),
+        data: byte,
+    })?;
     let lacking: Vec<String> = (0..size)
         .filter(|&r| all[r] == 0)
         .map(|r| r.to_string())
@@ -151,19 +146,16 @@ pub(crate) fn establish(
             *d = *s as u8;
         }
     }
-    // SAFETY: a local buffer, alive for the call.
-    unsafe {
-        socket.run(&Call::Broadcast {
-            send: RawBuf::new(id.as_mut_ptr(), id.len()),
-            recv: RawBuf::new(id.as_mut_ptr(), id.len()),
-            data: Data {
-                count: id.len(),
-                dtype: DType::Uint8,
-            },
-            root: 0,
-        })?;
-    }
-    let comm = NcclComm::init(lib, &id, rank, size, ordinal, timeout).map_err(|e| {
+    exchange(&Call::Broadcast {
+        send: RawBuf::new(id.as_mut_ptr(), id.len()),
+        recv: RawBuf::new(id.as_mut_ptr(), id.len()),
+        data: Data {
+            count: id.len(),
+            dtype: DType::Uint8,
+        },
+        root: 0,
+    })?;
+    let comm = NcclComm::init(lib, &id, rank, size, ordinal, options.timeout).map_err(|e| {
         e.context(format!(
             "rank {rank}: creating the NCCL communicator on device {ordinal}"
         ))

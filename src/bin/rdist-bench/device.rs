@@ -4,10 +4,10 @@
 //! communicator of its own, side by side.
 
 use cudarc::driver::sys as cu;
-use rdist::backend::cuda::Stream;
-use rdist::backend::nccl::loader::{self, NcclLibrary, NCCL_SUCCESS};
-use rdist::call::{Call, Data};
-use rdist::op::OpKind;
+use rdist::internals::nccl::loader::{self, NcclLibrary, NCCL_SUCCESS};
+use rdist::internals::OpKind;
+use rdist::internals::Stream;
+use rdist::internals::{Call, Data};
 use rdist::{Backend, Comm, DType, ReduceOp};
 use std::time::Instant;
 
@@ -21,12 +21,12 @@ fn ok(what: &str, rc: cu::CUresult) -> Result<(), String> {
 /// The device this rank uses (RDIST_DEVICE, else the local rank), made
 /// current on this thread.
 pub fn use_device(comm: &Comm) -> Result<i32, String> {
-    let devices = rdist::backend::nccl::cuda_devices()?;
+    let devices = rdist::internals::cuda::cuda_devices()?;
     let ordinal = match std::env::var("RDIST_DEVICE") {
         Ok(d) => d.parse().map_err(|_| format!("bad RDIST_DEVICE '{d}'"))?,
         Err(_) => (comm.local_rank() % devices) as i32,
     };
-    let ctx = rdist::backend::cuda::primary_context(ordinal).map_err(|e| e.to_string())?;
+    let ctx = rdist::internals::cuda::primary_context(ordinal).map_err(|e| e.to_string())?;
     // SAFETY: a primary context handle.
     ok("cuCtxSetCurrent", unsafe {
         cu::cuCtxSetCurrent(ctx as cu::CUcontext)

@@ -1,12 +1,12 @@
 //! The typed, safe Rust API on `Comm`: slices in, results in slices out.
 //! Lengths are checked here; everything then runs through `Call`.
 
+use super::group;
+use super::Comm;
 use crate::call::{Call, Data};
-use crate::comm::Comm;
+use crate::descriptor::OpKind;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
-use crate::group;
-use crate::op::OpKind;
 use crate::reduce::ReduceOp;
 
 fn need(what: &str, have: usize, want: usize) -> Result<()> {

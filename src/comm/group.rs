@@ -2,16 +2,16 @@
 //! are queued and run together at the outermost end, so that sends and
 //! receives between the same ranks can't deadlock each other.
 
+use super::queue::Runner;
 use crate::backend::cuda::Stream;
 use crate::call::Call;
-use crate::comm::Shared;
 use crate::error::{Error, Result};
 use std::cell::RefCell;
 use std::sync::Arc;
 
 struct Group {
     depth: usize,
-    queued: Vec<(Arc<Shared>, Call, Stream)>,
+    queued: Vec<(Arc<Runner>, Call, Stream)>,
 }
 
 thread_local! {
@@ -34,7 +34,7 @@ pub fn active() -> bool {
 }
 
 /// Queues a call on `comm` for the current group.
-pub(crate) fn enqueue(comm: Arc<Shared>, call: Call, stream: Stream) {
+pub(crate) fn enqueue(comm: Arc<Runner>, call: Call, stream: Stream) {
     GROUP.with(|g| g.borrow_mut().queued.push((comm, call, stream)));
 }
 
@@ -60,7 +60,7 @@ pub unsafe fn end() -> Result<()> {
         })
     })?;
     // Split by communicator, keeping each one's order.
-    let mut per_comm: Vec<(Arc<Shared>, Vec<Call>, Vec<Stream>)> = Vec::new();
+    let mut per_comm: Vec<(Arc<Runner>, Vec<Call>, Vec<Stream>)> = Vec::new();
     for (comm, call, stream) in queued {
         match per_comm.iter_mut().find(|(c, ..)| Arc::ptr_eq(c, &comm)) {
             Some((_, calls, streams)) => {
@@ -96,7 +96,7 @@ pub unsafe fn end() -> Result<()> {
 ///
 /// # Safety
 /// As `end`.
-unsafe fn run_concurrently(per_comm: Vec<(Arc<Shared>, Vec<Call>, Vec<Stream>)>) -> Result<()> {
+unsafe fn run_concurrently(per_comm: Vec<(Arc<Runner>, Vec<Call>, Vec<Stream>)>) -> Result<()> {
     match per_comm.len() {
         0 => Ok(()),
         1 => {

@@ -1,0 +1,235 @@
+//! `Comm`: a communicator's life. Creation (rendezvous, then the engine
+//! that connects every rank), rank/size, split, abort and destroy. Its
+//! calls run through `queue` (issue order, non-blocking calls, held
+//! sends/receives) on the backends' engine; `group` batches them.
+
+pub mod group;
+pub(crate) mod queue;
+mod typed;
+
+use crate::backend::cuda::Stream;
+use crate::backend::engine::{Engine, EngineSpec};
+use crate::call::Call;
+use crate::error::{Error, ErrorKind, Result};
+use crate::log;
+use crate::options::{self, Backend, Options};
+use crate::rendezvous::store::TcpStoreServer;
+use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
+pub use queue::Request;
+use queue::Runner;
+use std::sync::Arc;
+
+/// A communicator: a group of ranks that run collectives together.
+pub struct Comm {
+    runner: Arc<Runner>,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    /// The rendezvous store this rank hosts, if any (lives with the comm).
+    _server: Option<TcpStoreServer>,
+}
+
+impl Comm {
+    /// torch.distributed-style creation: `init_method` is `env://`,
+    /// `tcp://HOST:PORT` or `file:///path`; rank/size -1 read the
+    /// environment. Blocks until all ranks joined or the timeout passed.
+    pub fn init(init_method: &str, rank: i64, size: i64, opts: &Options) -> Result<Comm> {
+        let opts = opts.with_env()?;
+        let env = options::process_env;
+        let (rank, size) = method::rank_and_size(rank, size, &env)?;
+        let meeting = Meeting::Method(method::parse(init_method, &env)?);
+        Comm::create(&meeting, rank, size, &opts)
+    }
+
+    /// NCCL-style creation from a unique id made by `Comm::unique_id`.
+    pub fn init_rank(
+        id: &[u8; rendezvous::unique_id::UNIQUE_ID_BYTES],
+        rank: i64,
+        size: i64,
+        opts: &Options,
+    ) -> Result<Comm> {
+        let opts = opts.with_env()?;
+        if size < 1 || size > i32::MAX as i64 {
+            return Err(Error::invalid_argument(format!(
+                "world size {size} must be at least 1"
+            )));
+        }
+        let rank = crate::call::check_rank("rank", rank, size as usize)?;
+        let id = UniqueId::from_bytes(id)?;
+        Comm::create(&Meeting::UniqueId(id), rank, size as usize, &opts)
+    }
+
+    /// Creates a unique id and hosts its rendezvous in this process (in a
+    /// background thread, until every rank joined or the timeout).
+    pub fn unique_id() -> Result<[u8; rendezvous::unique_id::UNIQUE_ID_BYTES]> {
+        let opts = Options::default().with_env()?;
+        let id = rendezvous::unique_id::create(opts.ifname.as_deref(), opts.timeout)?;
+        Ok(id.to_bytes())
+    }
+
+    fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
+        log::raise_level(opts.debug);
+        if opts.auth_token.is_some() {
+            // Refuse rather than run unauthenticated while the user asked
+            // for authentication.
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "auth_token is set, but this version of rdist cannot authenticate connections yet; unset it (or RDIST_AUTH_TOKEN) to run without authentication",
+            ));
+        }
+        let joined = rendezvous::join(meeting, rank, size, opts)?;
+        let engine = Engine::connect(EngineSpec {
+            rank,
+            roster: joined.roster.clone(),
+            listener: &joined.listener,
+            local_rank: joined.local_rank,
+            options: opts,
+        })?;
+        joined.finish();
+        let local_rank = joined.local_rank;
+        Ok(Comm::with_engine(
+            rank,
+            size,
+            local_rank,
+            opts.timeout,
+            engine,
+            joined.server,
+        ))
+    }
+
+    fn with_engine(
+        rank: usize,
+        size: usize,
+        local_rank: usize,
+        timeout: std::time::Duration,
+        engine: Engine,
+        server: Option<TcpStoreServer>,
+    ) -> Comm {
+        Comm {
+            runner: Runner::new(rank, timeout, engine),
+            rank,
+            size,
+            local_rank,
+            _server: server,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.runner.engine().backend()
+    }
+
+    /// Runs a call now (or queues it in the current group).
+    ///
+    /// # Safety
+    /// The call's buffers must stay valid until it completes (for a call
+    /// inside a group: until the group ends).
+    pub unsafe fn run(&self, call: Call) -> Result<()> {
+        self.run_on(call, Stream::DEFAULT)
+    }
+
+    /// `run` with the caller's CUDA stream for device buffers (ignored for
+    /// host buffers): device work is enqueued on `stream` and this returns
+    /// once it is, as NCCL does.
+    ///
+    /// # Safety
+    /// As `run`; device buffers valid until the work on `stream` is done.
+    pub unsafe fn run_on(&self, call: Call, stream: Stream) -> Result<()> {
+        if group::active() {
+            group::enqueue(self.runner.clone(), call, stream);
+            return Ok(());
+        }
+        self.runner.run_one(call, stream)
+    }
+
+    /// Starts a call on the communicator's worker and returns at once.
+    ///
+    /// # Safety
+    /// The call's buffers must stay valid and untouched until the request
+    /// completes.
+    pub unsafe fn submit(&self, call: Call) -> Result<Request> {
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
+            ));
+        }
+        if call.is_p2p() {
+            return Ok(self.runner.hold(call));
+        }
+        self.runner.submit(vec![call], None)
+    }
+
+    /// Collective: ranks with equal `color` form a new communicator ordered
+    /// by (key, rank); a negative color (RDIST_SPLIT_NOCOLOR) yields None.
+    pub fn split(&self, color: i32, key: i32) -> Result<Option<Comm>> {
+        if color < 0 && color != -1 {
+            return Err(Error::invalid_argument(format!(
+                "color {color} is negative (use RDIST_SPLIT_NOCOLOR, -1, to opt out)"
+            )));
+        }
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "rdist_comm_split cannot be called inside a group",
+            ));
+        }
+        // Split comes after the queued non-blocking calls.
+        self.runner.drain("rdist_comm_split")?;
+        let Some((rank, engine)) = self.runner.engine().split(color, key)? else {
+            return Ok(None);
+        };
+        let size = engine.roster().addrs.len();
+        let local_rank = engine.roster().local_rank(rank);
+        Ok(Some(Comm::with_engine(
+            rank,
+            size,
+            local_rank,
+            self.runner.timeout(),
+            engine,
+            None,
+        )))
+    }
+
+    /// Makes pending and future calls fail with `Aborted` here and on every
+    /// rank that can still be reached. Callable from any thread.
+    pub fn abort(&self) {
+        self.runner.abort();
+    }
+
+    /// A handle that can abort this communicator from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            runner: self.runner.clone(),
+        }
+    }
+}
+
+/// Aborts a communicator from another thread (see `Comm::abort`).
+#[derive(Clone)]
+pub struct AbortHandle {
+    runner: Arc<Runner>,
+}
+
+impl AbortHandle {
+    pub fn abort(&self) {
+        self.runner.abort();
+    }
+}
+
+impl Drop for Comm {
+    /// Local: finishes queued calls, says goodbye to the peers, closes
+    /// every connection and joins every thread.
+    fn drop(&mut self) {
+        self.runner.close();
+    }
+}

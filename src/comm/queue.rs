@@ -1,0 +1,477 @@
+//! Issue order: a communicator's calls run inline on the caller's thread
+//! when nothing is queued, otherwise behind the queued non-blocking calls
+//! on the communicator's worker thread. Non-blocking sends/receives are
+//! held until their request is waited for or tested, or another call
+//! comes, and then start together as one exchange. `Request` is a
+//! non-blocking call in flight.
+
+use crate::backend::cuda::Stream;
+use crate::backend::engine::{Aborter, Engine};
+use crate::call::Call;
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Runs one communicator's calls in issue order (shared by the owner's
+/// thread, the worker thread, groups and threads that abort).
+pub(crate) struct Runner {
+    rank: usize,
+    timeout: Duration,
+    engine: Arc<Mutex<Engine>>,
+    /// Ends the work without the engine's lock (which a call stuck in
+    /// NCCL holds).
+    aborter: Aborter,
+    has_nccl: bool,
+    queue: Mutex<Queue>,
+    queue_changed: Condvar,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    /// Non-blocking sends/receives not started yet (see `hold`).
+    held: Mutex<Vec<(Call, Arc<Completion>)>>,
+    /// Whether `held` may hold calls (checked without the lock on every
+    /// call; set under it).
+    has_held: AtomicBool,
+    /// `queue.unfinished`, readable without the lock (written under it):
+    /// a blocking call runs inline only when nothing is queued.
+    queued: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Jobs submitted and not yet finished (queued or running).
+    unfinished: usize,
+    closing: bool,
+}
+
+struct Job {
+    calls: Vec<Call>,
+    /// The callers' streams for blocking calls queued behind non-blocking
+    /// ones (None for non-blocking calls, which have none).
+    streams: Option<Vec<Stream>>,
+    /// Complete only once device work finished (non-blocking calls, whose
+    /// requests promise that), not once it is enqueued.
+    finish_on_device: bool,
+    /// One per call (a batch of held sends/receives completes together).
+    done: Vec<Arc<Completion>>,
+}
+
+/// Where a queued call's result appears.
+#[derive(Default)]
+struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    ready: Condvar,
+}
+
+impl Completion {
+    /// The result once the call completed, or None at `deadline`.
+    fn wait_until(&self, deadline: Instant) -> Option<Result<()>> {
+        let mut r = lock(&self.result);
+        loop {
+            if let Some(res) = r.as_ref() {
+                return Some(res.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            r = self
+                .ready
+                .wait_timeout(r, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn complete(&self, result: Result<()>) {
+        *lock(&self.result) = Some(result);
+        self.ready.notify_all();
+    }
+}
+
+/// A non-blocking call in flight.
+pub struct Request {
+    done: Arc<Completion>,
+    timeout: Duration,
+    /// For held sends/receives: the communicator to start them on when
+    /// this request is waited for or tested.
+    owner: Option<Arc<Runner>>,
+    /// The communicator, to abort if the call never completes.
+    comm: Weak<Runner>,
+}
+
+/// How long a wait for queued calls may last. Calls are bounded by the
+/// timeout themselves; this bound is a backstop against a bug, generous
+/// enough for several queued calls.
+fn backstop(timeout: Duration) -> Duration {
+    timeout * 4 + Duration::from_secs(10)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock was already reported as an error; the
+    // state itself stays consistent, so keep going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Request {
+    /// Blocks until the call completes and returns its result.
+    pub fn wait(&self) -> Result<()> {
+        if let Some(owner) = &self.owner {
+            owner.start_held()?;
+        }
+        let limit = backstop(self.timeout);
+        match self.done.wait_until(Instant::now() + limit) {
+            Some(res) => res,
+            None => Err(self.give_up(limit)),
+        }
+    }
+
+    /// The backstop fired: the call may still be queued, and must never
+    /// touch its buffers after the caller hears it failed (and frees them).
+    /// Aborting the communicator ends a running call and makes queued ones
+    /// fail without running; this waits (bounded) for that.
+    fn give_up(&self, limit: Duration) -> Error {
+        let mut msg = format!(
+            "request did not complete within {:.1} s; the communicator was aborted",
+            limit.as_secs_f64()
+        );
+        if let Some(comm) = self.comm.upgrade() {
+            comm.abort();
+        }
+        let grace = Duration::from_secs(10);
+        if self.done.wait_until(Instant::now() + grace).is_none() {
+            msg.push_str(" (and the call still had not ended 10 s later)");
+        }
+        Error::new(ErrorKind::Timeout, msg)
+    }
+
+    /// The result if the call has completed; never blocks (it may start
+    /// held sends/receives on the worker).
+    pub fn test(&self) -> Option<Result<()>> {
+        if let Some(owner) = &self.owner {
+            if let Err(e) = owner.start_held() {
+                return Some(Err(e));
+            }
+        }
+        lock(&self.done.result).clone()
+    }
+}
+
+impl Runner {
+    pub(crate) fn new(rank: usize, timeout: Duration, engine: Engine) -> Arc<Runner> {
+        let aborter = engine.aborter();
+        let has_nccl = engine.has_nccl();
+        let engine = Arc::new(Mutex::new(engine));
+        crate::backend::engine::watch_nccl(&engine);
+        Arc::new(Runner {
+            rank,
+            timeout,
+            engine,
+            aborter,
+            has_nccl,
+            queue: Mutex::new(Queue::default()),
+            queue_changed: Condvar::new(),
+            worker: Mutex::new(None),
+            held: Mutex::new(Vec::new()),
+            has_held: AtomicBool::new(false),
+            queued: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The engine, for what is not a call (split, queries). Callers drain
+    /// the queue first where order matters.
+    pub(crate) fn engine(&self) -> MutexGuard<'_, Engine> {
+        lock(&self.engine)
+    }
+
+    /// Runs calls in issue order: inline when nothing is queued, otherwise
+    /// behind the queued non-blocking calls.
+    ///
+    /// # Safety
+    /// Buffers of `calls` valid until this returns.
+    pub(crate) unsafe fn run_batch(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Vec<Stream>,
+    ) -> Result<()> {
+        if calls.iter().all(Call::is_p2p) && self.has_held.load(Ordering::Acquire) {
+            return self.run_with_held(calls, streams);
+        }
+        self.start_held()?;
+        let busy = lock(&self.queue).unfinished > 0;
+        if busy {
+            return self.submit(calls, Some(streams))?.wait();
+        }
+        self.run_now(&calls, Some(&streams), false)
+    }
+
+    /// `run_batch` of one call, without allocating on the inline path
+    /// (small collectives are a few hundred nanoseconds in all).
+    ///
+    /// # Safety
+    /// Buffers of `call` valid until this returns.
+    pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
+        if call.is_p2p() && self.has_held.load(Ordering::Acquire) {
+            return self.run_with_held(vec![call], vec![stream]);
+        }
+        self.start_held()?;
+        let busy = self.queued.load(Ordering::Acquire) > 0;
+        if busy {
+            return self.submit(vec![call], Some(vec![stream]))?.wait();
+        }
+        self.run_now(std::slice::from_ref(&call), Some(&[stream]), false)
+    }
+
+    /// Runs calls on the engine now.
+    unsafe fn run_now(
+        &self,
+        calls: &[Call],
+        streams: Option<&[Stream]>,
+        finish_on_device: bool,
+    ) -> Result<()> {
+        lock(&self.engine).run(calls, streams, finish_on_device)
+    }
+
+    /// Enqueues `calls` on NCCL now if that is where they all go (None
+    /// otherwise, leaving them to `run_batch`). A group's device batches
+    /// are enqueued this way one communicator after another, in the order
+    /// of the group, so that kernels sharing a stream queue in the same
+    /// order on every rank.
+    ///
+    /// # Safety
+    /// Device buffers valid until the work on their streams is done.
+    pub(crate) unsafe fn try_device_batch(
+        self: &Arc<Self>,
+        calls: &[Call],
+        streams: &[Stream],
+    ) -> Option<Result<()>> {
+        if !self.has_nccl {
+            return None;
+        }
+        if self.has_held.load(Ordering::Acquire) && calls.iter().all(Call::is_p2p) {
+            // Sends/receives join the held ones in one exchange
+            // (`run_batch`); which batches go there depends only on the
+            // program, so the order is the same on every rank.
+            return None;
+        }
+        if self.queued.load(Ordering::Acquire) > 0 || self.has_held.load(Ordering::Acquire) {
+            // Behind queued calls. Waiting for them here, rather than
+            // leaving the batch to run behind them later, keeps the
+            // group's order on every rank whatever the timing.
+            if let Err(e) = self.drain("rdist_group_end") {
+                return Some(Err(e));
+            }
+        }
+        lock(&self.engine).run_if_device(calls, streams)
+    }
+
+    /// Starts the held non-blocking calls and waits until every queued
+    /// one has finished (bounded by `backstop`).
+    pub(crate) fn drain(self: &Arc<Self>, what: &str) -> Result<()> {
+        self.start_held()?;
+        let limit = backstop(self.timeout);
+        let started = Instant::now();
+        let mut q = lock(&self.queue);
+        while q.unfinished > 0 {
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{what}: {} queued non-blocking call(s) did not finish within {:.1} s",
+                        q.unfinished,
+                        limit.as_secs_f64()
+                    ),
+                ));
+            }
+            q = self
+                .queue_changed
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Queues non-blocking calls on the worker (`streams` None: they have
+    /// no caller's stream, and finish on the device before completing).
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Option<Vec<Stream>>,
+    ) -> Result<Request> {
+        self.start_held()?;
+        let done = Arc::new(Completion::default());
+        let finish_on_device = streams.is_none();
+        self.enqueue(Job {
+            calls,
+            streams,
+            finish_on_device,
+            done: vec![done.clone()],
+        })?;
+        Ok(self.request(done, false))
+    }
+
+    fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
+        Request {
+            done,
+            timeout: self.timeout,
+            owner: held.then(|| self.clone()),
+            comm: Arc::downgrade(self),
+        }
+    }
+
+    /// Holds a non-blocking send/receive until its request is waited for or
+    /// tested, or another call comes: then every held one starts together
+    /// as one exchange, so `irecv` before `isend` can't deadlock.
+    pub(crate) fn hold(self: &Arc<Self>, call: Call) -> Request {
+        let done = Arc::new(Completion::default());
+        let mut held = lock(&self.held);
+        held.push((call, done.clone()));
+        self.has_held.store(true, Ordering::Release);
+        drop(held);
+        self.request(done, true)
+    }
+
+    fn take_held(&self) -> Vec<(Call, Arc<Completion>)> {
+        let mut held = lock(&self.held);
+        self.has_held.store(false, Ordering::Release);
+        std::mem::take(&mut *held)
+    }
+
+    /// Runs blocking sends/receives together with the held non-blocking
+    /// ones, as one exchange, and waits for it: in `irecv; send; wait` on
+    /// every rank, the irecv alone would wait for a send queued behind it.
+    /// Device work is finished on return (the held calls' requests
+    /// promise that).
+    ///
+    /// # Safety
+    /// Buffers of `calls` valid until this returns.
+    unsafe fn run_with_held(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Vec<Stream>,
+    ) -> Result<()> {
+        let (mut all, mut done): (Vec<Call>, Vec<Arc<Completion>>) =
+            self.take_held().into_iter().unzip();
+        let mut all_streams = vec![Stream::DEFAULT; all.len()];
+        all.extend(calls);
+        all_streams.extend(streams);
+        let mine = Arc::new(Completion::default());
+        done.push(mine.clone());
+        self.enqueue(Job {
+            calls: all,
+            streams: Some(all_streams),
+            finish_on_device: true,
+            done,
+        })?;
+        self.request(mine, false).wait()
+    }
+
+    /// Starts the held sends/receives on the worker.
+    pub(crate) fn start_held(self: &Arc<Self>) -> Result<()> {
+        if !self.has_held.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let held = self.take_held();
+        if held.is_empty() {
+            return Ok(());
+        }
+        let (calls, done) = held.into_iter().unzip();
+        self.enqueue(Job {
+            calls,
+            streams: None,
+            finish_on_device: true,
+            done,
+        })
+    }
+
+    fn enqueue(self: &Arc<Self>, job: Job) -> Result<()> {
+        {
+            let mut q = lock(&self.queue);
+            if q.closing {
+                return Err(Error::invalid_usage("the communicator is being destroyed"));
+            }
+            q.jobs.push_back(job);
+            q.unfinished += 1;
+            self.queued.store(q.unfinished, Ordering::Release);
+        }
+        self.queue_changed.notify_all();
+        self.ensure_worker()
+    }
+
+    fn ensure_worker(self: &Arc<Self>) -> Result<()> {
+        let mut w = lock(&self.worker);
+        if w.is_none() {
+            let me = self.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("rdist-rank{}", self.rank))
+                .spawn(move || me.work())
+                .map_err(|e| Error::system("starting the communicator's worker thread", &e))?;
+            *w = Some(handle);
+        }
+        Ok(())
+    }
+
+    /// The worker: runs queued jobs in order until the comm closes.
+    fn work(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(job) = q.jobs.pop_front() {
+                        break job;
+                    }
+                    if q.closing {
+                        return;
+                    }
+                    q = self
+                        .queue_changed
+                        .wait(q)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: whoever submitted the job keeps its buffers valid
+                // until the request completes.
+                unsafe { self.run_now(&job.calls, job.streams.as_deref(), job.finish_on_device) }
+            }))
+            .unwrap_or_else(|_| Err(Error::internal("a non-blocking call panicked")));
+            for done in &job.done {
+                done.complete(result.clone());
+            }
+            {
+                let mut q = lock(&self.queue);
+                q.unfinished -= 1;
+                self.queued.store(q.unfinished, Ordering::Release);
+            }
+            self.queue_changed.notify_all();
+        }
+    }
+
+    /// Makes pending and future calls fail with `Aborted`; callable from
+    /// any thread.
+    pub(crate) fn abort(&self) {
+        self.aborter.abort();
+        // The running call (if any) notices at once and lets go of the engine.
+        lock(&self.engine).abort();
+    }
+
+    /// Local: runs the held sends/receives (bounded by the timeout),
+    /// finishes queued calls, joins the worker and closes the engine.
+    pub(crate) fn close(self: &Arc<Self>) {
+        let _ = self.start_held();
+        lock(&self.queue).closing = true;
+        self.queue_changed.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+        lock(&self.engine).close();
+    }
+}
