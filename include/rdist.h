@@ -162,19 +162,14 @@ typedef struct rdist_options rdist_options;
 typedef struct rdist_request rdist_request;
 
 /**
- * A communicator (process group).
- */
-typedef rdist_comm rdist_comm_t;
-
-/**
- * An operation in flight.
- */
-typedef rdist_request rdist_request_t;
-
-/**
  * Key/value settings.
  */
 typedef rdist_options rdist_options_t;
+
+/**
+ * A communicator (process group).
+ */
+typedef rdist_comm rdist_comm_t;
 
 /**
  * Opaque bytes from rdist_get_unique_id(); copy all of them to every rank.
@@ -183,9 +178,141 @@ typedef struct {
   char internal[RDIST_UNIQUE_ID_BYTES];
 } rdist_unique_id_t;
 
+/**
+ * An operation in flight.
+ */
+typedef rdist_request rdist_request_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * The library's version as major*10000 + minor*100 + patch. Compare with
+ * the RDIST_VERSION_* macros to detect a header/library mismatch.
+ */
+int rdist_version(void);
+
+/**
+ * A short static description of a result code; never NULL (unknown codes
+ * give "unknown result code").
+ */
+const char *rdist_result_string(rdist_result_t result);
+
+/**
+ * The calling thread's detail text for the last failed rdist call, naming
+ * the function, the rank and the cause; "" after a successful call. Never
+ * NULL; valid until the next rdist call on this thread.
+ */
+const char *rdist_last_error(void);
+
+/**
+ * NCCL's version as NCCL encodes it (e.g. 22105 for 2.21.5), from the
+ * library rdist loads for its NCCL backend (RDIST_NCCL_LIBRARY,
+ * libnccl.so.2, libnccl.so, a pip-installed nvidia-nccl-cu12). Needs no
+ * GPU. RDIST_ERR_UNAVAILABLE, with what was tried in rdist_last_error(),
+ * when no NCCL can be loaded.
+ */
+rdist_result_t rdist_nccl_version(int *version);
+
+/**
+ * Creates an empty option set (every key at its default / environment
+ * value). On failure *out is left unchanged.
+ */
+rdist_result_t rdist_options_create(rdist_options_t **out);
+
+/**
+ * Sets `key` to `value` (both NUL-terminated). Keys: backend, transport,
+ * algo, timeout_ms, local_rank, device, ifname, auth_token, debug,
+ * trace_file, single_copy_min (bytes from which shared-memory payloads are
+ * read straight from the sender's memory, auto or off; default auto: from
+ * 4 MiB when the ranks on a host outnumber its cores, else off). Unknown
+ * keys and unparsable values give
+ * RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
+ * option wins over its environment variable.
+ */
+rdist_result_t rdist_options_set(rdist_options_t *opts, const char *key, const char *value);
+
+/**
+ * Frees an option set; NULL is a no-op. Communicators created with it
+ * keep their own copy.
+ */
+void rdist_options_destroy(rdist_options_t *opts);
+
+/**
+ * torch.distributed-style creation. `init_method` is "env://",
+ * "tcp://HOST:PORT" or "file:///path"; `rank`/`world_size` -1 read RANK /
+ * WORLD_SIZE (falling back to Slurm's and Open MPI's variables). env://
+ * reads MASTER_ADDR and MASTER_PORT. `opts` may be NULL. Blocks until all
+ * world_size ranks have joined or timeout_ms passes; on timeout the error
+ * names the ranks that never arrived. On failure *out is left unchanged.
+ */
+rdist_result_t rdist_init(rdist_comm_t **out,
+                          const char *init_method,
+                          int rank,
+                          int world_size,
+                          const rdist_options_t *opts);
+
+/**
+ * NCCL-style bootstrap, step 1: creates an id and hosts its rendezvous in
+ * this process until every rank has joined (or timeout_ms). Ship the
+ * bytes to every rank by your own means; an id is good for one
+ * communicator.
+ */
+rdist_result_t rdist_get_unique_id(rdist_unique_id_t *out);
+
+/**
+ * NCCL-style bootstrap, step 2: joins the communicator of `id` as `rank`
+ * of `world_size` (id by value, as ncclCommInitRank). On failure *out is
+ * left unchanged.
+ */
+rdist_result_t rdist_comm_init_rank(rdist_comm_t **out,
+                                    int world_size,
+                                    rdist_unique_id_t id,
+                                    int rank,
+                                    const rdist_options_t *opts);
+
+/**
+ * This process's rank in `comm`.
+ */
+rdist_result_t rdist_comm_rank(const rdist_comm_t *comm, int *rank);
+
+/**
+ * The number of ranks in `comm`.
+ */
+rdist_result_t rdist_comm_size(const rdist_comm_t *comm, int *size);
+
+/**
+ * This process's rank among the ranks of `comm` on the same host.
+ */
+rdist_result_t rdist_comm_local_rank(const rdist_comm_t *comm, int *local_rank);
+
+/**
+ * The backend `comm` runs on (never RDIST_BACKEND_AUTO).
+ */
+rdist_result_t rdist_comm_backend(const rdist_comm_t *comm, rdist_backend_t *backend);
+
+/**
+ * Collective over `comm`: ranks with equal `color` form a new
+ * communicator, ordered by (key, old rank). `color` RDIST_SPLIT_NOCOLOR
+ * yields *out = NULL. On failure *out is left unchanged.
+ */
+rdist_result_t rdist_comm_split(rdist_comm_t *comm, int color, int key, rdist_comm_t **out);
+
+/**
+ * Makes every pending and future operation on `comm`, on every rank that
+ * can still be reached, fail promptly with RDIST_ERR_ABORTED. Callable
+ * from any thread while another thread is blocked in `comm`.
+ */
+rdist_result_t rdist_comm_abort(rdist_comm_t *comm);
+
+/**
+ * Local: needs no other rank. Finishes this rank's queued non-blocking
+ * calls, lets data already handed to rdist reach the peers, then frees
+ * every thread, socket and buffer of `comm`. A peer that later waits on
+ * this rank gets RDIST_ERR_PEER_LOST. NULL is a no-op.
+ */
+rdist_result_t rdist_comm_destroy(rdist_comm_t *comm);
 
 /**
  * recvbuf = element-wise `op` over every rank's sendbuf (count elements).
@@ -388,105 +515,6 @@ rdist_result_t rdist_barrier(rdist_comm_t *comm);
 rdist_result_t rdist_ibarrier(rdist_comm_t *comm, rdist_request_t **req);
 
 /**
- * torch.distributed-style creation. `init_method` is "env://",
- * "tcp://HOST:PORT" or "file:///path"; `rank`/`world_size` -1 read RANK /
- * WORLD_SIZE (falling back to Slurm's and Open MPI's variables). env://
- * reads MASTER_ADDR and MASTER_PORT. `opts` may be NULL. Blocks until all
- * world_size ranks have joined or timeout_ms passes; on timeout the error
- * names the ranks that never arrived. On failure *out is left unchanged.
- */
-rdist_result_t rdist_init(rdist_comm_t **out,
-                          const char *init_method,
-                          int rank,
-                          int world_size,
-                          const rdist_options_t *opts);
-
-/**
- * NCCL-style bootstrap, step 1: creates an id and hosts its rendezvous in
- * this process until every rank has joined (or timeout_ms). Ship the
- * bytes to every rank by your own means; an id is good for one
- * communicator.
- */
-rdist_result_t rdist_get_unique_id(rdist_unique_id_t *out);
-
-/**
- * NCCL-style bootstrap, step 2: joins the communicator of `id` as `rank`
- * of `world_size` (id by value, as ncclCommInitRank). On failure *out is
- * left unchanged.
- */
-rdist_result_t rdist_comm_init_rank(rdist_comm_t **out,
-                                    int world_size,
-                                    rdist_unique_id_t id,
-                                    int rank,
-                                    const rdist_options_t *opts);
-
-/**
- * This process's rank in `comm`.
- */
-rdist_result_t rdist_comm_rank(const rdist_comm_t *comm, int *rank);
-
-/**
- * The number of ranks in `comm`.
- */
-rdist_result_t rdist_comm_size(const rdist_comm_t *comm, int *size);
-
-/**
- * This process's rank among the ranks of `comm` on the same host.
- */
-rdist_result_t rdist_comm_local_rank(const rdist_comm_t *comm, int *local_rank);
-
-/**
- * The backend `comm` runs on (never RDIST_BACKEND_AUTO).
- */
-rdist_result_t rdist_comm_backend(const rdist_comm_t *comm, rdist_backend_t *backend);
-
-/**
- * Collective over `comm`: ranks with equal `color` form a new
- * communicator, ordered by (key, old rank). `color` RDIST_SPLIT_NOCOLOR
- * yields *out = NULL. On failure *out is left unchanged.
- */
-rdist_result_t rdist_comm_split(rdist_comm_t *comm, int color, int key, rdist_comm_t **out);
-
-/**
- * Makes every pending and future operation on `comm`, on every rank that
- * can still be reached, fail promptly with RDIST_ERR_ABORTED. Callable
- * from any thread while another thread is blocked in `comm`.
- */
-rdist_result_t rdist_comm_abort(rdist_comm_t *comm);
-
-/**
- * Local: needs no other rank. Finishes this rank's queued non-blocking
- * calls, lets data already handed to rdist reach the peers, then frees
- * every thread, socket and buffer of `comm`. A peer that later waits on
- * this rank gets RDIST_ERR_PEER_LOST. NULL is a no-op.
- */
-rdist_result_t rdist_comm_destroy(rdist_comm_t *comm);
-
-/**
- * Creates an empty option set (every key at its default / environment
- * value). On failure *out is left unchanged.
- */
-rdist_result_t rdist_options_create(rdist_options_t **out);
-
-/**
- * Sets `key` to `value` (both NUL-terminated). Keys: backend, transport,
- * algo, timeout_ms, local_rank, device, ifname, auth_token, debug,
- * trace_file, single_copy_min (bytes from which shared-memory payloads are
- * read straight from the sender's memory, auto or off; default auto: from
- * 4 MiB when the ranks on a host outnumber its cores, else off). Unknown
- * keys and unparsable values give
- * RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
- * option wins over its environment variable.
- */
-rdist_result_t rdist_options_set(rdist_options_t *opts, const char *key, const char *value);
-
-/**
- * Frees an option set; NULL is a no-op. Communicators created with it
- * keep their own copy.
- */
-void rdist_options_destroy(rdist_options_t *opts);
-
-/**
  * Sends count elements to `peer`; returns when buf may be reused.
  * A matching rdist_recv on `peer` must use the same count and dtype.
  */
@@ -533,19 +561,6 @@ rdist_result_t rdist_irecv(void *buf,
                            rdist_request_t **req);
 
 /**
- * Starts a group (per thread, may nest): calls until the matching
- * rdist_group_end only queue (their buffers must stay valid), so that e.g.
- * a rank can send to and receive from the same peer without deadlock.
- */
-rdist_result_t rdist_group_start(void);
-
-/**
- * Ends a group; the outermost end runs every queued call and returns when
- * all have completed, reporting the first error.
- */
-rdist_result_t rdist_group_end(void);
-
-/**
  * Blocks until the request completes and returns its result (bounded by
  * the communicator's timeout_ms). The request stays valid: free it with
  * rdist_request_free.
@@ -564,32 +579,17 @@ rdist_result_t rdist_test(rdist_request_t *req, int *done);
 void rdist_request_free(rdist_request_t *req);
 
 /**
- * The library's version as major*10000 + minor*100 + patch. Compare with
- * the RDIST_VERSION_* macros to detect a header/library mismatch.
+ * Starts a group (per thread, may nest): calls until the matching
+ * rdist_group_end only queue (their buffers must stay valid), so that e.g.
+ * a rank can send to and receive from the same peer without deadlock.
  */
-int rdist_version(void);
+rdist_result_t rdist_group_start(void);
 
 /**
- * A short static description of a result code; never NULL (unknown codes
- * give "unknown result code").
+ * Ends a group; the outermost end runs every queued call and returns when
+ * all have completed, reporting the first error.
  */
-const char *rdist_result_string(rdist_result_t result);
-
-/**
- * The calling thread's detail text for the last failed rdist call, naming
- * the function, the rank and the cause; "" after a successful call. Never
- * NULL; valid until the next rdist call on this thread.
- */
-const char *rdist_last_error(void);
-
-/**
- * NCCL's version as NCCL encodes it (e.g. 22105 for 2.21.5), from the
- * library rdist loads for its NCCL backend (RDIST_NCCL_LIBRARY,
- * libnccl.so.2, libnccl.so, a pip-installed nvidia-nccl-cu12). Needs no
- * GPU. RDIST_ERR_UNAVAILABLE, with what was tried in rdist_last_error(),
- * when no NCCL can be loaded.
- */
-rdist_result_t rdist_nccl_version(int *version);
+rdist_result_t rdist_group_end(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -8,13 +8,23 @@
 // contract, and every pointer is checked for NULL before use.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-pub mod collectives;
-pub mod comm;
-pub mod options;
-pub mod p2p;
-pub mod requests;
+// In the order of the generated header, the order a reader learns the
+// API in (cbindgen follows it; keep rustfmt from sorting it).
 pub mod types;
+// Version and errors.
 pub mod version;
+// Options.
+pub mod options;
+// Init, then the communicator.
+pub mod comm;
+// Collectives.
+pub mod collectives;
+// Point-to-point.
+pub mod p2p;
+// Requests.
+pub mod requests;
+// Groups.
+pub mod groups;
 
 use crate::error::{Error, Result};
 use std::cell::RefCell;

@@ -209,11 +209,12 @@ fn join_hosting(
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,
-        None => match method::first_int(&method::LOCAL_RANK_VARS[1..], &|k| std::env::var(k).ok())?
-        {
-            Some(l) if l >= 0 => l as usize,
-            _ => roster.local_rank(rank),
-        },
+        None => {
+            match method::first_int(&method::LOCAL_RANK_VARS[1..], &crate::options::process_env)? {
+                Some(l) if l >= 0 => l as usize,
+                _ => roster.local_rank(rank),
+            }
+        }
     };
     Ok(Joined {
         size,
