@@ -1,6 +1,5 @@
 //! Point-to-point calls: send and receive, blocking and not.
 
-use super::boundary;
 use super::collectives::{data_call, issue};
 use super::types::*;
 use crate::call::{Call, Data};
