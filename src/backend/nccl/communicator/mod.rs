@@ -2,379 +2,25 @@
 //! thread past the timeout), driven for device buffers, watched by
 //! `watchdog`, aborted or finalized at the end.
 
-use super::loader::{NcclLibrary, RawResult, NCCL_SUCCESS};
+mod abi;
+mod handle;
+
+pub use abi::{abi_constants, config_layout, REQUIRED};
+pub(crate) use handle::Raw;
+
+use super::loader::{NcclLibrary, RawResult};
 use super::watchdog::Watchdog;
 use crate::backend::cuda::{self, ContextGuard, Stream};
 use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::ReduceOp;
-use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use abi::{dtype, op, Config, NCCL_SPLIT_NOCOLOR};
+use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclUniqueId};
+use handle::Held;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// `ncclInvalidArgument`.
-const NCCL_INVALID_ARGUMENT: RawResult = 4;
-/// `ncclInvalidUsage`.
-const NCCL_INVALID_USAGE: RawResult = 5;
-/// `ncclRemoteError`: a peer failed or went away.
-const NCCL_REMOTE_ERROR: RawResult = 6;
-/// `ncclInProgress`: a non-blocking call has not finished yet.
-const NCCL_IN_PROGRESS: RawResult = 7;
-/// `NCCL_SPLIT_NOCOLOR`.
-const NCCL_SPLIT_NOCOLOR: i32 = -1;
-/// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` puts in `magic`.
-const NCCL_API_MAGIC: u32 = 0xcafe_beef;
-/// `NCCL_CONFIG_UNDEF_INT`: "NCCL's default" for an int field.
-const NCCL_CONFIG_UNDEF_INT: i32 = i32::MIN;
-/// The `ncclConfig_t` version rdist fills in: `NCCL_VERSION(2, 17, 0)`.
-/// NCCL resets every field newer than this to its default.
-const CONFIG_VERSION: u32 = 21_700;
-
-/// The entry points the backend cannot run without (the others are
-/// optional: split, finalize, last error).
-pub const REQUIRED: [&str; 13] = [
-    "ncclCommInitRankConfig",
-    "ncclCommAbort",
-    "ncclCommDestroy",
-    "ncclCommGetAsyncError",
-    "ncclAllReduce",
-    "ncclBroadcast",
-    "ncclReduce",
-    "ncclAllGather",
-    "ncclReduceScatter",
-    "ncclSend",
-    "ncclRecv",
-    "ncclGroupStart",
-    "ncclGroupEnd",
-];
-
-/// The start of `ncclConfig_t`, as nccl.h lays it out (NCCL copies
-/// `size` bytes of it and keeps its defaults for the rest, and it ignores
-/// fields newer than `version`), so this prefix works with every NCCL
-/// since 2.17. `traffic_class` is there only so that no padding byte
-/// reaches NCCL. tests/nccl.rs checks the layout against the installed
-/// NCCL's header.
-#[repr(C)]
-struct Config {
-    size: usize,
-    magic: u32,
-    version: u32,
-    blocking: i32,
-    cga_cluster_size: i32,
-    min_ctas: i32,
-    max_ctas: i32,
-    net_name: *const std::ffi::c_char,
-    split_share: i32,
-    traffic_class: i32,
-}
-
-impl Config {
-    /// NCCL_CONFIG_INITIALIZER with `blocking = 0`.
-    fn non_blocking() -> Config {
-        Config {
-            size: std::mem::size_of::<Config>(),
-            magic: NCCL_API_MAGIC,
-            version: CONFIG_VERSION,
-            blocking: 0,
-            cga_cluster_size: NCCL_CONFIG_UNDEF_INT,
-            min_ctas: NCCL_CONFIG_UNDEF_INT,
-            max_ctas: NCCL_CONFIG_UNDEF_INT,
-            net_name: std::ptr::null(),
-            split_share: NCCL_CONFIG_UNDEF_INT,
-            traffic_class: NCCL_CONFIG_UNDEF_INT,
-        }
-    }
-}
-
-/// rdist's `ncclConfig_t` prefix: its size, and each field's offset under
-/// its name in nccl.h. For checking against a header (tests/nccl.rs).
-pub fn config_layout() -> (usize, Vec<(&'static str, usize)>) {
-    use std::mem::offset_of;
-    let fields = vec![
-        ("size", offset_of!(Config, size)),
-        ("magic", offset_of!(Config, magic)),
-        ("version", offset_of!(Config, version)),
-        ("blocking", offset_of!(Config, blocking)),
-        ("cgaClusterSize", offset_of!(Config, cga_cluster_size)),
-        ("minCTAs", offset_of!(Config, min_ctas)),
-        ("maxCTAs", offset_of!(Config, max_ctas)),
-        ("netName", offset_of!(Config, net_name)),
-        ("splitShare", offset_of!(Config, split_share)),
-        ("trafficClass", offset_of!(Config, traffic_class)),
-    ];
-    (std::mem::size_of::<Config>(), fields)
-}
-
-/// The NCCL constants and enum values rdist passes or compares, under
-/// their names in nccl.h (checked against a header by tests/nccl.rs).
-pub fn abi_constants() -> Vec<(&'static str, i64)> {
-    let mut v: Vec<(&'static str, i64)> = vec![
-        ("ncclSuccess", NCCL_SUCCESS as i64),
-        ("ncclInvalidArgument", NCCL_INVALID_ARGUMENT as i64),
-        ("ncclInvalidUsage", NCCL_INVALID_USAGE as i64),
-        ("ncclRemoteError", NCCL_REMOTE_ERROR as i64),
-        ("ncclInProgress", NCCL_IN_PROGRESS as i64),
-        ("NCCL_SPLIT_NOCOLOR", NCCL_SPLIT_NOCOLOR as i64),
-        ("NCCL_API_MAGIC", NCCL_API_MAGIC as i64),
-        ("NCCL_CONFIG_UNDEF_INT", NCCL_CONFIG_UNDEF_INT as i64),
-        (
-            "NCCL_UNIQUE_ID_BYTES",
-            std::mem::size_of::<ncclUniqueId>() as i64,
-        ),
-    ];
-    let dtypes = [
-        ("ncclInt8", DType::Int8),
-        ("ncclUint8", DType::Uint8),
-        ("ncclInt32", DType::Int32),
-        ("ncclUint32", DType::Uint32),
-        ("ncclInt64", DType::Int64),
-        ("ncclUint64", DType::Uint64),
-        ("ncclFloat16", DType::Float16),
-        ("ncclFloat32", DType::Float32),
-        ("ncclFloat64", DType::Float64),
-        ("ncclBfloat16", DType::Bfloat16),
-    ];
-    v.extend(dtypes.iter().map(|&(n, d)| (n, dtype(d) as i64)));
-    let ops = [
-        ("ncclSum", ReduceOp::Sum),
-        ("ncclProd", ReduceOp::Prod),
-        ("ncclMax", ReduceOp::Max),
-        ("ncclMin", ReduceOp::Min),
-        ("ncclAvg", ReduceOp::Avg),
-    ];
-    v.extend(ops.iter().map(|&(n, o)| (n, op(o) as i64)));
-    v
-}
-
-/// How long `Raw::abort` waits for a thread issuing NCCL work to let go
-/// of the communicator. A thread polling `ncclInProgress` lets go within
-/// a millisecond; one still inside an NCCL call after this is stuck
-/// there (a full work queue behind a dead peer), and only NCCL's own
-/// abort flag can free it.
-const ABORT_GRACE: Duration = Duration::from_secs(1);
-
-/// The raw communicator, shared with the watchdog.
-pub(crate) struct Raw {
-    pub lib: &'static NcclLibrary,
-    /// The device's context: every NCCL call runs with it current, abort
-    /// and destroy too (which may come from any thread; NCCL would
-    /// otherwise make device 0 current on that thread).
-    context: usize,
-    /// The communicator; 0 once destroyed or aborted. A thread issuing
-    /// work holds the lock from `ncclGroupStart` until NCCL has taken the
-    /// work (see `hold`), so an abort never frees the communicator under
-    /// an NCCL call or inside an open group.
-    comm: Mutex<usize>,
-    /// The communicator's address, readable without the lock (for an
-    /// abort that cannot wait for a stuck holder).
-    handle: usize,
-    /// Aborted (as opposed to destroyed).
-    aborted: AtomicBool,
-    /// Freed by NCCL (destroyed or aborted): whoever sets it frees it,
-    /// once, even when an abort goes ahead without the lock.
-    freed: AtomicBool,
-    /// An abort is waiting for the lock: a holder polling NCCL gives up.
-    abort_requested: AtomicBool,
-}
-
-/// The communicator, held for a span of NCCL calls (see `Raw::comm`).
-pub(crate) struct Held<'a> {
-    raw: &'a Raw,
-    comm: MutexGuard<'a, usize>,
-}
-
-impl Raw {
-    fn new(lib: &'static NcclLibrary, comm: ncclComm_t, context: usize) -> Raw {
-        Raw {
-            lib,
-            context,
-            comm: Mutex::new(comm as usize),
-            handle: comm as usize,
-            aborted: AtomicBool::new(false),
-            freed: AtomicBool::new(false),
-            abort_requested: AtomicBool::new(false),
-        }
-    }
-
-    fn gone(&self) -> Error {
-        Error::new(ErrorKind::Aborted, "the NCCL communicator was aborted")
-    }
-
-    /// Holds the communicator for a span of NCCL calls, or fails with
-    /// Aborted when it is gone or being aborted.
-    pub fn hold(&self) -> Result<Held<'_>> {
-        if self.abort_requested.load(Ordering::Acquire) {
-            return Err(self.gone());
-        }
-        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        self.held(comm)
-    }
-
-    /// `hold` without waiting: None while another thread holds it.
-    fn try_hold(&self) -> Option<Result<Held<'_>>> {
-        match self.comm.try_lock() {
-            Ok(comm) => Some(self.held(comm)),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(self.held(p.into_inner())),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    fn held<'a>(&'a self, comm: MutexGuard<'a, usize>) -> Result<Held<'a>> {
-        if *comm == 0 || self.is_aborted() || self.abort_requested.load(Ordering::Acquire) {
-            return Err(self.gone());
-        }
-        Ok(Held { raw: self, comm })
-    }
-
-    /// `ncclCommGetAsyncError` (see `Held::async_state`), or None while a
-    /// thread is issuing work (the watchdog then looks next time).
-    pub fn try_async_state(&self) -> Option<Result<bool>> {
-        self.try_hold().map(|h| h?.async_state())
-    }
-
-    /// `ncclCommDestroy` (after a finalize), once.
-    fn destroy(&self) {
-        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        if *comm != 0 && !self.freed.swap(true, Ordering::AcqRel) {
-            if let Some(f) = self.lib.api.ncclCommDestroy {
-                let _ctx = ContextGuard::push(self.context);
-                // SAFETY: a live, finalized communicator, freed once.
-                unsafe { f(*comm as ncclComm_t) };
-            }
-        }
-        *comm = 0;
-    }
-
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::Acquire)
-    }
-
-    /// `ncclCommAbort`, once: ends every operation in flight and frees the
-    /// communicator. Safe from any thread: it asks a thread issuing work
-    /// to let go first (`ABORT_GRACE`). A thread stuck inside an NCCL call
-    /// past that can only be freed by NCCL's abort flag, so the abort then
-    /// goes ahead without the lock (as PyTorch's watchdog does), and that
-    /// thread never touches the communicator again (`aborted`).
-    pub fn abort(&self) {
-        self.abort_requested.store(true, Ordering::Release);
-        let since = Instant::now();
-        let mut pause = Duration::from_micros(50);
-        let mut comm = loop {
-            match self.comm.try_lock() {
-                Ok(c) => break Some(c),
-                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) if since.elapsed() < ABORT_GRACE => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(5));
-                }
-                Err(std::sync::TryLockError::WouldBlock) => break None,
-            }
-        };
-        let live = comm.as_ref().is_none_or(|c| **c != 0);
-        if live && !self.freed.swap(true, Ordering::AcqRel) {
-            // Before NCCL's abort: a stuck holder returning from NCCL sees
-            // it and never touches the communicator again.
-            self.aborted.store(true, Ordering::Release);
-            if let Some(f) = self.lib.api.ncclCommAbort {
-                let _ctx = ContextGuard::push(self.context);
-                // SAFETY: a live communicator, freed here once (`freed`);
-                // `aborted` keeps every other path off it from now on.
-                unsafe { f(self.handle as ncclComm_t) };
-            }
-        }
-        if let Some(c) = comm.as_mut() {
-            **c = 0;
-        }
-    }
-}
-
-impl Held<'_> {
-    /// Runs one NCCL call on the communicator.
-    pub fn call<T>(&self, f: impl FnOnce(ncclComm_t) -> T) -> T {
-        f(*self.comm as ncclComm_t)
-    }
-
-    /// `ncclCommGetAsyncError`: Ok(true) when idle, Ok(false) while a
-    /// non-blocking call is still in progress, or the error.
-    pub fn async_state(&self) -> Result<bool> {
-        let f = self.raw.lib.api.ncclCommGetAsyncError.expect("required");
-        let mut state: RawResult = NCCL_SUCCESS;
-        // SAFETY: a live communicator and an out-pointer to a local.
-        let rc = self.call(|comm| unsafe { f(comm, &mut state) });
-        if rc != NCCL_SUCCESS {
-            return Err(self.error("ncclCommGetAsyncError", rc));
-        }
-        match state {
-            NCCL_SUCCESS => Ok(true),
-            NCCL_IN_PROGRESS => Ok(false),
-            e => Err(self.error("an NCCL operation", e)),
-        }
-    }
-
-    /// An error for NCCL's result `rc` from `what`, with NCCL's last error
-    /// text; its kind follows the result (a remote error is a lost peer).
-    pub fn error(&self, what: &str, rc: RawResult) -> Error {
-        let kind = match rc {
-            NCCL_INVALID_ARGUMENT => ErrorKind::InvalidArgument,
-            NCCL_INVALID_USAGE => ErrorKind::InvalidUsage,
-            NCCL_REMOTE_ERROR => ErrorKind::PeerLost,
-            _ => ErrorKind::Backend,
-        };
-        let last = match self.raw.lib.api.ncclGetLastError {
-            // An abort may have freed it under a stuck holder: NCCL's
-            // last error outside a communicator then.
-            Some(_) if self.raw.freed.load(Ordering::Acquire) => self.raw.lib.last_error(),
-            // SAFETY: a live communicator; NCCL returns a string it owns.
-            Some(f) => self.call(|comm| unsafe { text(f(comm)) }),
-            None => String::new(),
-        };
-        let mut msg = format!("{what} failed: {}", self.raw.lib.error_string(rc));
-        if !last.is_empty() {
-            msg.push_str(&format!(" ({last})"));
-        }
-        Error::new(kind, msg)
-    }
-
-    /// Waits out `ncclInProgress` (bounded by `deadline`; an abort ends
-    /// the wait at once).
-    pub fn settle(&self, what: &str, rc: RawResult, deadline: Instant) -> Result<()> {
-        match rc {
-            NCCL_SUCCESS => return Ok(()),
-            NCCL_IN_PROGRESS => {}
-            e => return Err(self.error(what, e)),
-        }
-        let mut pause = Duration::from_micros(1);
-        loop {
-            if self.raw.abort_requested.load(Ordering::Acquire) {
-                return Err(self.raw.gone());
-            }
-            if self.async_state()? {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("{what} was still in progress in NCCL at the timeout"),
-                ));
-            }
-            std::thread::sleep(pause.min(deadline - now));
-            pause = (pause * 2).min(Duration::from_millis(1));
-        }
-    }
-}
-
-/// # Safety
-/// `p` is NULL or a NUL-terminated string.
-unsafe fn text(p: *const std::ffi::c_char) -> String {
-    match p.is_null() {
-        true => String::new(),
-        false => std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned(),
-    }
-}
 
 /// An NCCL communicator for one device.
 pub(crate) struct NcclComm {
@@ -389,32 +35,6 @@ pub(crate) struct NcclComm {
     /// first barrier).
     barrier: Option<(usize, Stream)>,
     finished: bool,
-}
-
-fn dtype(d: DType) -> ncclDataType_t {
-    use ncclDataType_t as T;
-    match d {
-        DType::Int8 => T::ncclInt8,
-        DType::Uint8 => T::ncclUint8,
-        DType::Int32 => T::ncclInt32,
-        DType::Uint32 => T::ncclUint32,
-        DType::Int64 => T::ncclInt64,
-        DType::Uint64 => T::ncclUint64,
-        DType::Float16 => T::ncclFloat16,
-        DType::Float32 => T::ncclFloat32,
-        DType::Float64 => T::ncclFloat64,
-        DType::Bfloat16 => T::ncclBfloat16,
-    }
-}
-
-fn op(o: ReduceOp) -> ncclRedOp_t {
-    match o {
-        ReduceOp::Sum => ncclRedOp_t::ncclSum,
-        ReduceOp::Prod => ncclRedOp_t::ncclProd,
-        ReduceOp::Max => ncclRedOp_t::ncclMax,
-        ReduceOp::Min => ncclRedOp_t::ncclMin,
-        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
-    }
 }
 
 fn ptr(b: RawBuf) -> *mut c_void {
@@ -501,12 +121,17 @@ impl NcclComm {
 
     /// Enqueues `calls` on their streams (one NCCL group when more than one
     /// call, or when a call is itself several sends and receives). With
-    /// `wait`, returns once they finished on the GPU (bounded); otherwise
-    /// once enqueued, as NCCL does.
+    /// `finish_on_device`, returns once they finished on the GPU (bounded);
+    /// otherwise once enqueued, as NCCL does.
     ///
     /// # Safety
     /// Device buffers valid until the work completes on the streams.
-    pub unsafe fn run(&mut self, calls: &[Call], streams: &[Stream], wait: bool) -> Result<()> {
+    pub unsafe fn run(
+        &mut self,
+        calls: &[Call],
+        streams: &[Stream],
+        finish_on_device: bool,
+    ) -> Result<()> {
         if let Some(e) = self.failure() {
             return Err(e);
         }
@@ -536,7 +161,7 @@ impl NcclComm {
                 &barriers[..]
             }
         };
-        let mut result = self.issue(calls, streams, wait);
+        let mut result = self.issue(calls, streams, finish_on_device);
         if self.raw.is_aborted() {
             // An abort meanwhile (the watchdog's, or rdist_comm_abort)
             // ended the call: whatever NCCL returned, or Ok (the wait saw
@@ -554,7 +179,12 @@ impl NcclComm {
         result
     }
 
-    unsafe fn issue(&mut self, calls: &[Call], streams: &[Stream], wait: bool) -> Result<()> {
+    unsafe fn issue(
+        &mut self,
+        calls: &[Call],
+        streams: &[Stream],
+        finish_on_device: bool,
+    ) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         let _ctx = ContextGuard::push(self.context)?;
         let grouped = calls.len() > 1
@@ -600,7 +230,7 @@ impl NcclComm {
                 continue;
             }
             seen.push(stream);
-            match wait {
+            match finish_on_device {
                 true => {
                     self.watchdog
                         .wait_stream(stream, deadline, &format!("NCCL {}", call.name()))?

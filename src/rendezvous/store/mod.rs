@@ -1,0 +1,222 @@
+//! The rendezvous key-value store: how ranks find each other.
+//!
+//! Rank 0 hosts a [`TcpStoreServer`]; every rank (rank 0 included) talks to it
+//! through a [`TcpStoreClient`]. On a shared file system a [`FileStore`] does
+//! the same job without a server. [`PrefixStore`] gives each user of a store its
+//! own key space.
+//!
+//! The TCP protocol is rdist's own for now (see the `wire` module): a handshake
+//! (magic number + protocol version), then length-prefixed requests and
+//! replies. Encoding and decoding live only in `wire`, so that a later version
+//! can speak PyTorch's TCPStore protocol and add authentication there.
+
+mod client;
+mod file;
+mod server;
+mod wire;
+
+pub use client::TcpStoreClient;
+pub use file::FileStore;
+pub use server::TcpStoreServer;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Bound on the operations that never wait for other ranks (set, add, check).
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many missing keys a timeout message names before "and N more".
+const MAX_NAMED_KEYS: usize = 8;
+
+/// A key-value store shared by all ranks of a job.
+pub trait Store: Send + Sync {
+    /// Stores `value` under `key`, replacing any previous value.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Waits until `key` exists (up to `timeout`), then returns its value.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Atomically adds `delta` to the integer stored at key (missing = 0;
+    /// stored as decimal ASCII), returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// True when all keys exist. Never blocks (beyond one round trip).
+    fn check(&self, keys: &[&str]) -> Result<bool>;
+    /// Waits until all keys exist, up to `timeout`.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+}
+
+// ---------------------------------------------------------------------------
+// Helpers shared by every store
+// ---------------------------------------------------------------------------
+
+/// A duration as people read it in messages: "2.0 s".
+fn seconds(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
+}
+
+/// The deadline `timeout` from now; `None` when it is too far to represent
+/// (which means: wait without a deadline).
+fn deadline_after(timeout: Duration) -> Option<Instant> {
+    Instant::now().checked_add(timeout)
+}
+
+/// The error for a get/wait that ran out of time, naming the missing keys.
+fn key_timeout_error(timeout: Duration, missing: &[String]) -> Error {
+    let mut named: Vec<String> = missing
+        .iter()
+        .take(MAX_NAMED_KEYS)
+        .map(|k| format!("'{k}'"))
+        .collect();
+    let what = match missing.len() {
+        0 => String::from("keys"),
+        1 => format!("key {}", named.remove(0)),
+        n if n <= MAX_NAMED_KEYS => format!("keys {}", named.join(", ")),
+        n => format!("keys {} and {} more", named.join(", "), n - MAX_NAMED_KEYS),
+    };
+    Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "timed out after {} waiting for {what} in the rendezvous store",
+            seconds(timeout)
+        ),
+    )
+}
+
+/// `current + delta` for add(): the stored value must be a decimal integer.
+fn add_to_counter(key: &str, current: Option<&[u8]>, delta: i64) -> Result<i64> {
+    let current = match current {
+        None => 0,
+        Some(bytes) => std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| text.trim().parse::<i64>().ok())
+            .ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "the value of key '{key}' in the rendezvous store is not a decimal integer, \
+                     so add() cannot update it"
+                ))
+            })?,
+    };
+    current.checked_add(delta).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "adding {delta} to key '{key}' (now {current}) would overflow a 64-bit integer"
+        ))
+    })
+}
+
+/// Locks a mutex even if another thread panicked while holding it: the data
+/// behind our mutexes is never left half-updated.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+// ---------------------------------------------------------------------------
+// PrefixStore
+// ---------------------------------------------------------------------------
+
+/// A view of another store in which every key becomes `"{prefix}/{key}"`.
+pub struct PrefixStore {
+    inner: Arc<dyn Store>,
+    prefix: String,
+}
+
+impl PrefixStore {
+    /// A view of `inner` that puts `prefix/` in front of every key.
+    pub fn new(inner: Arc<dyn Store>, prefix: impl Into<String>) -> PrefixStore {
+        PrefixStore {
+            inner,
+            prefix: prefix.into(),
+        }
+    }
+
+    fn full_key(&self, key: &str) -> String {
+        format!("{}/{key}", self.prefix)
+    }
+
+    fn full_keys(&self, keys: &[&str]) -> Vec<String> {
+        keys.iter().map(|k| self.full_key(k)).collect()
+    }
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(&self.full_key(key), value)
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(&self.full_key(key), timeout)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(&self.full_key(key), delta)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        let full = self.full_keys(keys);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.check(&refs)
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let full = self.full_keys(keys);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.wait(&refs, timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    pub(super) const PATIENCE: Duration = Duration::from_secs(5);
+
+    pub(super) fn start_server() -> TcpStoreServer {
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
+        TcpStoreServer::bind(addr).expect("bind the store server")
+    }
+
+    pub(super) fn connect(server: &TcpStoreServer) -> TcpStoreClient {
+        let addr = server.local_addr().to_string();
+        TcpStoreClient::connect(&addr, Instant::now() + PATIENCE).expect("connect")
+    }
+
+    pub(super) fn assert_in_range(elapsed: Duration, low_ms: u64, high_ms: u64) {
+        assert!(
+            elapsed >= Duration::from_millis(low_ms) && elapsed <= Duration::from_millis(high_ms),
+            "took {elapsed:?}, expected {low_ms}..{high_ms} ms"
+        );
+    }
+
+    #[test]
+    fn timeout_message_names_at_most_eight_keys() {
+        let keys: Vec<String> = (0..11).map(|i| format!("k{i}")).collect();
+        let err = key_timeout_error(Duration::from_secs(2), &keys);
+        assert_eq!(
+            err.message(),
+            "timed out after 2.0 s waiting for keys 'k0', 'k1', 'k2', 'k3', 'k4', 'k5', 'k6', \
+             'k7' and 3 more in the rendezvous store"
+        );
+    }
+
+    #[test]
+    fn prefix_store_isolates_keys() {
+        let server = start_server();
+        let shared: Arc<dyn Store> = Arc::new(connect(&server));
+        let first = PrefixStore::new(Arc::clone(&shared), "job1");
+        let second = PrefixStore::new(Arc::clone(&shared), "job2");
+        first.set("rank", b"one").unwrap();
+        second.set("rank", b"two").unwrap();
+        assert_eq!(first.get("rank", PATIENCE).unwrap(), b"one");
+        assert_eq!(second.get("rank", PATIENCE).unwrap(), b"two");
+        assert_eq!(shared.get("job1/rank", PATIENCE).unwrap(), b"one");
+        assert_eq!(first.add("count", 3).unwrap(), 3);
+        assert!(!second.check(&["count"]).unwrap());
+        assert!(first.check(&["rank", "count"]).unwrap());
+        first.wait(&["rank", "count"], PATIENCE).unwrap();
+        let err = second
+            .wait(&["count"], Duration::from_millis(50))
+            .unwrap_err();
+        assert!(err.message().contains("'job2/count'"), "{err}");
+    }
+}

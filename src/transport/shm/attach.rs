@@ -1,0 +1,156 @@
+//! Turning the mesh's TCP streams into channels: every rank agrees on
+//! shared memory (segments mapped by all, single-copy reads, membarrier)
+//! or falls back to TCP.
+
+use super::channel::ShmChannel;
+use super::doorbell::{register_membarrier, Doorbell};
+use super::segment::{segment_name, Segment};
+use crate::error::{Error, Result};
+use crate::transport::channel::Channel;
+use std::io;
+use std::net::TcpStream;
+use std::sync::Arc;
+
+/// Something for peers to read with process_vm_readv to prove they can.
+static PROBE: [u8; 16] = *b"rdist-cma-probe!";
+
+/// Finds out whether every rank can read every peer's memory directly
+/// (Linux cross-memory attach; Yama or containers may forbid it). Returns
+/// each peer's pid when all can.
+fn probe_single_copy(streams: &mut [Option<TcpStream>]) -> io::Result<Option<Vec<i32>>> {
+    use std::io::{Read, Write};
+    // Under Yama's ptrace_scope=1 only a declared tracer may read us.
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let mut me = [0u8; 16];
+    me[..8].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+    me[8..].copy_from_slice(&(PROBE.as_ptr() as u64).to_le_bytes());
+    for s in streams.iter_mut().flatten() {
+        s.write_all(&me)?;
+    }
+    let mut pids = vec![0i32; streams.len()];
+    let mut ok = true;
+    for (peer, s) in streams.iter_mut().enumerate() {
+        let Some(s) = s else { continue };
+        let mut theirs = [0u8; 16];
+        s.read_exact(&mut theirs)?;
+        let pid = u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")) as i32;
+        let addr = u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes"));
+        let mut got = [0u8; 16];
+        ok &= crate::transport::channel::read_remote(pid, addr, &mut got).is_ok() && got == PROBE;
+        pids[peer] = pid;
+    }
+    let all = everyone_ok(
+        streams,
+        ok && std::env::var_os("RDIST_NO_SINGLE_COPY").is_none(),
+    )?;
+    Ok(all.then_some(pids))
+}
+
+/// Exchanges one status byte with every peer over the (still blocking)
+/// mesh streams; true when every rank, this one included, said ok.
+fn everyone_ok(streams: &mut [Option<TcpStream>], ok: bool) -> io::Result<bool> {
+    use std::io::{Read, Write};
+    for s in streams.iter_mut().flatten() {
+        s.write_all(&[u8::from(ok)])?;
+    }
+    let mut all = ok;
+    for s in streams.iter_mut().flatten() {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b)?;
+        all &= b[0] == 1;
+    }
+    Ok(all)
+}
+
+/// Channels to every peer, and what this rank sleeps on while waiting.
+pub struct Attached {
+    pub channels: Vec<Option<Box<dyn Channel>>>,
+    /// "shared memory" or "tcp".
+    pub name: &'static str,
+    /// This rank's doorbell (shared memory only).
+    pub doorbell: Option<Doorbell>,
+    /// Every peer agreed that single-copy reads work (shared memory only).
+    pub single_copy: bool,
+}
+
+/// Turns the mesh's TCP streams into channels: shared-memory rings when
+/// `use_shm` (every rank on this host) and every rank manages to map the
+/// segments, TCP otherwise.
+pub fn attach(
+    rank: usize,
+    mut streams: Vec<Option<TcpStream>>,
+    job: &[u8; 16],
+    comm_id: u64,
+    use_shm: bool,
+) -> Result<Attached> {
+    let size = streams.len();
+    let io_err = |e: io::Error| Error::system("agreeing on shared memory with the peers", &e);
+    if use_shm && size > 1 {
+        let mine_name = segment_name(job, comm_id, rank);
+        let mine = Segment::map(&mine_name, size, true);
+        let created = everyone_ok(&mut streams, mine.is_ok()).map_err(io_err)?;
+        let mut theirs: Vec<Option<Arc<Segment>>> = (0..size).map(|_| None).collect();
+        let mut opened = created;
+        if created {
+            for (peer, slot) in theirs.iter_mut().enumerate() {
+                if peer != rank {
+                    match Segment::map(&segment_name(job, comm_id, peer), size, false) {
+                        Ok(seg) => *slot = Some(Arc::new(seg)),
+                        Err(_) => opened = false,
+                    }
+                }
+            }
+        }
+        let all_opened = everyone_ok(&mut streams, opened).map_err(io_err)?;
+        let pids = if all_opened {
+            probe_single_copy(&mut streams).map_err(io_err)?
+        } else {
+            None
+        };
+        let asymmetric =
+            all_opened && everyone_ok(&mut streams, register_membarrier()).map_err(io_err)?;
+        // Everyone has mapped it (or given up): the name is no longer needed.
+        Segment::unlink(&mine_name);
+        if let (true, Ok(mine)) = (all_opened, mine) {
+            let mine = Arc::new(mine);
+            let channels = streams
+                .into_iter()
+                .enumerate()
+                .map(|(peer, s)| {
+                    s.map(|stream| {
+                        let theirs = theirs[peer].as_ref().expect("mapped above");
+                        let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
+                        Box::new(ShmChannel::new(
+                            &mine, theirs, rank, peer, stream, pid, asymmetric,
+                        )) as Box<dyn Channel>
+                    })
+                })
+                .collect();
+            return Ok(Attached {
+                channels,
+                name: "shared memory",
+                doorbell: Some(mine.doorbell(rank, asymmetric)),
+                single_copy: pids.is_some(),
+            });
+        }
+    }
+    let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
+    for s in streams {
+        channels.push(match s {
+            Some(stream) => {
+                stream
+                    .set_nonblocking(true)
+                    .map_err(|e| Error::system("set_nonblocking", &e))?;
+                Some(Box::new(crate::transport::channel::TcpChannel(stream)))
+            }
+            None => None,
+        });
+    }
+    Ok(Attached {
+        channels,
+        name: "tcp",
+        doorbell: None,
+        single_copy: false,
+    })
+}

@@ -1,0 +1,775 @@
+//! The stream transport: one non-blocking channel per peer (TCP, or
+//! shared-memory rings) carrying framed messages, and a progress loop run
+//! by the calling thread. Every exchange also drains frames arriving early
+//! from any peer (into a per-peer inbox), so that symmetric sends never
+//! deadlock and a failure report from any rank, or a dead connection, is
+//! noticed while waiting for something else.
+//!
+//! Waiting: over TCP, poll(); over shared memory, spinning (yielding the
+//! core between checks) for up to `spin` before sleeping in poll() on the
+//! sockets with short, growing timeouts.
+
+mod notice;
+mod progress;
+mod single_copy;
+mod small;
+
+use super::channel::Channel;
+use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES};
+use super::shm::Doorbell;
+use super::signal::AbortSignal;
+use super::{Dir, Transport, Xfer};
+use crate::error::{describe_io, Error, ErrorKind, Result};
+use crate::op::{Desc, OpKind};
+use crate::reduce;
+use progress::READ_AHEAD_AFTER;
+use small::{all_of, keep_unfinished, read_whole};
+use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct StreamTransport {
+    rank: usize,
+    size: usize,
+    conns: Vec<Option<Conn>>,
+    signal: Arc<AbortSignal>,
+    timeout: Duration,
+    /// How long to spin before sleeping (zero: sleep in poll() at once).
+    spin: Duration,
+    /// What this rank sleeps on when its peers are in shared memory.
+    doorbell: Option<Doorbell>,
+    /// Yield the core between spins (when ranks outnumber cores).
+    yield_when_idle: bool,
+    /// Payloads at least this large travel single-copy where the channel
+    /// allows (the receiver reads the sender's memory); usize::MAX: never.
+    single_copy_min: usize,
+    /// How long a collective's exchange stalls before it reads ahead
+    /// (`READ_AHEAD_AFTER`; tests change it).
+    read_ahead_after: Duration,
+    /// Counts reads and writes that moved bytes (progress detection).
+    moved: u64,
+    /// Bookkeeping of the exchange in progress (reused).
+    progress: Progress,
+    /// Set by the first error; every later exchange fails with it.
+    failed: Option<Error>,
+    /// Whether the peers were told about `failed`.
+    notified: bool,
+}
+
+/// Why a peer can no longer be reached.
+#[derive(Clone, Debug)]
+enum Gone {
+    /// It destroyed its communicator cleanly.
+    Bye,
+    /// Its connection broke (the process exited or crashed).
+    Lost(String),
+}
+
+struct Conn {
+    chan: Box<dyn Channel>,
+    inbox: VecDeque<(Header, Vec<u8>)>,
+    incoming: Incoming,
+    /// Bytes still to write of a frame whose writing was interrupted.
+    unfinished_out: usize,
+    /// Where receive-and-reduce transfers stage incoming bytes, and how
+    /// many staged bytes are not yet combined (a partial element).
+    stage: Vec<u8>,
+    staged: usize,
+    /// Acknowledgements of single-copy payloads, waiting to be written
+    /// (whole frames; written between data frames).
+    acks_out: Vec<u8>,
+    gone: Option<Gone>,
+    connected_at: Instant,
+}
+
+enum Incoming {
+    Header {
+        buf: [u8; HEADER_BYTES],
+        got: usize,
+    },
+    Payload {
+        header: Header,
+        into: Target,
+        /// Padding still to skip before the payload.
+        skip: usize,
+        got: usize,
+    },
+}
+
+enum Target {
+    /// Straight into the buffer of transfer `i` of the current exchange.
+    Posted(usize),
+    /// Into the inbox (nobody asked for it yet).
+    Early(Vec<u8>),
+    /// A control frame's payload.
+    Control(Vec<u8>),
+    /// A single-copy descriptor: [address, length] in the sender's memory.
+    Descriptor([u8; REMOTE_BYTES]),
+}
+
+/// Slice size for receive-and-reduce (fits in L2, a multiple of every
+/// element size).
+const STAGE_BYTES: usize = 128 << 10;
+
+/// Completes a receive from a whole payload that arrived early.
+fn deliver(dir: &mut Dir<'_>, payload: &[u8]) {
+    match dir {
+        Dir::Recv(buf) => crate::copy::copy(buf, payload),
+        Dir::RecvReduce(buf, dtype, op) => reduce::reduce_into(buf, payload, *dtype, *op),
+        Dir::Send(_) => unreachable!("receive queue holds receives"),
+    }
+}
+
+/// A frame's header and the padding that follows it.
+#[derive(Clone, Copy)]
+struct Prefix {
+    bytes: [u8; HEADER_BYTES + MAX_PAD],
+    len: usize,
+}
+
+impl Prefix {
+    const EMPTY: Prefix = Prefix {
+        bytes: [0; HEADER_BYTES + MAX_PAD],
+        len: 0,
+    };
+
+    fn new(header: &Header) -> Prefix {
+        let mut p = Prefix::EMPTY;
+        p.bytes[..HEADER_BYTES].copy_from_slice(&header.encode());
+        p.len = HEADER_BYTES + header.pad as usize;
+        p
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// Per-exchange bookkeeping.
+#[derive(Default)]
+struct Progress {
+    /// Transfers not yet complete.
+    remaining: usize,
+    /// Per peer: indices of its receives/sends not yet complete, in order.
+    recvs: Vec<VecDeque<usize>>,
+    sends: Vec<VecDeque<usize>>,
+    /// Per peer: single-copy sends written and waiting for the receiver's ack.
+    acked: Vec<VecDeque<usize>>,
+    /// Per transfer: the single-copy descriptor, when it travels that way.
+    remote: Vec<Option<[u8; REMOTE_BYTES]>>,
+    /// Per transfer: bytes written so far (header included) and its header
+    /// with any padding.
+    written: Vec<usize>,
+    prefixes: Vec<Prefix>,
+    /// The operation this exchange belongs to (for messages).
+    desc: Option<Desc>,
+    /// Read frames that no receive of this exchange asked for (into the
+    /// inbox): at once for point-to-point calls, else only once the
+    /// exchange has stalled (see `READ_AHEAD_AFTER`).
+    read_ahead: bool,
+}
+
+impl Progress {
+    /// Whether a new frame from `peer` may be read now: one this exchange
+    /// waits for (a receive, or the ack of a single-copy send), or any
+    /// frame once reading ahead is allowed.
+    fn reads_from(&self, peer: usize) -> bool {
+        self.read_ahead || !self.recvs[peer].is_empty() || !self.acked[peer].is_empty()
+    }
+}
+
+/// How a transport waits and moves bytes.
+pub struct Tuning {
+    /// Bound on every wait.
+    pub timeout: Duration,
+    /// How long to busy-wait before sleeping (zero: sleep in poll() at once).
+    pub spin: Duration,
+    /// Yield the core between spins (when ranks outnumber cores).
+    pub yield_when_idle: bool,
+    /// Payloads from this size travel single-copy where the channel allows;
+    /// usize::MAX: never.
+    pub single_copy_min: usize,
+}
+
+impl StreamTransport {
+    /// Takes over connected channels (index = peer rank; `None` for this
+    /// rank).
+    pub fn new(
+        rank: usize,
+        channels: Vec<Option<Box<dyn Channel>>>,
+        doorbell: Option<Doorbell>,
+        signal: Arc<AbortSignal>,
+        tuning: Tuning,
+    ) -> StreamTransport {
+        let Tuning {
+            timeout,
+            spin,
+            yield_when_idle,
+            single_copy_min,
+        } = tuning;
+        let size = channels.len();
+        let conns = channels
+            .into_iter()
+            .map(|c| {
+                c.map(|chan| Conn {
+                    chan,
+                    inbox: VecDeque::new(),
+                    incoming: Incoming::Header {
+                        buf: [0; HEADER_BYTES],
+                        got: 0,
+                    },
+                    unfinished_out: 0,
+                    stage: Vec::new(),
+                    staged: 0,
+                    acks_out: Vec::new(),
+                    gone: None,
+                    connected_at: Instant::now(),
+                })
+            })
+            .collect();
+        StreamTransport {
+            rank,
+            size,
+            conns,
+            signal,
+            timeout,
+            spin,
+            doorbell,
+            yield_when_idle,
+            single_copy_min,
+            read_ahead_after: READ_AHEAD_AFTER,
+            moved: 0,
+            progress: Progress::default(),
+            failed: None,
+            notified: false,
+        }
+    }
+
+    fn conn(&mut self, peer: usize) -> &mut Conn {
+        self.conns[peer]
+            .as_mut()
+            .expect("exchange validated that peer is not this rank")
+    }
+
+    fn check_xfers(&self, xfers: &[Xfer<'_>]) -> Result<()> {
+        for x in xfers {
+            if x.peer >= self.size || x.peer == self.rank {
+                return Err(Error::internal(format!(
+                    "transfer with invalid peer {} on rank {} of {}",
+                    x.peer, self.rank, self.size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Resets the bookkeeping (kept between exchanges, so small messages
+    /// don't pay for allocations) and posts every transfer.
+    fn start(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        p.remaining = xfers.len();
+        for queues in [&mut p.recvs, &mut p.sends, &mut p.acked] {
+            queues.resize_with(self.size, VecDeque::new);
+            queues.iter_mut().for_each(VecDeque::clear);
+        }
+        p.remote.clear();
+        p.remote.resize(xfers.len(), None);
+        p.written.clear();
+        p.written.resize(xfers.len(), 0);
+        p.prefixes.clear();
+        p.prefixes.resize(xfers.len(), Prefix::EMPTY);
+        p.desc = xfers.first().map(|x| x.desc);
+        // Point-to-point sends may all go before any receive (both ranks
+        // send first): their frames must be taken in as they come.
+        p.read_ahead = xfers.iter().any(|x| x.desc.kind == OpKind::Send);
+        for (i, x) in xfers.iter().enumerate() {
+            match &x.dir {
+                Dir::Send(data) => {
+                    let single_copy = data.len() >= self.single_copy_min
+                        && self.conns[x.peer]
+                            .as_ref()
+                            .is_some_and(|c| c.chan.peer_pid().is_some());
+                    if single_copy {
+                        let mut d = [0u8; REMOTE_BYTES];
+                        d[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
+                        d[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+                        p.remote[i] = Some(d);
+                        let mut h = Header::data(x.desc, REMOTE_BYTES);
+                        h.kind = FrameKind::Remote;
+                        p.prefixes[i] = Prefix::new(&h);
+                    } else {
+                        let mut h = Header::data(x.desc, data.len());
+                        if data.len() >= PAD_MIN_PAYLOAD
+                            && self.conns[x.peer]
+                                .as_ref()
+                                .is_some_and(|c| c.chan.copies_through_kernel())
+                        {
+                            h.pad = frame::pad_for(data.as_ptr() as usize) as u16;
+                        }
+                        p.prefixes[i] = Prefix::new(&h);
+                    }
+                    p.sends[x.peer].push_back(i);
+                }
+                Dir::Recv(_) | Dir::RecvReduce(..) => p.recvs[x.peer].push_back(i),
+            }
+        }
+        // Frames that arrived early satisfy receives first, in order.
+        for peer in 0..self.size {
+            if self.conns[peer].is_some() {
+                self.match_inbox(peer, xfers, p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands frames that arrived early to the receives waiting for them.
+    fn match_inbox(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        while let Some(&i) = p.recvs[peer].front() {
+            let Some((header, payload)) = self.conn(peer).inbox.pop_front() else {
+                break;
+            };
+            if header.kind == FrameKind::Remote {
+                let d = payload.try_into().expect("a deferred descriptor");
+                self.read_remote_into(peer, &header, d, i, xfers)?;
+                self.acknowledge(peer, p)?;
+            } else {
+                self.accept_header(peer, &header, i, xfers)?;
+                deliver(&mut xfers[i].dir, &payload);
+            }
+            p.recvs[peer].pop_front();
+            p.remaining -= 1;
+        }
+        Ok(())
+    }
+
+    /// Checks an arriving frame against the receive it is matched with.
+    fn accept_header(
+        &self,
+        peer: usize,
+        header: &Header,
+        i: usize,
+        xfers: &[Xfer<'_>],
+    ) -> Result<()> {
+        self.accept(peer, header, header.payload, i, xfers)
+    }
+
+    /// Checks a frame's label and payload length (`len`) against receive `i`.
+    fn accept(
+        &self,
+        peer: usize,
+        header: &Header,
+        len: u64,
+        i: usize,
+        xfers: &[Xfer<'_>],
+    ) -> Result<()> {
+        let mine = &xfers[i].desc;
+        if header.desc != *mine {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "mismatched calls: rank {} called {} but rank {} called {}",
+                    self.rank, mine, peer, header.desc
+                ),
+            ));
+        }
+        let want = match &xfers[i].dir {
+            Dir::Recv(buf) | Dir::RecvReduce(buf, ..) => buf.len() as u64,
+            Dir::Send(_) => 0,
+        };
+        if len != want {
+            return Err(Error::internal(format!(
+                "rank {peer} sent {len} bytes for {mine}, rank {} expected {want}",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes as much as the socket takes of the sends queued for `peer`.
+    fn pump_sends(&mut self, peer: usize, xfers: &[Xfer<'_>], p: &mut Progress) -> Result<()> {
+        while let Some(&i) = p.sends[peer].front() {
+            // Acknowledgements go out between data frames.
+            if p.written[i] == 0 && !self.flush_acks(peer, p)? {
+                return Ok(());
+            }
+            let Dir::Send(data) = &xfers[i].dir else {
+                unreachable!("send queue holds sends")
+            };
+            let data: &[u8] = match &p.remote[i] {
+                Some(d) => d,
+                None => data,
+            };
+            let prefix = p.prefixes[i].as_slice();
+            let total = prefix.len() + data.len();
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            while p.written[i] < total {
+                match write_frame_part(&mut *conn.chan, prefix, data, p.written[i]) {
+                    Ok(n) => {
+                        p.written[i] += n;
+                        self.moved = self.moved.wrapping_add(1);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        conn.unfinished_out = total - p.written[i];
+                        return Ok(());
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        conn.unfinished_out = total - p.written[i];
+                        let why = describe_io(&e);
+                        conn.gone = Some(Gone::Lost(why.clone()));
+                        return Err(self.lost(peer, &why, p.desc));
+                    }
+                }
+            }
+            conn.unfinished_out = 0;
+            p.sends[peer].pop_front();
+            if p.remote[i].is_some() {
+                // Complete once the receiver has copied it out of our memory.
+                p.acked[peer].push_back(i);
+            } else {
+                p.remaining -= 1;
+            }
+        }
+        self.flush_acks(peer, p)?;
+        Ok(())
+    }
+
+    /// Reads everything `peer` has sent so far, completing posted receives
+    /// and keeping early frames in its inbox.
+    fn pump_reads(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        loop {
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            if conn.gone.is_some() {
+                return Ok(());
+            }
+            // Between frames, with this exchange complete, leave the next
+            // frames where they are: the next call reads them straight into
+            // its buffers, instead of into the inbox now and copied later.
+            let between_frames = conn.between_frames();
+            if between_frames && (p.remaining == 0 || !p.reads_from(peer)) {
+                return Ok(());
+            }
+            // The next frame for the posted receive, whole in one record
+            // (small messages over shared memory): no header/payload steps.
+            if let (true, Some(&i)) = (between_frames, p.recvs[peer].front()) {
+                if conn.inbox.is_empty() && read_whole(&mut *conn.chan, &mut xfers[i]) {
+                    self.moved = self.moved.wrapping_add(1);
+                    p.recvs[peer].pop_front();
+                    p.remaining -= 1;
+                    continue;
+                }
+            }
+            // Receive-and-reduce on a channel that can lend its bytes
+            // (shared memory): combine straight out of the ring, no staging.
+            if let Incoming::Payload {
+                into: Target::Posted(i),
+                skip: 0,
+                got,
+                header,
+            } = &mut conn.incoming
+            {
+                if let (Dir::RecvReduce(buf, dtype, op), 0) = (&mut xfers[*i].dir, conn.staged) {
+                    let (dtype, op) = (*dtype, *op);
+                    let dst = &mut buf[*got..header.payload as usize];
+                    let n = conn.chan.read_combine(dst, dtype.size(), &mut |d, s| {
+                        reduce::reduce_into(d, s, dtype, op)
+                    });
+                    if n > 0 {
+                        self.moved = self.moved.wrapping_add(1);
+                        *got += n;
+                        if *got as u64 == header.payload {
+                            self.finish_frame(peer, xfers, p)?;
+                        }
+                        continue;
+                    }
+                }
+            }
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            let result = match &mut conn.incoming {
+                Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
+                Incoming::Payload { skip, .. } if *skip > 0 => {
+                    let mut padding = [0u8; MAX_PAD];
+                    conn.chan.read(&mut padding[..*skip])
+                }
+                Incoming::Payload {
+                    into, got, header, ..
+                } => {
+                    let dest: &mut [u8] = match into {
+                        Target::Posted(i) => match &mut xfers[*i].dir {
+                            Dir::Recv(buf) => &mut buf[*got..],
+                            // Stage a slice, reduce it, repeat: the
+                            // message never exists whole in a scratch buffer.
+                            Dir::RecvReduce(..) => {
+                                let want =
+                                    (header.payload as usize - *got).min(STAGE_BYTES - conn.staged);
+                                if conn.stage.len() < STAGE_BYTES {
+                                    conn.stage.resize(STAGE_BYTES, 0);
+                                }
+                                &mut conn.stage[conn.staged..conn.staged + want]
+                            }
+                            Dir::Send(_) => unreachable!("posted target is a receive"),
+                        },
+                        Target::Early(v) | Target::Control(v) => &mut v[*got..],
+                        Target::Descriptor(d) => &mut d[*got..],
+                    };
+                    conn.chan.read(dest)
+                }
+            };
+            let n = match result {
+                Ok(0) => {
+                    let conn = self.conn(peer);
+                    if conn.gone.is_none() {
+                        conn.gone = Some(Gone::Lost("connection closed".into()));
+                    }
+                    return match conn.gone {
+                        Some(Gone::Lost(_)) => Err(self.lost(peer, "connection closed", p.desc)),
+                        _ => Ok(()),
+                    };
+                }
+                Ok(n) => {
+                    self.moved = self.moved.wrapping_add(1);
+                    n
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let why = describe_io(&e);
+                    self.conn(peer).gone = Some(Gone::Lost(why.clone()));
+                    return Err(self.lost(peer, &why, p.desc));
+                }
+            };
+            self.advance_incoming(peer, n, xfers, p)?;
+        }
+    }
+
+    /// Accounts for `n` bytes read from `peer` and acts on completed parts.
+    fn advance_incoming(
+        &mut self,
+        peer: usize,
+        n: usize,
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+    ) -> Result<()> {
+        let conn = self.conn(peer);
+        let header = match &mut conn.incoming {
+            Incoming::Header { buf, got } => {
+                *got += n;
+                if *got < HEADER_BYTES {
+                    return Ok(());
+                }
+                Header::decode(buf, peer)?
+            }
+            Incoming::Payload { skip, header, .. } if *skip > 0 => {
+                *skip -= n;
+                if *skip > 0 || header.payload > 0 {
+                    return Ok(());
+                }
+                return self.finish_frame(peer, xfers, p);
+            }
+            Incoming::Payload {
+                header, got, into, ..
+            } => {
+                *got += n;
+                if let Target::Posted(i) = into {
+                    if let Dir::RecvReduce(buf, dtype, op) = &mut xfers[*i].dir {
+                        // Combine every whole element staged so far.
+                        conn.staged += n;
+                        let es = dtype.size();
+                        let whole = conn.staged - conn.staged % es;
+                        let at = *got - conn.staged;
+                        reduce::reduce_into(
+                            &mut buf[at..at + whole],
+                            &conn.stage[..whole],
+                            *dtype,
+                            *op,
+                        );
+                        conn.stage.copy_within(whole..conn.staged, 0);
+                        conn.staged -= whole;
+                    }
+                }
+                if (*got as u64) < header.payload {
+                    return Ok(());
+                }
+                return self.finish_frame(peer, xfers, p);
+            }
+        };
+        // A new frame begins: decide where its payload goes.
+        let into = match header.kind {
+            FrameKind::Data => match p.recvs[peer].front() {
+                Some(&i) => {
+                    self.accept_header(peer, &header, i, xfers)?;
+                    Target::Posted(i)
+                }
+                None => Target::Early(vec![0; header.payload as usize]),
+            },
+            FrameKind::Bye => {
+                self.conn(peer).gone = Some(Gone::Bye);
+                self.conn(peer).incoming = Incoming::Header {
+                    buf: [0; HEADER_BYTES],
+                    got: 0,
+                };
+                return Ok(());
+            }
+            FrameKind::Failure => Target::Control(vec![0; header.payload.min(1 << 16) as usize]),
+            FrameKind::Remote if header.payload == REMOTE_BYTES as u64 => {
+                Target::Descriptor([0; REMOTE_BYTES])
+            }
+            FrameKind::Remote => {
+                return Err(Error::internal(format!(
+                    "rank {peer} sent a malformed single-copy frame"
+                )))
+            }
+            FrameKind::Ack => {
+                self.conn(peer).incoming = Incoming::Header {
+                    buf: [0; HEADER_BYTES],
+                    got: 0,
+                };
+                let Some(_) = p.acked[peer].pop_front() else {
+                    return Err(Error::internal(format!(
+                        "rank {peer} acknowledged a transfer nobody sent"
+                    )));
+                };
+                p.remaining -= 1;
+                return Ok(());
+            }
+        };
+        self.conn(peer).incoming = Incoming::Payload {
+            header,
+            into,
+            skip: header.pad as usize,
+            got: 0,
+        };
+        if header.payload == 0 && header.pad == 0 {
+            return self.finish_frame(peer, xfers, p);
+        }
+        Ok(())
+    }
+
+    fn finish_frame(
+        &mut self,
+        peer: usize,
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+    ) -> Result<()> {
+        let conn = self.conn(peer);
+        let done = std::mem::replace(
+            &mut conn.incoming,
+            Incoming::Header {
+                buf: [0; HEADER_BYTES],
+                got: 0,
+            },
+        );
+        let Incoming::Payload { header, into, .. } = done else {
+            return Ok(());
+        };
+        match into {
+            Target::Posted(_) => {
+                p.recvs[peer].pop_front();
+                p.remaining -= 1;
+            }
+            Target::Early(payload) => {
+                // A receive may have been posted while this frame arrived.
+                conn.inbox.push_back((header, payload));
+                return self.match_inbox(peer, xfers, p);
+            }
+            Target::Descriptor(d) => return self.copy_remote(peer, header, d, xfers, p),
+            Target::Control(payload) => {
+                // The reporting rank tells everyone itself; don't echo it.
+                self.notified = true;
+                let (kind, text) = frame::decode_failure(&payload);
+                // Say what this rank itself was waiting for: in a chain of
+                // waits, the reporting rank names only its neighbour.
+                let waiting = self.waiting_for(p);
+                let waiting = match waiting.is_empty() {
+                    true => String::new(),
+                    false => format!(", waiting for {}", waiting.join(", ")),
+                };
+                let here = match p.desc {
+                    Some(d) => format!(" (rank {} was in {d}{waiting})", self.rank),
+                    None => String::new(),
+                };
+                return Err(Error::new(kind, format!("{text}{here}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for StreamTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(Error::new(
+                e.kind(),
+                format!(
+                    "the communicator is unusable after an earlier error: {}",
+                    e.message()
+                ),
+            ));
+        }
+        let done = self.exchange_whole(xfers);
+        if done == all_of(xfers.len()) && !xfers.is_empty() {
+            return Ok(());
+        }
+        let rest = keep_unfinished(xfers, done);
+        let mut p = std::mem::take(&mut self.progress);
+        let result = self.run(rest, &mut p);
+        self.progress = p;
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(e, true)),
+        }
+    }
+}
+
+impl Drop for StreamTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Conn {
+    /// True when no frame is partly read.
+    fn between_frames(&self) -> bool {
+        matches!(self.incoming, Incoming::Header { got: 0, .. })
+    }
+}
+
+/// One write of the rest of a frame (header and padding, then payload)
+/// from `offset`.
+fn write_frame_part(
+    chan: &mut dyn Channel,
+    prefix: &[u8],
+    payload: &[u8],
+    offset: usize,
+) -> io::Result<usize> {
+    if offset < prefix.len() {
+        chan.write2(&prefix[offset..], payload)
+    } else {
+        chan.write2(&[], &payload[offset - prefix.len()..])
+    }
+}
+
+/// Broken connections must surface as EPIPE errors, not kill the process
+/// (writev has no MSG_NOSIGNAL flag). Called once when rdist creates its
+/// first connection; a program that installed its own SIGPIPE handler keeps it.
+pub fn ignore_sigpipe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: querying and, if default, replacing the SIGPIPE disposition.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGPIPE, std::ptr::null(), &mut old);
+            if old.sa_sigaction == libc::SIG_DFL {
+                libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            }
+        }
+    });
+}

@@ -1,0 +1,218 @@
+//! Failure notices between ranks: telling the peers that this rank failed
+//! or leaves (`fail`, `close`), and the errors that say a peer was lost or
+//! left (`lost`, `check_departed`, `closed_peer`).
+
+use super::{Conn, Gone, Progress, StreamTransport};
+use crate::error::{Error, ErrorKind, Result};
+use crate::op::Desc;
+use crate::transport::channel::Channel;
+use crate::transport::frame::{self, FrameKind, Header, HEADER_BYTES};
+use std::io;
+use std::net::Shutdown;
+use std::time::{Duration, Instant};
+
+/// How long failure reports and goodbyes may take per peer: they are best
+/// effort and must never hold up an error.
+const NOTIFY_BUDGET: Duration = Duration::from_millis(200);
+
+impl StreamTransport {
+    /// The error this transport failed with, if any.
+    pub fn failure(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+
+    /// Marks the transport failed with `err` and tells every reachable peer
+    /// (unless the error came from a peer's own report). Returns `err`.
+    pub fn fail(&mut self, err: Error, tell_peers: bool) -> Error {
+        if self.failed.is_none() {
+            self.failed = Some(err.clone());
+        }
+        if tell_peers && !self.notified {
+            self.notified = true;
+            let report = match err.kind() {
+                ErrorKind::Aborted => format!("rank {} aborted the communicator", self.rank),
+                _ => format!("rank {} failed: {}", self.rank, err.message()),
+            };
+            let payload = frame::encode_failure(&Error::new(err.kind(), report));
+            let header = Header::control(FrameKind::Failure, payload.len()).encode();
+            for conn in self.conns.iter_mut().flatten() {
+                if conn.gone.is_none() {
+                    conn.send_control(&header, &payload);
+                }
+            }
+        }
+        err
+    }
+
+    /// Goodbye: tells peers this rank is leaving (cleanly, or after which
+    /// error), lets the kernel deliver what was already sent, and closes
+    /// every connection.
+    pub fn close(&mut self) {
+        let (header, payload) = match &self.failed {
+            None => (Header::control(FrameKind::Bye, 0).encode(), Vec::new()),
+            Some(e) => {
+                // Peers still waiting learn why, not just that the line went dead.
+                let report = Error::new(
+                    e.kind(),
+                    format!("rank {} left after an error: {}", self.rank, e.message()),
+                );
+                let payload = frame::encode_failure(&report);
+                (
+                    Header::control(FrameKind::Failure, payload.len()).encode(),
+                    payload,
+                )
+            }
+        };
+        for conn in self.conns.iter_mut().flatten() {
+            if conn.gone.is_none() {
+                conn.send_control(&header, &payload);
+            }
+            conn.chan.shutdown(Shutdown::Write);
+            conn.drain();
+        }
+        self.conns.clear();
+    }
+
+    pub(super) fn lost(&self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
+        let age = self.conns[peer]
+            .as_ref()
+            .map(|c| c.connected_at.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
+        let during = desc.map(|d| format!(" during {d}")).unwrap_or_default();
+        Error::new(
+            ErrorKind::PeerLost,
+            format!(
+                "rank {} lost its connection to rank {peer} ({why}: it exited or crashed){during}, {age:.1} s after connecting",
+                self.rank
+            ),
+        )
+    }
+
+    /// A peer that left cleanly can't serve transfers still waiting for it.
+    pub(super) fn check_departed(&self, p: &Progress) -> Result<()> {
+        for (peer, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if let Some(Gone::Bye) = conn.gone {
+                if !p.recvs[peer].is_empty()
+                    || !p.sends[peer].is_empty()
+                    || !p.acked[peer].is_empty()
+                {
+                    let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!(
+                            "rank {peer} destroyed its communicator while rank {} still needed it{during}",
+                            self.rank
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A peer whose connection has closed or failed, found without
+    /// reading (poll with no wait), or None. For callers that are not
+    /// inside an exchange (NCCL's watchdog): a closed connection there
+    /// means the peer is gone, or left while work with it was in flight.
+    pub fn closed_peer(&self) -> Option<usize> {
+        let mut fds = Vec::new();
+        let mut peers = Vec::new();
+        for (peer, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if conn.gone.is_some() {
+                return Some(peer);
+            }
+            fds.push(libc::pollfd {
+                fd: conn.chan.fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            });
+            peers.push(peer);
+        }
+        // SAFETY: fds is a live, correctly sized array of pollfd.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        if rc <= 0 {
+            return None;
+        }
+        let closed = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        fds.iter()
+            .zip(peers)
+            .find(|(f, _)| f.revents & closed != 0)
+            .map(|(_, peer)| peer)
+    }
+}
+
+impl Conn {
+    /// Best-effort, bounded write of a control frame. An interrupted data
+    /// frame is first completed with zeros so the peer can parse what
+    /// follows; if that can't be done in time the connection is shut down.
+    fn send_control(&mut self, header: &[u8], payload: &[u8]) {
+        let deadline = Instant::now() + NOTIFY_BUDGET;
+        // Finish what was interrupted: a data frame (padded with zeros) or
+        // the acknowledgements queued behind it.
+        let pad = vec![
+            0u8;
+            self.unfinished_out
+                .saturating_sub(self.acks_out.len() % HEADER_BYTES)
+        ];
+        let acks = std::mem::take(&mut self.acks_out);
+        let ok = write_all_by(&mut *self.chan, &pad, deadline)
+            && write_all_by(&mut *self.chan, &acks, deadline)
+            && write_all_by(&mut *self.chan, header, deadline)
+            && write_all_by(&mut *self.chan, payload, deadline);
+        self.unfinished_out = 0;
+        if !ok {
+            self.chan.shutdown(Shutdown::Both);
+            self.gone = Some(Gone::Lost("shut down".into()));
+        }
+    }
+
+    /// Reads and discards what is already queued, so that closing does not
+    /// turn into a reset that could destroy data still travelling to the peer.
+    fn drain(&mut self) {
+        let mut sink = [0u8; 4096];
+        for _ in 0..64 {
+            match self.chan.read(&mut sink) {
+                Ok(n) if n > 0 => continue,
+                _ => break,
+            }
+        }
+    }
+}
+
+/// Writes all of `bytes`, waiting (poll on the socket, or a short sleep
+/// for shared memory) until `deadline`. False when it could not.
+fn write_all_by(chan: &mut dyn Channel, mut bytes: &[u8], deadline: Instant) -> bool {
+    while !bytes.is_empty() {
+        match chan.write2(&[], bytes) {
+            Ok(n) if n > 0 => {
+                bytes = &bytes[n..];
+                continue;
+            }
+            Err(e)
+                if e.kind() != io::ErrorKind::WouldBlock
+                    && e.kind() != io::ErrorKind::Interrupted =>
+            {
+                return false
+            }
+            _ => {}
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let mut fd = libc::pollfd {
+            fd: chan.fd(),
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd. For shared memory the socket is always
+        // writable, so this returns at once; sleep briefly instead.
+        unsafe { libc::poll(&mut fd, 1, left.as_millis().clamp(1, 10) as i32) };
+        if chan.has_data() || fd.revents & libc::POLLOUT != 0 {
+            std::thread::yield_now();
+        }
+    }
+    true
+}

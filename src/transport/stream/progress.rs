@@ -1,0 +1,358 @@
+//! The progress loop of an exchange (`run`) and how it waits: busy
+//! passes, spinning, sleeping on the shared-memory doorbell or in poll(),
+//! reading ahead once stalled, and the timeout.
+
+use super::{Gone, Progress, StreamTransport};
+use crate::error::{Error, ErrorKind, Result};
+use crate::transport::Xfer;
+use std::io;
+use std::time::{Duration, Instant};
+
+/// How long a collective's exchange goes without progress before it reads
+/// frames that belong to later calls. Until then it leaves them in the
+/// socket: a frame read early costs an allocation and a second copy, and a
+/// pipelined chain whose middle ranks read ahead moved most of a 64 MiB
+/// broadcast through their inboxes. Matched exchanges (every send meets a
+/// receive in the peer's same call) never need to read ahead to finish;
+/// after the stall it is read all the same, so a program whose calls do not
+/// match up (or a peer's failure report behind data) still gets through.
+pub(super) const READ_AHEAD_AFTER: Duration = Duration::from_millis(1);
+
+impl StreamTransport {
+    fn timeout_error(&self, p: &Progress) -> Error {
+        let waiting = self.waiting_for(p);
+        let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?",
+                self.rank,
+                self.timeout.as_secs_f64(),
+                waiting.join(", ")
+            ),
+        )
+    }
+
+    /// The peers this exchange still waits on, and for what.
+    pub(super) fn waiting_for(&self, p: &Progress) -> Vec<String> {
+        let mut waiting = Vec::new();
+        for peer in 0..self.size {
+            let r = p.recvs[peer].len();
+            let s = p.sends[peer].len() + p.acked[peer].len();
+            if r + s > 0 {
+                let what = match (r > 0, s > 0) {
+                    (true, true) => "to send and to receive",
+                    (true, false) => "to send",
+                    _ => "to receive",
+                };
+                waiting.push(format!("rank {peer} ({what})"));
+            }
+        }
+        waiting
+    }
+
+    pub(super) fn run(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        self.check_xfers(xfers)?;
+        for (peer, conn) in self.conns.iter().enumerate() {
+            if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
+                return Err(self.lost(peer, &why.clone(), xfers.first().map(|x| x.desc)));
+            }
+        }
+        self.start(xfers, p)?;
+        // Clock reads cost as much as a small message: the deadline and the
+        // spin are counted from the first check, not before the first pass.
+        let mut deadline_at: Option<Instant> = None;
+        // First pass: push sends and try the receives we expect.
+        for peer in 0..self.size {
+            if !p.sends[peer].is_empty() {
+                self.pump_sends(peer, xfers, p)?;
+            }
+            if !p.recvs[peer].is_empty() {
+                self.pump_reads(peer, xfers, p)?;
+            }
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut peers_of: Vec<usize> = Vec::new();
+        let mut last_moved = self.moved;
+        let mut idle_since: Option<Instant> = None;
+        let mut passes = 0u32;
+        let mut nap_ms = 1;
+        while p.remaining > 0 {
+            if !self.spin.is_zero() && passes % 16 != 15 {
+                // Between the checks below (a clock read each), pure busy
+                // passes: a small message's latency is a few of them.
+                passes = passes.wrapping_add(1);
+                self.busy_pass(xfers, p, false)?;
+                if self.yield_when_idle && p.remaining > 0 {
+                    // The peer may be waiting for this very core.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            self.check_departed(p)?;
+            if self.signal.is_aborted() {
+                return Err(Error::new(
+                    ErrorKind::Aborted,
+                    format!("rdist_comm_abort was called on rank {}", self.rank),
+                ));
+            }
+            let now = Instant::now();
+            let deadline = *deadline_at.get_or_insert(now + self.timeout);
+            if now >= deadline {
+                return Err(self.timeout_error(p));
+            }
+            if !self.spin.is_zero() {
+                // Busy pass: small messages live or die on wake-up latency.
+                passes = passes.wrapping_add(1);
+                self.busy_pass(xfers, p, passes.is_multiple_of(64))?;
+                if p.remaining == 0 {
+                    break;
+                }
+            }
+            if self.moved != last_moved {
+                last_moved = self.moved;
+                idle_since = Some(now);
+                nap_ms = 1;
+            }
+            let idle = now.duration_since(*idle_since.get_or_insert(now));
+            if idle >= self.read_ahead_after {
+                p.read_ahead = true;
+            }
+            if idle < self.spin {
+                if self.yield_when_idle {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            // Shared memory wakes no descriptor: sleep on its doorbell
+            // (also with spinning turned off, RDIST_SPIN_US=0).
+            if self.doorbell.is_some() {
+                self.doze(xfers, p, deadline)?;
+                continue;
+            }
+            fds.clear();
+            peers_of.clear();
+            fds.push(libc::pollfd {
+                fd: self.signal.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            for (peer, conn) in self.conns.iter().enumerate() {
+                let Some(conn) = conn else { continue };
+                let mut events = 0;
+                if conn.gone.is_none() {
+                    // Frames nobody asked for yet stay unread (and unpolled).
+                    let mid_frame = !conn.between_frames();
+                    events |= libc::POLLRDHUP;
+                    if mid_frame || p.reads_from(peer) {
+                        events |= libc::POLLIN;
+                    }
+                    if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
+                        events |= libc::POLLOUT;
+                    }
+                }
+                if events != 0 {
+                    fds.push(libc::pollfd {
+                        fd: conn.chan.fd(),
+                        events,
+                        revents: 0,
+                    });
+                    peers_of.push(peer);
+                }
+            }
+            // Spinning transports sleep in short naps: shared memory has no
+            // descriptor that wakes poll() when data arrives.
+            let mut wait_ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            if !self.spin.is_zero() {
+                wait_ms = wait_ms.min(nap_ms);
+                nap_ms = (nap_ms * 2).min(8);
+            }
+            if !p.read_ahead {
+                // Wake to allow reading ahead once stalled.
+                wait_ms = wait_ms.min(self.read_ahead_after.as_millis().min(1 << 20) as i32 + 1);
+            }
+            // SAFETY: fds is a live, correctly sized array of pollfd.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::system("poll", &e));
+            }
+            for k in 1..fds.len() {
+                let revents = fds[k].revents;
+                if revents == 0 {
+                    continue;
+                }
+                let peer = peers_of[k - 1];
+                if revents & libc::POLLOUT != 0 {
+                    self.pump_sends(peer, xfers, p)?;
+                }
+                if revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                    self.pump_reads(peer, xfers, p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StreamTransport {
+    /// Sleeps on the doorbell until a peer moves data (or a short timeout,
+    /// after which the caller re-checks abort, peers' deaths and the deadline).
+    fn doze(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, deadline: Instant) -> Result<()> {
+        let bell = self.doorbell.as_ref().expect("doze needs a doorbell");
+        let seen = bell.prepare();
+        let before = self.moved;
+        // Re-check after announcing the sleep: a ring sent just before is
+        // either seen here or makes the futex return at once.
+        let checked = self.busy_pass(xfers, p, true);
+        let bell = self.doorbell.as_ref().expect("doze needs a doorbell");
+        if checked.is_err() || p.remaining == 0 || self.moved != before {
+            bell.done();
+            return checked;
+        }
+        let nap = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(20));
+        bell.sleep(seen, nap);
+        Ok(())
+    }
+
+    /// One pass over every peer: push pending sends, read what is there
+    /// (everything when `all`, which is how a silent peer's death shows).
+    fn busy_pass(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, all: bool) -> Result<()> {
+        for peer in 0..self.size {
+            let Some(conn) = &self.conns[peer] else {
+                continue;
+            };
+            if conn.gone.is_some() {
+                continue;
+            }
+            let readable = all || conn.chan.has_data();
+            if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
+                self.pump_sends(peer, xfers, p)?;
+            }
+            if readable {
+                self.pump_reads(peer, xfers, p)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::op::{Desc, OpKind};
+    use crate::transport::channel::{Channel, TcpChannel};
+    use crate::transport::signal::AbortSignal;
+    use crate::transport::stream::Tuning;
+    use crate::transport::Transport;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::Arc;
+
+    /// `n` transports connected pairwise over loopback TCP.
+    fn tcp_world(n: usize) -> Vec<StreamTransport> {
+        let mut chans: Vec<Vec<Option<Box<dyn Channel>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for a in 0..n {
+            for b in a + 1..n {
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+                let theirs = l.accept().unwrap().0;
+                for (rank, peer, s) in [(a, b, ours), (b, a, theirs)] {
+                    s.set_nonblocking(true).unwrap();
+                    s.set_nodelay(true).unwrap();
+                    chans[rank][peer] = Some(Box::new(TcpChannel(s)));
+                }
+            }
+        }
+        chans
+            .into_iter()
+            .enumerate()
+            .map(|(rank, c)| {
+                let tuning = Tuning {
+                    timeout: Duration::from_secs(20),
+                    spin: Duration::from_micros(50),
+                    yield_when_idle: true,
+                    single_copy_min: usize::MAX,
+                };
+                StreamTransport::new(rank, c, None, Arc::new(AbortSignal::new().unwrap()), tuning)
+            })
+            .collect()
+    }
+
+    /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first
+    /// call also waits for rank 2, who sends after `delay`. Returns in how
+    /// many of `rounds` rounds rank 1 had read the second frame ahead into
+    /// its inbox by the end of its first call (every frame is checked).
+    fn read_ahead_rounds(rounds: u64, delay: Duration, read_ahead_after: Duration) -> u64 {
+        let mut w = tcp_world(3).into_iter();
+        let (mut t0, mut t1, mut t2) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
+        t1.read_ahead_after = read_ahead_after;
+        let desc = |seq: u64| Desc::new(OpKind::Broadcast, seq).data(100, DType::Uint8);
+        let sender = std::thread::spawn(move || {
+            for r in 0..rounds {
+                for seq in [2 * r, 2 * r + 1] {
+                    let data = [seq as u8; 100];
+                    t0.exchange(&mut [Xfer::send(1, &data, desc(seq))]).unwrap();
+                }
+                t0.exchange(&mut [Xfer::send(1, &[], desc(1000 + r))])
+                    .unwrap();
+            }
+        });
+        let late = std::thread::spawn(move || {
+            for r in 0..rounds {
+                std::thread::sleep(delay);
+                t2.exchange(&mut [Xfer::send(1, &[7; 100], desc(2 * r))])
+                    .unwrap();
+                t2.exchange(&mut [Xfer::send(1, &[], desc(1000 + r))])
+                    .unwrap();
+            }
+        });
+        let mut read_ahead = 0;
+        for r in 0..rounds {
+            let (mut a, mut b) = ([0u8; 100], [0u8; 100]);
+            let d = desc(2 * r);
+            t1.exchange(&mut [Xfer::recv(0, &mut a, d), Xfer::recv(2, &mut b, d)])
+                .unwrap();
+            assert!(a == [2 * r as u8; 100] && b == [7; 100]);
+            read_ahead += u64::from(!t1.conns[0].as_ref().unwrap().inbox.is_empty());
+            t1.exchange(&mut [Xfer::recv(0, &mut a, desc(2 * r + 1))])
+                .unwrap();
+            assert_eq!(a, [2 * r as u8 + 1; 100]);
+            // Both senders wait here, so the next round starts afresh.
+            let d = desc(1000 + r);
+            t1.exchange(&mut [Xfer::recv(0, &mut [], d), Xfer::recv(2, &mut [], d)])
+                .unwrap();
+        }
+        sender.join().unwrap();
+        late.join().unwrap();
+        read_ahead
+    }
+
+    /// While a collective's exchange makes progress (here: never counted
+    /// as stalled), the next call's frames stay in the socket.
+    #[test]
+    fn collectives_leave_the_next_calls_frames_unread() {
+        let rounds = 20;
+        let n = read_ahead_rounds(rounds, Duration::from_micros(200), Duration::from_secs(60));
+        assert_eq!(n, 0, "read ahead in {n} of {rounds} rounds");
+    }
+
+    /// A stalled exchange reads them after `read_ahead_after` (so a failure
+    /// report queued behind them still gets through), and the frame read
+    /// early still reaches its call.
+    #[test]
+    fn stalled_collectives_read_ahead() {
+        let n = read_ahead_rounds(2, Duration::from_millis(60), Duration::from_millis(1));
+        assert_eq!(n, 2, "read ahead in {n} of 2 stalled rounds");
+    }
+}
