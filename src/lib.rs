@@ -29,8 +29,6 @@ pub(crate) mod comm;
 pub(crate) mod copy;
 /// cbindgen:ignore
 pub(crate) mod descriptor;
-// Until the split transport lands (temporary).
-pub(crate) use descriptor as op;
 /// cbindgen:ignore
 pub(crate) mod dtype;
 /// cbindgen:ignore

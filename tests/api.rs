@@ -5,8 +5,8 @@ mod common;
 
 use rdist::ffi::collectives::*;
 use rdist::ffi::comm::*;
-use rdist::ffi::options::*;
 use rdist::ffi::groups::*;
+use rdist::ffi::options::*;
 use rdist::ffi::p2p::*;
 use rdist::ffi::requests::*;
 use rdist::ffi::types::*;

@@ -101,7 +101,14 @@ impl SocketBackend {
         let streams = mesh::connect(listener, &spec)?;
         let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
         let want_shm = same_host && settings.transport == TransportKind::Auto;
-        let attached = shm::attach(rank, streams, &roster.job, roster.comm_id, want_shm)?;
+        let attached = shm::attach(
+            rank,
+            streams,
+            &roster.job,
+            roster.comm_id,
+            want_shm,
+            settings.shm,
+        )?;
         let local_ranks = roster
             .hosts
             .iter()

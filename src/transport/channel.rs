@@ -1,5 +1,5 @@
 //! A byte stream between two ranks, non-blocking in both directions: a TCP
-//! connection, or a pair of shared-memory rings (see shm.rs). The stream
+//! connection, or a pair of shared-memory rings (see shm/). The stream
 //! transport frames messages on top and does not care which.
 
 use std::io;

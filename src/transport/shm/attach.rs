@@ -6,6 +6,7 @@ use super::channel::ShmChannel;
 use super::doorbell::{register_membarrier, Doorbell};
 use super::segment::{segment_name, Segment};
 use crate::error::{Error, Result};
+use crate::options::ShmTuning;
 use crate::transport::channel::Channel;
 use std::io;
 use std::net::TcpStream;
@@ -17,7 +18,10 @@ static PROBE: [u8; 16] = *b"rdist-cma-probe!";
 /// Finds out whether every rank can read every peer's memory directly
 /// (Linux cross-memory attach; Yama or containers may forbid it). Returns
 /// each peer's pid when all can.
-fn probe_single_copy(streams: &mut [Option<TcpStream>]) -> io::Result<Option<Vec<i32>>> {
+fn probe_single_copy(
+    streams: &mut [Option<TcpStream>],
+    allowed: bool,
+) -> io::Result<Option<Vec<i32>>> {
     use std::io::{Read, Write};
     // Under Yama's ptrace_scope=1 only a declared tracer may read us.
     // SAFETY: prctl with integer arguments.
@@ -40,10 +44,7 @@ fn probe_single_copy(streams: &mut [Option<TcpStream>]) -> io::Result<Option<Vec
         ok &= crate::transport::channel::read_remote(pid, addr, &mut got).is_ok() && got == PROBE;
         pids[peer] = pid;
     }
-    let all = everyone_ok(
-        streams,
-        ok && std::env::var_os("RDIST_NO_SINGLE_COPY").is_none(),
-    )?;
+    let all = everyone_ok(streams, ok && allowed)?;
     Ok(all.then_some(pids))
 }
 
@@ -83,6 +84,7 @@ pub fn attach(
     job: &[u8; 16],
     comm_id: u64,
     use_shm: bool,
+    tuning: ShmTuning,
 ) -> Result<Attached> {
     let size = streams.len();
     let io_err = |e: io::Error| Error::system("agreeing on shared memory with the peers", &e);
@@ -104,12 +106,12 @@ pub fn attach(
         }
         let all_opened = everyone_ok(&mut streams, opened).map_err(io_err)?;
         let pids = if all_opened {
-            probe_single_copy(&mut streams).map_err(io_err)?
+            probe_single_copy(&mut streams, tuning.single_copy).map_err(io_err)?
         } else {
             None
         };
-        let asymmetric =
-            all_opened && everyone_ok(&mut streams, register_membarrier()).map_err(io_err)?;
+        let asymmetric = all_opened
+            && everyone_ok(&mut streams, register_membarrier(tuning.membarrier)).map_err(io_err)?;
         // Everyone has mapped it (or given up): the name is no longer needed.
         Segment::unlink(&mine_name);
         if let (true, Ok(mine)) = (all_opened, mine) {

@@ -119,8 +119,9 @@ impl Doorbell {
 
 /// Registers this process for expedited global membarriers; false where
 /// the kernel has none (then doorbells use a fence on both sides).
-pub(super) fn register_membarrier() -> bool {
-    if std::env::var_os("RDIST_NO_MEMBARRIER").is_some() {
+/// `wanted` false (RDIST_NO_MEMBARRIER) skips it.
+pub(super) fn register_membarrier(wanted: bool) -> bool {
+    if !wanted {
         return false;
     }
     // SAFETY: membarrier takes plain integers.

@@ -14,7 +14,5 @@ mod doorbell;
 mod ring;
 mod segment;
 
-pub use attach::{attach, Attached};
-pub use channel::ShmChannel;
+pub use attach::attach;
 pub use doorbell::Doorbell;
-pub use segment::{segment_name, Segment, RING_BYTES};

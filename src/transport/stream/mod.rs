@@ -19,8 +19,8 @@ use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLO
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
+use crate::descriptor::{Desc, OpKind};
 use crate::error::{describe_io, Error, ErrorKind, Result};
-use crate::op::{Desc, OpKind};
 use crate::reduce;
 use progress::READ_AHEAD_AFTER;
 use small::{all_of, keep_unfinished, read_whole};

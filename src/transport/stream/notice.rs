@@ -3,8 +3,8 @@
 //! left (`lost`, `check_departed`, `closed_peer`).
 
 use super::{Conn, Gone, Progress, StreamTransport};
+use crate::descriptor::Desc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::Desc;
 use crate::transport::channel::Channel;
 use crate::transport::frame::{self, FrameKind, Header, HEADER_BYTES};
 use std::io;

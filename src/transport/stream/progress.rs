@@ -249,8 +249,8 @@ impl StreamTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::descriptor::{Desc, OpKind};
     use crate::dtype::DType;
-    use crate::op::{Desc, OpKind};
     use crate::transport::channel::{Channel, TcpChannel};
     use crate::transport::signal::AbortSignal;
     use crate::transport::stream::Tuning;

@@ -3,8 +3,8 @@
 //! acknowledges it, which completes the send.
 
 use super::{Gone, Progress, StreamTransport, STAGE_BYTES};
+use crate::descriptor::OpKind;
 use crate::error::{describe_io, Error, ErrorKind, Result};
-use crate::op::OpKind;
 use crate::reduce;
 use crate::transport::channel;
 use crate::transport::frame::{FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
