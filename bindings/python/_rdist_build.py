@@ -18,8 +18,9 @@ Settings, as environment variables or ``pip install -C key=value``
 (``--config-settings``; the setting wins):
 
     RDIST_CARGO_TARGET_DIR / cargo-target-dir
-        cargo's target directory, kept between builds (e.g. the checkout's
-        target/, to reuse a build instead of compiling from scratch)
+        cargo's target directory (an absolute path), kept between builds,
+        e.g. the checkout's target/, to reuse a build instead of compiling
+        from scratch
     RDIST_CARGO_PROFILE / cargo-profile
         the cargo profile: release (default), or dev/debug (tests)
 
@@ -256,7 +257,10 @@ def _cargo_build(config_settings):
     if target is None:
         temporary = tempfile.mkdtemp(prefix="rdist-wheel-cargo-")
         target = temporary
-    target = os.path.abspath(target)
+    elif not os.path.isabs(target):
+        # pip runs this hook in bindings/python, not where the user stood.
+        raise RuntimeError(f"rdist build: RDIST_CARGO_TARGET_DIR / cargo-target-dir must be an "
+                           f"absolute path, not {target!r}")
     command = [cargo, "build", "--locked", "--profile", profile, "--manifest-path", str(manifest),
                "--target-dir", target, "--lib", "--bin", "rdistrun"]
     _say(" ".join(command))

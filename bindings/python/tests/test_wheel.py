@@ -77,11 +77,17 @@ def installed(tmp_path_factory):
     before = tree_state()
     root = tmp_path_factory.mktemp("wheel")
     env_dir = root / "venv"
-    venv.EnvBuilder(with_pip=True, symlinks=True).create(env_dir)
+    try:
+        venv.EnvBuilder(with_pip=True, symlinks=True).create(env_dir)
+    except (subprocess.CalledProcessError, OSError, SystemExit) as error:
+        pytest.fail(f"cannot create a venv with pip ({error}): {sys.executable} lacks ensurepip; "
+                    "on Debian install python3-venv (scripts/setup.sh does)")
     python = env_dir / "bin" / "python"
     build_env = clean_env(PIP_DISABLE_PIP_VERSION_CHECK=1, PIP_NO_CACHE_DIR=1)
+    # As users build: Python writes bytecode (the backend must take its own back).
+    build_env.pop("PYTHONDONTWRITEBYTECODE", None)
     if not FRESH:
-        build_env["RDIST_CARGO_TARGET_DIR"] = os.environ.get("CARGO_TARGET_DIR") or str(REPO / "target")
+        build_env["RDIST_CARGO_TARGET_DIR"] = os.path.abspath(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
         build_env["RDIST_CARGO_PROFILE"] = "dev"
     # Offline (--no-index): the backend needs nothing but the standard library.
     run([python, "-m", "pip", "install", "--no-index", "./bindings/python"],
@@ -154,11 +160,15 @@ def test_an_editable_install_uses_the_checkout(installed, tmp_path):
     if not any(b.is_file() for b in built):
         pytest.skip("no librdist in the checkout's target/ (cargo build)")
     before = tree_state()
+    build_env = clean_env(PIP_DISABLE_PIP_VERSION_CHECK=1, PIP_NO_CACHE_DIR=1)
+    build_env.pop("PYTHONDONTWRITEBYTECODE", None)
     run([installed["python"], "-m", "pip", "install", "--no-index", "-e", "./bindings/python"],
-        timeout=120, cwd=REPO, env=clean_env(PIP_DISABLE_PIP_VERSION_CHECK=1, PIP_NO_CACHE_DIR=1))
+        timeout=120, cwd=REPO, env=build_env)
     assert tree_state() == before
+    assert not (BINDINGS / "__pycache__").exists()
+    # (Importing from the checkout would write rdist/__pycache__ there: not here.)
     done = run([installed["python"], "-c", "import rdist; print(rdist.__file__); print(rdist.library_path)"],
-               timeout=60, cwd=tmp_path, env=clean_env())
+               timeout=60, cwd=tmp_path, env=clean_env(PYTHONDONTWRITEBYTECODE=1))
     package, library = done.stdout.split()
     assert Path(package) == BINDINGS / "rdist" / "__init__.py", done.stdout
     assert library in map(str, built), library
