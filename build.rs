@@ -2,7 +2,11 @@
 //! library as installed: SONAME `librdist.so.<major>`, only `rdist_*`
 //! symbols exported (cmake/rdist.map), and a `librdist.so.<major>` symlink
 //! next to the library, so programs linked with `-lrdist` against the build
-//! directory find it at run time.
+//! directory find it at run time. It also writes
+//! `<target>/<profile>/pkgconfig/rdist.pc` describing that build (headers in
+//! include/, the library in the profile directory, an rpath to it), so
+//! `PKG_CONFIG_PATH=target/release/pkgconfig pkg-config --cflags --libs rdist`
+//! works right after `cargo build --release`.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -39,6 +43,7 @@ fn main() {
 
     if let Some(dir) = profile_dir() {
         link_soname(&dir, &soname);
+        write_pkg_config(&dir);
     }
 }
 
@@ -89,6 +94,44 @@ fn profile_dir() -> Option<PathBuf> {
         return None;
     }
     Some(build.parent()?.to_path_buf())
+}
+
+/// Writes <dir>/pkgconfig/rdist.pc for this (uninstalled) build: the
+/// headers of this checkout, the library in <dir>, and an rpath to <dir> in
+/// Libs, so a program linked with `pkg-config --libs rdist` finds
+/// librdist.so.<major> at run time without LD_LIBRARY_PATH. (The installed
+/// rdist.pc comes from cmake/rdist.pc.in.) Rewritten only when it changes.
+fn write_pkg_config(dir: &Path) {
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    let version = env::var("CARGO_PKG_VERSION").unwrap();
+    // What `rustc --print native-static-libs` lists for librdist.a on Linux
+    // (as RDIST_STATIC_SYSTEM_LIBS in cmake/rdistTargets.cmake).
+    let text = format!(
+        "# rdist {version} as built by cargo in {dir} (written by build.rs):\n\
+         # not installed. Libs carries -Wl,-rpath to this directory, so programs\n\
+         # linked with `pkg-config --libs rdist` find librdist.so at run time;\n\
+         # if you copy them elsewhere, set LD_LIBRARY_PATH or install rdist\n\
+         # (cmake --install) and use the installed rdist.pc instead.\n\
+         libdir={dir}\n\
+         includedir={include}\n\
+         \n\
+         Name: rdist\n\
+         Description: Collective communication for native training engines (uninstalled build)\n\
+         Version: {version}\n\
+         Cflags: -I${{includedir}}\n\
+         Libs: -L${{libdir}} -Wl,-rpath,${{libdir}} -lrdist\n\
+         Libs.private: -lgcc_s -lutil -lrt -lpthread -lm -ldl\n",
+        dir = dir.display(),
+        include = include.display(),
+    );
+    let pc_dir = dir.join("pkgconfig");
+    let pc = pc_dir.join("rdist.pc");
+    if std::fs::read_to_string(&pc).is_ok_and(|old| old == text) {
+        return;
+    }
+    if let Err(e) = std::fs::create_dir_all(&pc_dir).and_then(|()| std::fs::write(&pc, text)) {
+        println!("cargo:warning=could not write {}: {e}", pc.display());
+    }
 }
 
 /// Makes <dir>/<soname> a symlink to librdist.so (it dangles until the

@@ -15,6 +15,8 @@ debian_python=/usr/bin/python3
 [ -x "$debian_python" ] || debian_python=python3
 "$debian_python" -c "import numpy" 2>/dev/null || need+=(python3-numpy)
 "$debian_python" -c "import pytest" 2>/dev/null || need+=(python3-pytest)
+# venv with pip (ensurepip), for the wheel test (bindings/python/tests/test_wheel.py).
+"$debian_python" -c "import ensurepip" 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

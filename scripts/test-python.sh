@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs the Python binding's test suite (bindings/python/tests) against
 # target/debug/librdist.so: real multi-process jobs through rdistrun and
-# spawned ranks, the examples in examples/python, and the library search.
-# Its last line is pytest's summary.
+# spawned ranks, the examples in examples/python, and the library search;
+# tests/test_wheel.py also runs `pip install ./bindings/python` into a fresh
+# venv (offline; cargo reuses target/debug) and a 2-rank job with the
+# installed package from another directory, and checks that the source tree
+# is left untouched. Its last line is pytest's summary.
 #
 # Needs a Python >= 3.9 with numpy and pytest. It uses $PYTHON if set, else
 # `python3` if it has both; /usr/bin/python3 if it has both (here

@@ -6,7 +6,9 @@ Search order (first hit wins):
 1. ``RDIST_LIBRARY``: an explicit path; if it cannot be loaded that is an
    error, never a silent fallback to some other copy.
 2. Next to the package: ``rdist/lib/librdist.so``, then ``rdist/librdist.so``
-   (where a wheel bundles it).
+   (``pip install ./bindings/python`` builds the library with cargo and
+   bundles it as ``rdist/lib/librdist.so``: an installed package needs
+   nothing else).
 3. From a source checkout (``bindings/python/rdist`` inside the repository):
    ``target/release/librdist.so``, then ``target/debug/librdist.so``.
 4. The system's library search path: ``ctypes.util.find_library("rdist")``,
@@ -104,12 +106,29 @@ def _load():
             return ctypes.CDLL(str(path)), str(path)
         except OSError as error:
             tried.append(f"  {path} ({where}): {error}")
+    root = _checkout_root()
+    if root is not None:
+        # Running from a source checkout (PYTHONPATH=bindings/python, pip -e).
+        what_to_do = (
+            f"Build it with `cargo build` (or `cargo build --release`) in {root}, "
+            f"or set RDIST_LIBRARY to the path of a built {_FILE_NAME}."
+        )
+    else:
+        # An installed package whose wheel did not bundle the library.
+        what_to_do = (
+            f"This installed rdist package ({_PACKAGE_DIR}) has no bundled library. "
+            "Reinstall it from an rdist checkout, which builds and bundles librdist "
+            "(needs Rust's cargo): `pip install --force-reinstall /path/to/rdist/bindings/python`. "
+            f"Or set RDIST_LIBRARY to a built {_FILE_NAME} (`cargo build --release` in the "
+            f"rdist repository gives target/release/{_FILE_NAME}), or install rdist where "
+            "the dynamic loader finds it (`cmake --install`, then ldconfig or LD_LIBRARY_PATH)."
+        )
     raise LibraryNotFoundError(
         "rdist: cannot find the rdist shared library. Looked in:\n"
         "  RDIST_LIBRARY: not set\n"
         + "\n".join(tried)
-        + "\nBuild it with `cargo build` in the rdist repository, or set "
-        f"RDIST_LIBRARY to the path of {_FILE_NAME}."
+        + "\n"
+        + what_to_do
     )
 
 

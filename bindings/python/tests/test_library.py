@@ -142,6 +142,8 @@ def test_nothing_found_lists_every_place_looked(package_copy):
     for place in ("RDIST_LIBRARY: not set", "rdist/lib/librdist.so", "rdist/librdist.so",
                   "librdist.so.0", "cargo build"):
         assert place in message, message
+    # An installed package (no checkout around it) is told how to get a library.
+    assert "has no bundled library" in message and "pip install --force-reinstall" in message, message
 
 
 def test_library_path_is_loadable():

@@ -7,8 +7,13 @@
 #   run.sh cmake-static PREFIX WORK       the same with RDIST_STATIC=ON (librdist.a)
 #   run.sh subdirectory SOURCE WORK       build this project with add_subdirectory(SOURCE), run it
 #   run.sh pkgconfig    PREFIX WORK       build consumer.c/.cpp with `pkg-config rdist` flags, run
+#   run.sh pkgconfig-build DIR WORK       the same against the uninstalled cargo build in DIR
+#                                         (target/<profile>: DIR/pkgconfig/rdist.pc from build.rs)
 #
-# Programs run as 2-rank jobs through the installed rdistrun.
+# Programs run as 2-rank jobs through the installed rdistrun (DIR/rdistrun
+# for pkgconfig-build). The pkg-config programs are built with nothing but
+# `pkg-config --cflags --libs rdist` and run with LD_LIBRARY_PATH unset: the
+# rpath in the .pc's Libs must find the library.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 mode="$1"
@@ -45,6 +50,12 @@ install)
   [ -x "$prefix/bin/rdistrun" ] && [ -x "$lib/librdist.so.$version" ] || fail "not executable"
   [ "$(readlink "$lib/$soname")" = "librdist.so.$version" ] || fail "$soname -> $(readlink "$lib/$soname")"
   [ "$(readlink "$lib/librdist.so")" = "$soname" ] || fail "librdist.so -> $(readlink "$lib/librdist.so")"
+  # Installed stripped: no debug info, no symbol table (only .dynsym).
+  for f in "$lib/librdist.so.$version" "$prefix/bin/rdistrun"; do
+    sections="$("${RDIST_TEST_READELF:-readelf}" -S -W "$f")"
+    ! grep -q -E ' \.(debug_info|symtab) ' <<<"$sections" || fail "$f is not stripped"
+  done
+  echo "librdist.so.$version: $(stat -c %s "$lib/librdist.so.$version") bytes (stripped)"
   "$cmake" -DLIB="$lib/librdist.so" -DHEADER="$prefix/include/rdist.h" -DNM="${RDIST_TEST_NM:-nm}" \
     -DREADELF="${RDIST_TEST_READELF:-readelf}" -DSONAME="$soname" \
     -P "$RDIST_TEST_SOURCE/tests/c/check_exports.cmake" 2>&1 | tail -1
@@ -53,12 +64,16 @@ install)
   ;;
 cmake | cmake-static | subdirectory)
   work="$3"
-  how=(-DCMAKE_PREFIX_PATH="$2" -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON)
-  [ "$mode" = subdirectory ] && how=(-DRDIST_SOURCE_DIR="$2")
+  how=(-DCMAKE_PREFIX_PATH="$2" -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON -DCMAKE_BUILD_TYPE=Debug)
+  if [ "$mode" = subdirectory ]; then
+    # The outer build's cargo target directory and build type: nothing to compile again.
+    how=(-DRDIST_SOURCE_DIR="$2" -DCMAKE_BUILD_TYPE="${RDIST_TEST_BUILD_TYPE:-Release}")
+    [ -z "${RDIST_TEST_CARGO_TARGET_DIR:-}" ] || how+=(-DRDIST_CARGO_TARGET_DIR="$RDIST_TEST_CARGO_TARGET_DIR")
+  fi
   static=OFF
   [ "$mode" = cmake-static ] && static=ON
   rm -rf "$work"
-  "$cmake" -S "$here" -B "$work" -G "${RDIST_TEST_GENERATOR:-Unix Makefiles}" -DCMAKE_BUILD_TYPE=Debug \
+  "$cmake" -S "$here" -B "$work" -G "${RDIST_TEST_GENERATOR:-Unix Makefiles}" \
     "${how[@]}" -DRDIST_STATIC="$static" -DCMAKE_C_COMPILER="${CC:-cc}" -DCMAKE_CXX_COMPILER="${CXX:-c++}" >/dev/null
   "$cmake" --build "$work" -j2 >/dev/null || "$cmake" --build "$work" -j1
   rdistrun="$(cat "$work/rdistrun-path.txt")"
@@ -73,20 +88,26 @@ cmake | cmake-static | subdirectory)
   fi
   for p in consumer_c consumer_cpp; do run_job "$rdistrun" "$work/$p"; done
   ;;
-pkgconfig)
-  prefix="$2" work="$3"
+pkgconfig | pkgconfig-build)
+  work="$3"
   rm -rf "$work" && mkdir -p "$work"
-  export PKG_CONFIG_PATH="$prefix/$libdir/pkgconfig"
+  if [ "$mode" = pkgconfig ]; then
+    export PKG_CONFIG_PATH="$2/$libdir/pkgconfig"
+    rdistrun="$2/bin/rdistrun"
+  else
+    export PKG_CONFIG_PATH="$2/pkgconfig"
+    rdistrun="$2/rdistrun"
+    [ "$(pkg-config --variable=libdir rdist)" = "$2" ] || fail "rdist.pc's libdir is not $2"
+  fi
+  [ -f "$PKG_CONFIG_PATH/rdist.pc" ] || fail "$PKG_CONFIG_PATH/rdist.pc is missing"
   [ "$(pkg-config --modversion rdist)" = "$version" ] || fail "pkg-config --modversion rdist"
-  read -r -a cflags <<<"$(pkg-config --cflags rdist)"
-  read -r -a libs <<<"$(pkg-config --libs rdist)"
-  rpath="-Wl,-rpath,$(pkg-config --variable=libdir rdist)"
-  echo "pkg-config rdist: ${cflags[*]} ${libs[*]}"
-  "${CC:-cc}" -std=c11 -Wall -Wextra -Wpedantic -Werror "${cflags[@]}" "$here/consumer.c" -o "$work/consumer_c" \
-    "${libs[@]}" "$rpath"
-  "${CXX:-c++}" -std=c++17 -Wall -Wextra -Wpedantic -Werror "${cflags[@]}" "$here/consumer.cpp" \
-    -o "$work/consumer_cpp" "${libs[@]}" "$rpath"
-  for p in consumer_c consumer_cpp; do run_job "$prefix/bin/rdistrun" "$work/$p"; done
+  read -r -a flags <<<"$(pkg-config --cflags --libs rdist)"
+  echo "pkg-config --cflags --libs rdist: ${flags[*]}"
+  "${CC:-cc}" -std=c11 -Wall -Wextra -Wpedantic -Werror "$here/consumer.c" -o "$work/consumer_c" "${flags[@]}"
+  "${CXX:-c++}" -std=c++17 -Wall -Wextra -Wpedantic -Werror "$here/consumer.cpp" -o "$work/consumer_cpp" \
+    "${flags[@]}"
+  unset LD_LIBRARY_PATH
+  for p in consumer_c consumer_cpp; do run_job "$rdistrun" "$work/$p"; done
   ;;
 *)
   fail "unknown mode $mode"

@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# Every check that needs a real GPU, in one command, with one report:
+#
+#   rust    tests/gpu_stub.rs real_gpu_*   every collective and dtype on NCCL
+#                                          (1 rank); ranks sharing a device,
+#                                          staged through the sockets
+#   rust    tests/nccl.rs (all)            NCCL found and loaded, its ABI, the
+#                                          backend choice; on a GPU NCCL must be
+#                                          found (gpu_nccl_is_found_...)
+#   python  tests/test_device.py           device arrays through the binding (the
+#                                          test doubles, then real_gpu_*: the
+#                                          real driver and NCCL)
+#   bench   rdist-bench --device --nccl-direct
+#                                          allreduce on device buffers through
+#                                          rdist and through NCCL called directly,
+#                                          one rank per GPU; every element checked
+#
+# Needs only what scripts/setup.sh installs (it runs it: NCCL comes from
+# pip into build/nccl) plus a CUDA driver. Prints one line per check,
+# `passed: ...`, `failed: ...` or `skipped: <check>: <reason>`, then a
+# summary; exits 1 if any check failed, else 0. With no CUDA device every
+# check is `skipped:` (nothing is built) and it exits 0; GPU_CHECK_FORCE=1
+# runs them anyway (each then skips itself or runs what needs no GPU).
+# Logs: ${CARGO_TARGET_DIR:-target}/gpu-check/. GPU_CHECK_BENCH_MAX_BYTES
+# (default 256M) bounds the benchmark's sizes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+target="${CARGO_TARGET_DIR:-$root/target}"
+logs="$target/gpu-check"
+mkdir -p "$logs"
+rm -f "$logs"/*.log "$logs"/*.xml
+export CARGO_TERM_COLOR=never
+export RDIST_TEST_NCCL_DIR="${RDIST_TEST_NCCL_DIR:-$root/build/nccl}"
+nccl_lib="$RDIST_TEST_NCCL_DIR/nvidia/nccl/lib/libnccl.so.2"
+
+report=()
+passed=0 failed=0 skipped=0
+pass() { report+=("passed: $1${2:+ ($2)}"); passed=$((passed + 1)); }
+fail() { report+=("failed: $1: $2"); failed=$((failed + 1)); }
+skip() { report+=("skipped: $1: $2"); skipped=$((skipped + 1)); }
+
+print_report() {
+  echo
+  echo "== gpu-check report: $gpu_line"
+  printf '%s\n' "${report[@]}"
+  echo "== gpu-check: $passed passed, $failed failed, $skipped skipped (logs in $logs)"
+}
+
+# The Python for the probe and the binding's tests: $PYTHON, else the first
+# of python3 and /usr/bin/python3 (setup.sh's numpy and pytest) with both.
+python=""
+for candidate in ${PYTHON:-python3 /usr/bin/python3}; do
+  if "$candidate" -c 'import numpy, pytest' >/dev/null 2>&1; then python="$candidate"; break; fi
+done
+probe_python="${python:-${PYTHON:-python3}}"
+
+echo "== scripts/setup.sh"
+if ! bash scripts/setup.sh >"$logs/setup.log" 2>&1; then
+  echo "setup.sh failed (see $logs/setup.log); carrying on with what is there"
+fi
+cat "$logs/setup.log"
+
+# ---- is there a GPU? (the CUDA driver, as rdist loads it) ---------------------
+gpu_reason="$("$probe_python" - 2>&1 <<'EOF'
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as error:
+    sys.exit(f"no CUDA driver ({error})")
+rc = cuda.cuInit(0)
+if rc != 0:
+    sys.exit(f"cuInit failed (CUresult {rc}: no usable device or driver)")
+count = ctypes.c_int(0)
+rc = cuda.cuDeviceGetCount(ctypes.byref(count))
+if rc != 0 or count.value == 0:
+    sys.exit(f"no CUDA device (cuDeviceGetCount: CUresult {rc}, {count.value} devices)")
+names = []
+for i in range(count.value):
+    name = ctypes.create_string_buffer(256)
+    cuda.cuDeviceGetName(name, 256, i)
+    names.append(name.value.decode(errors="replace"))
+print(f"DEVICES {count.value} {', '.join(names)}")
+EOF
+)"
+devices=0
+if [[ "$gpu_reason" =~ ^DEVICES\ ([0-9]+)\ (.*)$ ]]; then
+  devices="${BASH_REMATCH[1]}"
+  gpu_line="$devices CUDA device(s): ${BASH_REMATCH[2]}"
+else
+  gpu_reason="${gpu_reason##*$'\n'}"
+  gpu_line="no GPU: ${gpu_reason:-the CUDA probe failed}"
+fi
+if [ -f "$nccl_lib" ]; then
+  gpu_line+="; NCCL: $nccl_lib"
+else
+  gpu_line+="; NCCL: not installed ($nccl_lib missing)"
+fi
+echo "== $gpu_line"
+
+checks=(
+  "rust gpu_stub::real_gpu_* (collectives on real device buffers)"
+  "rust nccl::* (tests/nccl.rs)"
+  "python bindings/python/tests/test_device.py"
+  "bench rdist-bench --device --nccl-direct"
+)
+if [ "$devices" -eq 0 ] && [ "${GPU_CHECK_FORCE:-0}" != 1 ]; then
+  for c in "${checks[@]}"; do skip "$c" "no GPU: $gpu_reason"; done
+  print_report
+  exit 0
+fi
+
+# ---- build ------------------------------------------------------------------------
+echo "== cargo build (tests, the library for Python, the release benchmark)"
+if ! { cargo build && cargo test --no-run --test gpu_stub --test nccl \
+        && cargo build --release --bins; } >"$logs/build.log" 2>&1; then
+  tail -30 "$logs/build.log"
+  for c in "${checks[@]}"; do fail "$c" "the build failed (see $logs/build.log)"; done
+  print_report
+  exit 1
+fi
+
+# ---- Rust tests, one by one: passed, failed, or skipped with the reason it printed -----
+# run_rust FILE NAME: runs one test of tests/FILE.rs.
+run_rust() {
+  local file="$1" name="$2" log start secs why
+  log="$logs/rust-$file-$name.log"
+  start=$(date +%s)
+  echo "-- cargo test --test $file -- --exact $name"
+  timeout 900 cargo test -q --test "$file" -- --exact "$name" --nocapture --test-threads 1 >"$log" 2>&1
+  local rc=$?
+  secs=$(($(date +%s) - start))
+  if [ $rc -ne 0 ]; then
+    why=$(grep -m1 -E "panicked at|^thread .* panicked|error:" "$log" || true)
+    [ $rc -eq 124 ] && why="timed out after 900 s"
+    fail "rust $file::$name" "${why:-exit $rc} (${secs} s; log $log)"
+  elif why=$(grep -m1 -o -E "skipped: .*" "$log"); then
+    skip "rust $file::$name" "${why#skipped: }"
+  else
+    pass "rust $file::$name" "${secs} s"
+  fi
+}
+
+for file in gpu_stub nccl; do
+  names=$(cargo test -q --test "$file" -- --list 2>/dev/null | sed -n 's/: test$//p')
+  [ "$file" = gpu_stub ] && names=$(grep '^real_gpu_' <<<"$names")
+  names=$(grep -v '^worker_process$' <<<"$names")  # the child processes' body, not a test
+  if [ -z "$names" ]; then
+    fail "rust $file" "no tests listed (cargo test --test $file -- --list)"
+    continue
+  fi
+  for name in $names; do run_rust "$file" "$name"; done
+done
+
+# ---- the Python binding's device tests ---------------------------------------------------
+check="python bindings/python/tests/test_device.py"
+if [ -z "$python" ]; then
+  skip "$check" "no Python with numpy and pytest (scripts/setup.sh installs them for /usr/bin/python3; or set PYTHON)"
+else
+  echo "-- $python -m pytest bindings/python/tests/test_device.py"
+  xml="$logs/python-device.xml"
+  RDIST_LIBRARY="$target/debug/librdist.so" timeout 900 "$python" -m pytest bindings/python/tests/test_device.py \
+    -q -rs -p no:cacheprovider --junitxml="$xml" >"$logs/python-device.log" 2>&1
+  rc=$?
+  if [ ! -f "$xml" ]; then
+    fail "$check" "pytest exited $rc with no results (log $logs/python-device.log)"
+  else
+    # One line per test case: STATUS<tab>name<tab>detail
+    while IFS=$'\t' read -r status name detail; do
+      case "$status" in
+        passed) pass "python test_device.py::$name" "$detail" ;;
+        skipped) skip "python test_device.py::$name" "$detail" ;;
+        *) fail "python test_device.py::$name" "$detail (log $logs/python-device.log)" ;;
+      esac
+    done < <("$python" - "$xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    name, secs = case.get("name"), float(case.get("time") or 0)
+    status, detail = "passed", f"{secs:.1f} s"
+    for child in case:
+        if child.tag == "skipped":
+            status, detail = "skipped", child.get("message", "")
+        elif child.tag in ("failure", "error"):
+            status, detail = "failed", (child.get("message") or child.tag).splitlines()[0][:200]
+    print(f"{status}\t{name}\t{detail}".replace("\n", " "))
+EOF
+)
+    if [ $rc -ne 0 ] && ! grep -q '^failed: python' <(printf '%s\n' "${report[@]}"); then
+      fail "$check" "pytest exited $rc (log $logs/python-device.log)"
+    fi
+  fi
+fi
+
+# ---- rdist against NCCL called directly, on device buffers -------------------------------
+check="bench rdist-bench --device --nccl-direct"
+if [ "$devices" -eq 0 ]; then
+  skip "$check" "no GPU: $gpu_reason"
+elif [ ! -f "$nccl_lib" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
+  skip "$check" "NCCL not installed ($nccl_lib missing; scripts/setup.sh installs it)"
+else
+  log="$logs/bench.log"
+  [ -f "$nccl_lib" ] && export RDIST_NCCL_LIBRARY="$nccl_lib"
+  echo "-- rdistrun --nproc-per-node $devices rdist-bench --device --nccl-direct (one rank per GPU)"
+  start=$(date +%s)
+  RDIST_TIMEOUT_MS=120000 timeout 600 "$target/release/rdistrun" --nproc-per-node "$devices" \
+    "$target/release/rdist-bench" --device --nccl-direct --max-bytes "${GPU_CHECK_BENCH_MAX_BYTES:-256M}" \
+    --seconds 0.2 --reps 3 >"$log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - start))
+  cat "$log"
+  # Table rows (rank 0): size count rdist(us) algbw busbw nccl(us) nccl/rd #wrong
+  rows=$(grep -v '#' "$log" | sed 's/^\[rank [0-9]*\] //' | awk 'NF == 8')
+  bad=$(awk '$8 != "0" || $6 == "-"' <<<"$rows")
+  if [ $rc -ne 0 ]; then
+    fail "$check" "exit $rc$([ $rc -eq 124 ] && echo ' (timed out after 600 s)')$([ $rc -eq 3 ] && echo ': wrong elements') (log $log)"
+  elif ! grep -q "rdist backend nccl" "$log"; then
+    fail "$check" "rdist did not run on NCCL: $(grep -m1 'rdist backend' "$log" || echo 'no header line') (log $log)"
+  elif [ -z "$rows" ] || [ -n "$bad" ]; then
+    fail "$check" "rows with wrong elements or no direct NCCL time: ${bad:-no rows} (log $log)"
+  else
+    last=$(tail -1 <<<"$rows")
+    read -r size _ rd _ busbw nccl ratio _ <<<"$last"
+    pass "$check" "$devices rank(s), $(wc -l <<<"$rows") sizes, all elements right; at $size B: rdist $rd us ($busbw GB/s busbw), NCCL $nccl us, nccl/rdist $ratio; ${secs} s"
+  fi
+fi
+
+print_report
+[ "$failed" -eq 0 ]
