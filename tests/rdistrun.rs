@@ -877,3 +877,41 @@ fn env_init_with_a_partial_environment_is_an_error() {
         );
     }
 }
+
+#[test]
+fn sigint_during_the_report_period_stops_the_ranks_at_once() {
+    let script = "if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; echo ready $$; sleep 30";
+    let mut launcher = Launcher::start(&[
+        "--report-s",
+        "30",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    let pids = wait_until_ready(&mut launcher, 2);
+    // Rank 1 has failed by now; the others would be left 30 s to report.
+    thread::sleep(Duration::from_secs(1));
+    let interrupted = Instant::now();
+    launcher.send_signal(libc::SIGINT);
+    let out = launcher.finish();
+    assert!(
+        interrupted.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        interrupted.elapsed()
+    );
+    // The failure stays the cause, and its exit code rdistrun's.
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    let messages = out.launcher_messages();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].starts_with("rdistrun: rank 1 (pid ")
+            && messages[0].ends_with("failed first: exited with code 3; stopped ranks 0, 2"),
+        "{}",
+        messages[0]
+    );
+    for pid in pids {
+        assert!(!process_exists(pid), "rank process {pid} survived");
+    }
+}

@@ -59,8 +59,14 @@ pub fn stdout_channel(tty: bool) -> (Stdio, Option<File>) {
 /// like rdistrun's own terminal when it has one.
 fn open_pty() -> io::Result<(File, OwnedFd)> {
     let (mut controller, mut child) = (-1, -1);
-    // SAFETY: a zeroed winsize is valid; TIOCGWINSZ writes one on success.
-    let mut size: libc::winsize = unsafe { std::mem::zeroed() };
+    let mut size = libc::winsize {
+        ws_row: 0,
+        ws_col: 0,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCGWINSZ writes a winsize into `size`; it fails (ENOTTY) when
+    // rdistrun's stdout is no terminal.
     let sized = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut size) } == 0;
     let size_ptr: *const libc::winsize = if sized { &size } else { std::ptr::null() };
     // SAFETY: out-pointers to two ints; a null name and termios are allowed.
