@@ -351,9 +351,11 @@ fn bad_arguments_through_the_c_abi_are_precise_and_harmless() {
 
 #[test]
 fn env_rendezvous_reads_torchrun_variables() {
-    // env:// is exercised end to end by tests/c_api.rs through rdistrun;
-    // here only that a missing MASTER_ADDR is explained.
-    let e = rdist::internals::method::parse("env://", &|_| None).unwrap_err();
+    // env:// is exercised end to end by tests/c_api.rs through rdistrun, and
+    // without a launcher by tests/rdistrun.rs; here only that a missing
+    // MASTER_ADDR is explained once a launcher's variables are set.
+    let launched = |k: &str| (k == "RANK" || k == "WORLD_SIZE").then(|| "1".to_string());
+    let e = rdist::internals::method::parse("env://", &launched).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     assert!(e.message().contains("MASTER_ADDR"));
 }

@@ -1,13 +1,15 @@
-//! End-to-end tests of the `rdistrun` launcher binary, with `sh -c` scripts as ranks.
-//! Every run is bounded: a launcher that outlives `RUN_LIMIT` is killed and the
-//! test fails.
+//! End-to-end tests of the `rdistrun` launcher binary, with `sh -c` scripts and a
+//! C program (tests/c/rdistrun_ranks.c) as ranks. Every run is bounded: a
+//! launcher that outlives `RUN_LIMIT` is killed and the test fails.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::OnceLock;
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const RUN_LIMIT: Duration = Duration::from_secs(20);
 
@@ -44,8 +46,10 @@ impl Finished {
 
 impl Launcher {
     fn start(args: &[&str]) -> Launcher {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_rdistrun"))
-            .args(args)
+        // The C rank program finds librdist.so through LD_LIBRARY_PATH.
+        let mut command = Command::new(env!("CARGO_BIN_EXE_rdistrun"));
+        command.args(args).env("LD_LIBRARY_PATH", lib_dir());
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -524,4 +528,390 @@ fn help_and_version() {
     let out = run(&["--version"]);
     assert_eq!(out.code(), Some(0));
     assert!(out.stdout[0].starts_with("rdistrun "));
+}
+
+// ---------------------------------------------------------------------------
+// A C program as ranks: stdio buffering, rdist's errors, env:// alone
+// ---------------------------------------------------------------------------
+
+/// Where cargo put librdist.so (and rdistrun) for this build profile.
+fn lib_dir() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_rdistrun"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// tests/c/rdistrun_ranks.c, compiled once per test run with -Werror against
+/// the committed header and librdist.so.
+fn rank_program() -> &'static str {
+    static PROGRAM: OnceLock<String> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        assert!(
+            lib_dir().join("librdist.so").exists(),
+            "{} has no librdist.so: run `cargo build` before `cargo test` (scripts/test.sh does)",
+            lib_dir().display()
+        );
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let program = dir.join("rdistrun_ranks");
+        // Built under a name of its own, then renamed: another test run may
+        // be using the program.
+        let building = dir.join(format!("rdistrun_ranks.{}", std::process::id()));
+        let status = Command::new("cc")
+            .args([
+                "-std=c11",
+                "-Wall",
+                "-Wextra",
+                "-Wpedantic",
+                "-Werror",
+                "-O1",
+            ])
+            .arg(format!("-I{}", root.join("include").display()))
+            .arg(root.join("tests/c/rdistrun_ranks.c"))
+            .arg("-o")
+            .arg(&building)
+            .arg(format!("-L{}", lib_dir().display()))
+            .args(["-lrdist", "-lm"])
+            .status()
+            .expect("cc runs");
+        assert!(
+            status.success(),
+            "compiling tests/c/rdistrun_ranks.c failed"
+        );
+        std::fs::rename(&building, &program).unwrap();
+        program.to_str().expect("a UTF-8 path").to_string()
+    })
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// Reads "[rank R] tick MS" lines of `ranks` ranks; returns, per line, how long
+/// after the rank's printf it arrived here, and when.
+fn read_ticks(launcher: &mut Launcher, ranks: usize) -> Vec<(Duration, Instant)> {
+    let mut ticks = Vec::new();
+    while ticks.len() < ranks {
+        let line = launcher.next_line();
+        let arrived = Instant::now();
+        let (_, text) = split_prefix(&line);
+        let printed: u128 = text
+            .strip_prefix("tick ")
+            .unwrap_or_else(|| panic!("expected a tick line first, got {line:?}"))
+            .parse()
+            .expect("milliseconds after 'tick'");
+        let late = Duration::from_millis(unix_ms().saturating_sub(printed) as u64);
+        ticks.push((late, arrived));
+    }
+    ticks
+}
+
+#[test]
+fn c_printf_without_fflush_streams_line_by_line() {
+    // rdistrun's own stdout is a pipe here, as when a job's output goes to a log.
+    let mut launcher = Launcher::start(&["--nproc-per-node", "2", rank_program(), "tick"]);
+    let started = launcher.started;
+    let ticks = read_ticks(&mut launcher, 2);
+    let out = launcher.finish();
+    assert_eq!(out.code(), Some(0), "stderr: {}", out.stderr);
+    let exited = started + out.elapsed;
+    for (late, arrived) in ticks {
+        assert!(
+            late < Duration::from_secs(1),
+            "a line came {late:?} after its printf"
+        );
+        // The program sleeps 4 s after the line: it must not have come at exit.
+        let early = exited.saturating_duration_since(arrived);
+        assert!(
+            early > Duration::from_millis(2500),
+            "the line came only {early:?} before the exit"
+        );
+    }
+    let mut lines = out.stdout.clone();
+    lines.sort();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines[0], "[rank 0] done");
+    assert!(lines[1].starts_with("[rank 0] tick "), "{lines:?}");
+    assert_eq!(lines[2], "[rank 1] done");
+    assert!(lines[3].starts_with("[rank 1] tick "), "{lines:?}");
+    // Raw terminal: no "\r" added before "\n".
+    assert!(lines.iter().all(|l| !l.contains('\r')), "{lines:?}");
+}
+
+#[test]
+fn with_no_tty_c_stdio_buffers_until_exit() {
+    // The reference for the test above: through a pipe the line waits in the
+    // program's stdio buffer until it exits, 4 s after the printf.
+    let mut launcher = Launcher::start(&["--no-tty", rank_program(), "tick"]);
+    let ticks = read_ticks(&mut launcher, 1);
+    let out = launcher.finish();
+    assert_eq!(out.code(), Some(0), "stderr: {}", out.stderr);
+    assert!(
+        ticks[0].0 > Duration::from_secs(3),
+        "the line came {:?} after its printf",
+        ticks[0].0
+    );
+    assert_eq!(out.stdout.last().map(String::as_str), Some("[rank 0] done"));
+}
+
+/// The lines of `text` with prefix "[rank R] ", without it, per rank.
+fn lines_by_rank(lines: &[&str]) -> HashMap<usize, Vec<String>> {
+    let mut by_rank: HashMap<usize, Vec<String>> = HashMap::new();
+    for line in lines.iter().filter(|l| l.starts_with("[rank ")) {
+        let (rank, text) = split_prefix(line);
+        by_rank.entry(rank).or_default().push(text.to_string());
+    }
+    by_rank
+}
+
+/// Checks that `quote` (from the summary) is `line`, or its start cut short
+/// with "...".
+fn assert_quotes(quote: &str, line: &str) {
+    match quote.strip_suffix("...") {
+        Some(start) if quote != line => {
+            assert!(
+                line.starts_with(start) && start.len() >= 200,
+                "{quote:?} vs {line:?}"
+            )
+        }
+        _ => assert_eq!(quote, line),
+    }
+}
+
+#[test]
+fn survivors_report_rdist_errors_and_the_summary_quotes_each_rank() {
+    // Rank 1 exits 3 before allreduce #20; ranks 0, 2 and 3 are blocked in it.
+    // A long report period: they exit on their own as soon as they reported.
+    let out = run(&[
+        "--report-s",
+        "15",
+        "--nproc-per-node",
+        "4",
+        rank_program(),
+        "fail",
+    ]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    assert!(
+        out.elapsed < Duration::from_secs(15),
+        "took {:?}",
+        out.elapsed
+    );
+
+    // Nothing lost: every rank's 19 allreduces (checked in the program).
+    let stdout: Vec<&str> = out.stdout.iter().map(String::as_str).collect();
+    let stdout = lines_by_rank(&stdout);
+    for rank in 0..4 {
+        let want: Vec<String> = (1..20)
+            .map(|i| format!("rank {rank}: allreduce #{i} ok"))
+            .collect();
+        assert_eq!(stdout[&rank], want, "stdout of rank {rank}");
+    }
+
+    let stderr_lines: Vec<&str> = out.stderr.lines().collect();
+    let stderr = lines_by_rank(&stderr_lines);
+    assert_eq!(
+        stderr[&1],
+        ["rank 1: error: giving up on purpose before allreduce #20"]
+    );
+    for rank in [0, 2, 3] {
+        let report = &stderr[&rank][0];
+        assert!(
+            report.starts_with(&format!(
+                "rank {rank}: rdist_allreduce #20 failed: peer lost: rdist_allreduce: rank {rank}: "
+            )) && report.contains("lost its connection to rank"),
+            "rank {rank} reported: {report:?}"
+        );
+    }
+
+    let messages = out.launcher_messages();
+    assert_eq!(messages.len(), 5, "{messages:?}");
+    assert!(
+        messages[0].starts_with("rdistrun: rank 1 (pid ")
+            && messages[0].ends_with(
+                "failed first: exited with code 3; ranks 0, 2, 3 then exited with code 1"
+            ),
+        "{}",
+        messages[0]
+    );
+    // The reference: each rank's first stderr line, read here.
+    for rank in 0..4 {
+        let prefix = format!("rdistrun: first error of rank {rank}: ");
+        let quote = messages[rank + 1]
+            .strip_prefix(&prefix)
+            .unwrap_or_else(|| panic!("{messages:?}"));
+        assert_quotes(quote, &stderr[&rank][0]);
+    }
+    // The summary comes after everything the ranks printed.
+    assert!(out.stderr.trim_end().ends_with(messages[4]));
+}
+
+#[test]
+fn after_a_failure_the_others_have_time_to_report() {
+    let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 1; echo \"rank $RANK: late news\" >&2; exit 1";
+    let out = run(&["--nproc-per-node", "3", "sh", "-c", script]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    assert!(
+        out.elapsed < Duration::from_secs(3),
+        "took {:?}",
+        out.elapsed
+    );
+    let messages = out.launcher_messages();
+    assert_eq!(
+        messages[1..],
+        [
+            "rdistrun: first error of rank 0: rank 0: late news",
+            "rdistrun: first error of rank 2: rank 2: late news"
+        ],
+        "{messages:?}"
+    );
+    assert!(
+        messages[0]
+            .ends_with("failed first: exited with code 3; ranks 0, 2 then exited with code 1"),
+        "{}",
+        messages[0]
+    );
+
+    // With no report period the others are stopped at once, before they say
+    // anything.
+    let out = run(&[
+        "--report-s",
+        "0",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    assert!(!out.stderr.contains("late news"), "{}", out.stderr);
+    let messages = out.launcher_messages();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].ends_with("failed first: exited with code 3; stopped ranks 0, 2"),
+        "{}",
+        messages[0]
+    );
+}
+
+/// Runs the C program's `alone` mode with exactly `env` (and LD_LIBRARY_PATH)
+/// as its environment, no launcher.
+fn run_alone(env: &[(&str, &str)], numbers: &[&str]) -> Finished {
+    let mut command = Command::new(rank_program());
+    command
+        .arg("alone")
+        .args(numbers)
+        .env_clear()
+        .env("LD_LIBRARY_PATH", lib_dir())
+        .envs(env.iter().copied());
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the rank program starts");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let stderr = child.stderr.take().expect("stderr is piped");
+    Launcher {
+        child,
+        started: Instant::now(),
+        stdout_lines: send_lines(stdout),
+        stdout_seen: Vec::new(),
+        stderr: thread::spawn(move || read_all(stderr)),
+    }
+    .finish()
+}
+
+#[test]
+fn env_init_with_no_environment_is_a_world_of_one() {
+    let numbers = ["1.5", "-2", "3e10", "0.1", "-7.25e-3"];
+    let out = run_alone(&[("RDIST_DEBUG", "info")], &numbers);
+    assert_eq!(out.code(), Some(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout.len(), 1, "{:?}", out.stdout);
+    let sums = out.stdout[0]
+        .strip_prefix("rank 0 size 1 sum ")
+        .unwrap_or_else(|| panic!("{:?}", out.stdout));
+    // A sum over one rank is the identity, to the last bit.
+    let sums: Vec<f64> = sums.split(' ').map(|x| x.parse().unwrap()).collect();
+    let want: Vec<f64> = numbers.iter().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(sums, want);
+    assert!(
+        out.stderr.lines().any(|l| l
+            .starts_with("rdist INFO [rank 0] env:// with none of RANK, WORLD_SIZE")
+            && l.contains("world of one")),
+        "{}",
+        out.stderr
+    );
+
+    // MASTER_ADDR and MASTER_PORT alone do not make a launcher, and a world of
+    // one hosts no store: the port, held here, is not bound.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let out = run_alone(
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)],
+        &["4"],
+    );
+    assert_eq!(out.code(), Some(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout, ["rank 0 size 1 sum 4"]);
+}
+
+#[test]
+fn env_init_with_a_partial_environment_is_an_error() {
+    for (env, missing) in [
+        (&[("RANK", "1")][..], "WORLD_SIZE"),
+        (&[("WORLD_SIZE", "2")][..], "RANK"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1")][..], "MASTER_ADDR"),
+    ] {
+        let out = run_alone(env, &["1"]);
+        assert_eq!(out.code(), Some(2), "{env:?}: {}", out.stderr);
+        assert!(out.stdout.is_empty(), "{env:?}: {:?}", out.stdout);
+        assert!(
+            out.stderr
+                .starts_with("alone: rdist_init failed: invalid argument: rdist_init: ")
+                && out.stderr.contains(missing),
+            "{env:?}: {}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn sigint_during_the_report_period_stops_the_ranks_at_once() {
+    let script = "if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; echo ready $$; sleep 30";
+    let mut launcher = Launcher::start(&[
+        "--report-s",
+        "30",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    let pids = wait_until_ready(&mut launcher, 2);
+    // Rank 1 has failed by now; the others would be left 30 s to report.
+    thread::sleep(Duration::from_secs(1));
+    let interrupted = Instant::now();
+    launcher.send_signal(libc::SIGINT);
+    let out = launcher.finish();
+    assert!(
+        interrupted.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        interrupted.elapsed()
+    );
+    // The failure stays the cause, and its exit code rdistrun's.
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    let messages = out.launcher_messages();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].starts_with("rdistrun: rank 1 (pid ")
+            && messages[0].ends_with("failed first: exited with code 3; stopped ranks 0, 2"),
+        "{}",
+        messages[0]
+    );
+    for pid in pids {
+        assert!(!process_exists(pid), "rank process {pid} survived");
+    }
 }

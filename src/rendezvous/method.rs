@@ -11,6 +11,12 @@ pub enum Method {
     Tcp { host: String, port: u16 },
     /// A store in a directory on a shared file system.
     File(PathBuf),
+    /// `env://` in a process that no launcher started (none of the rank or
+    /// world-size variables is set): a world of one meets no one, so it
+    /// needs no store, as an MPI program started without mpirun. A larger
+    /// world (rank and size given as arguments) meets through MASTER_ADDR
+    /// and MASTER_PORT, as `env://` always does.
+    Alone,
 }
 
 /// The variables that can supply rank, world size and local rank, in order.
@@ -38,21 +44,24 @@ pub fn first_int(vars: &[&str], lookup: &dyn Fn(&str) -> Option<String>) -> Resu
     Ok(None)
 }
 
-/// Parses `init_method`; `env://` reads MASTER_ADDR and MASTER_PORT.
+/// True when any of the rank or world-size variables is set: a launcher
+/// (rdistrun, torchrun, Slurm, mpirun) started this process.
+pub fn launched(lookup: &dyn Fn(&str) -> Option<String>) -> bool {
+    RANK_VARS
+        .iter()
+        .chain(&SIZE_VARS)
+        .any(|var| lookup(var).is_some_and(|v| !v.trim().is_empty()))
+}
+
+/// Parses `init_method`; `env://` reads MASTER_ADDR and MASTER_PORT, or is
+/// `Method::Alone` when no launcher started this process.
 pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
     let m = init_method.trim();
     if m == "env://" || m.is_empty() {
-        let host = lookup("MASTER_ADDR").filter(|h| !h.is_empty()).ok_or_else(|| {
-            Error::invalid_argument(
-                "init method env:// needs MASTER_ADDR and MASTER_PORT (rdistrun and torchrun set them; under Slurm, export MASTER_ADDR=$(scontrol show hostnames | head -1))",
-            )
-        })?;
-        let port = lookup("MASTER_PORT")
-            .ok_or_else(|| Error::invalid_argument("init method env:// needs MASTER_PORT"))?;
-        return Ok(Method::Tcp {
-            host,
-            port: parse_port(&port, "MASTER_PORT")?,
-        });
+        if !launched(lookup) {
+            return Ok(Method::Alone);
+        }
+        return env_master(lookup);
     }
     if let Some(rest) = m.strip_prefix("tcp://") {
         let (host, port) = rest.rsplit_once(':').ok_or_else(|| {
@@ -86,6 +95,21 @@ pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Resu
     )))
 }
 
+/// The store of `env://`: MASTER_ADDR and MASTER_PORT.
+pub fn env_master(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
+    let host = lookup("MASTER_ADDR").filter(|h| !h.is_empty()).ok_or_else(|| {
+        Error::invalid_argument(
+            "init method env:// needs MASTER_ADDR and MASTER_PORT (rdistrun and torchrun set them; under Slurm, export MASTER_ADDR=$(scontrol show hostnames | head -1))",
+        )
+    })?;
+    let port = lookup("MASTER_PORT")
+        .ok_or_else(|| Error::invalid_argument("init method env:// needs MASTER_PORT"))?;
+    Ok(Method::Tcp {
+        host,
+        port: parse_port(&port, "MASTER_PORT")?,
+    })
+}
+
 fn parse_port(s: &str, what: &str) -> Result<u16> {
     s.trim()
         .parse::<u16>()
@@ -97,11 +121,17 @@ fn parse_port(s: &str, what: &str) -> Result<u16> {
 }
 
 /// Rank and world size from the arguments, -1 meaning "from the environment".
+/// Both -1 in a process no launcher started (none of the variables set) is a
+/// world of one, rank 0, as MPI runs a program started without mpirun; a
+/// partial environment (say RANK without WORLD_SIZE) is an error.
 pub fn rank_and_size(
     rank: i64,
     size: i64,
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<(usize, usize)> {
+    if rank == -1 && size == -1 && !launched(lookup) {
+        return Ok((0, 1));
+    }
     let size = if size == -1 {
         first_int(&SIZE_VARS, lookup)?.ok_or_else(|| {
             Error::invalid_argument("world_size is -1 but none of WORLD_SIZE, SLURM_NTASKS, OMPI_COMM_WORLD_SIZE is set")
@@ -165,9 +195,18 @@ mod tests {
             parse("file:///tmp/x", &none).unwrap(),
             Method::File("/tmp/x".into())
         );
-        let e = parse("env://", &none).unwrap_err();
+        assert_eq!(parse("env://", &none).unwrap(), Method::Alone);
+        let launched = env(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
+        let e = parse("env://", &launched).unwrap_err();
         assert!(e.message().contains("MASTER_ADDR"), "{e}");
-        let with = env(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "123")]);
+        let e = parse("env://", &env(&[("SLURM_PROCID", "1")])).unwrap_err();
+        assert!(e.message().contains("MASTER_ADDR"), "{e}");
+        let with = env(&[
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "123"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+        ]);
         assert_eq!(
             parse("env://", &with).unwrap(),
             Method::Tcp {
@@ -199,5 +238,25 @@ mod tests {
             .message()
             .contains("RANK"));
         assert!(rank_and_size(0, 0, &env(&[])).is_err());
+    }
+
+    #[test]
+    fn no_launcher_is_a_world_of_one_but_a_partial_environment_is_an_error() {
+        assert_eq!(rank_and_size(-1, -1, &env(&[])).unwrap(), (0, 1));
+        // The address alone does not make a launcher.
+        let master = env(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
+        assert_eq!(rank_and_size(-1, -1, &master).unwrap(), (0, 1));
+        assert_eq!(parse("env://", &master).unwrap(), Method::Alone);
+        let blank = env(&[("RANK", " "), ("WORLD_SIZE", "")]);
+        assert_eq!(rank_and_size(-1, -1, &blank).unwrap(), (0, 1));
+        let rank_only = env(&[("RANK", "1")]);
+        let e = rank_and_size(-1, -1, &rank_only).unwrap_err();
+        assert!(e.message().contains("WORLD_SIZE"), "{e}");
+        let size_only = env(&[("WORLD_SIZE", "2")]);
+        let e = rank_and_size(-1, -1, &size_only).unwrap_err();
+        assert!(e.message().contains("RANK"), "{e}");
+        // Only both -1 mean "from the environment" as a whole.
+        assert!(rank_and_size(-1, 1, &env(&[])).is_err());
+        assert!(rank_and_size(0, -1, &env(&[])).is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! rank 0, by the unique id's creator, or kept in a shared directory),
 //! publish their listening address, host and pid, and learn everyone's.
 
+mod alone;
 pub mod method;
 pub mod store;
 pub mod unique_id;
@@ -74,6 +75,14 @@ fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
 /// Meets the other ranks; blocks until all `size` have joined or the
 /// timeout passes.
 pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Joined> {
+    if let Meeting::Method(Method::Alone) = meeting {
+        if size == 1 {
+            return alone::join(opts);
+        }
+        // More ranks, given as arguments: they meet as env:// always does.
+        let master = method::env_master(&crate::options::process_env)?;
+        return join(&Meeting::Method(master), rank, size, opts);
+    }
     let mut server = None;
     let joined = join_hosting(meeting, rank, size, opts, &mut server);
     if joined.is_err() {
@@ -124,6 +133,9 @@ fn join_hosting(
             let f = Arc::new(FileStore::new(path)?);
             file_store = Some(f.clone());
             (f, None, None, format!("the directory {}", path.display()))
+        }
+        Meeting::Method(Method::Alone) => {
+            return Err(Error::internal("a world of one has no store to join"))
         }
         Meeting::UniqueId(id) => {
             let client = TcpStoreClient::connect(&id.addr.to_string(), deadline)?;

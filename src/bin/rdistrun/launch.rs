@@ -1,0 +1,191 @@
+//! Starting the ranks: the master port, each rank's command and environment,
+//! its process group, and the threads that forward its output.
+
+use crate::args::Config;
+use crate::output::{self, ErrorLines, OutputReader, Stream};
+use crate::supervise::RankProcess;
+use crate::{EXIT_CANNOT_START, EXIT_LAUNCHER_ERROR};
+use std::fs::File;
+use std::io;
+use std::net::TcpListener;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+/// The given port, or a port that is free right now. As with torchrun, another
+/// process could take it before rank 0 binds it; that is rare enough to accept.
+pub fn choose_master_port(config: &Config) -> io::Result<u16> {
+    if let Some(port) = config.master_port {
+        return Ok(port);
+    }
+    let port = TcpListener::bind(("0.0.0.0", 0))?.local_addr()?.port();
+    if config.nnodes > 1 {
+        eprintln!(
+            "rdistrun: warning: no --master-port given for a {}-node job; using {port}, \
+             which every node must use too",
+            config.nnodes
+        );
+    }
+    Ok(port)
+}
+
+pub enum LaunchError {
+    Spawn(io::Error),
+    Output(io::Error),
+}
+
+/// Prints why a rank could not be started; returns rdistrun's exit status.
+pub fn report_launch_error(config: &Config, error: &LaunchError) -> u8 {
+    match error {
+        LaunchError::Spawn(error) => {
+            eprintln!(
+                "rdistrun: cannot start '{}': {}",
+                config.program.to_string_lossy(),
+                describe_io_error(error)
+            );
+            EXIT_CANNOT_START
+        }
+        LaunchError::Output(error) => {
+            eprintln!(
+                "rdistrun: cannot forward output: {}",
+                describe_io_error(error)
+            );
+            EXIT_LAUNCHER_ERROR
+        }
+    }
+}
+
+/// The OS message without std's " (os error N)" suffix.
+fn describe_io_error(error: &io::Error) -> String {
+    let text = error.to_string();
+    match text.rfind(" (os error ") {
+        Some(end) => text[..end].to_string(),
+        None => text,
+    }
+}
+
+/// Starts local rank `local_rank` and the threads forwarding its output.
+pub fn launch_rank(
+    config: &Config,
+    master_port: u16,
+    local_rank: usize,
+    readers: &mut Vec<OutputReader>,
+    errors: &Arc<ErrorLines>,
+) -> Result<RankProcess, LaunchError> {
+    let rank = config.node_rank * config.nproc_per_node + local_rank;
+    let (stdout, pty) = output::stdout_channel(config.stdout_tty);
+    // The command (holding the child's end of a pseudo-terminal) is dropped
+    // right after the spawn.
+    let child = rank_command(config, master_port, local_rank, rank, stdout)
+        .spawn()
+        .map_err(LaunchError::Spawn)?;
+    let mut process = RankProcess::new(rank, child);
+    if let Err(error) = attach_readers(&mut process, pty, config.prefix_output, readers, errors) {
+        process.kill_and_reap();
+        return Err(LaunchError::Output(error));
+    }
+    Ok(process)
+}
+
+fn rank_command(
+    config: &Config,
+    master_port: u16,
+    local_rank: usize,
+    rank: usize,
+    stdout: Stdio,
+) -> Command {
+    let mut command = Command::new(&config.program);
+    command
+        .args(&config.args)
+        .env("RANK", rank.to_string())
+        .env(
+            "WORLD_SIZE",
+            (config.nnodes * config.nproc_per_node).to_string(),
+        )
+        .env("LOCAL_RANK", local_rank.to_string())
+        .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+        .env("NODE_RANK", config.node_rank.to_string())
+        .env("GROUP_RANK", config.node_rank.to_string())
+        .env("MASTER_ADDR", &config.master_addr)
+        .env("MASTER_PORT", master_port.to_string())
+        .env("RDIST_LAUNCHER", "rdistrun")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        // Own process group: signals must reach what the rank forked too, and a
+        // terminal Ctrl-C should reach the rank once (forwarded), not twice.
+        .process_group(0);
+    die_with_launcher(&mut command);
+    command
+}
+
+/// Has the kernel SIGKILL the rank if rdistrun dies without cleaning up (e.g.
+/// SIGKILL), since ranks in their own process groups miss a terminal's Ctrl-C.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(command: &mut Command) {
+    let launcher = std::process::id();
+    let hook = move || {
+        // SAFETY: prctl and getppid are async-signal-safe system calls.
+        let parent = unsafe {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            libc::getppid()
+        };
+        // rdistrun already died before the request took effect. (A raw OS
+        // error, since allocating between fork and exec is not safe.)
+        if u32::try_from(parent).ok() != Some(launcher) {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only makes async-signal-safe calls and allocates nothing.
+    unsafe {
+        command.pre_exec(hook);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_command: &mut Command) {}
+
+/// Starts the threads forwarding the rank's stdout (`pty`, or its pipe) and
+/// stderr.
+fn attach_readers(
+    process: &mut RankProcess,
+    pty: Option<File>,
+    prefixed: bool,
+    readers: &mut Vec<OutputReader>,
+    errors: &Arc<ErrorLines>,
+) -> io::Result<()> {
+    let piped = process
+        .child
+        .stdout
+        .take()
+        .map(OwnedFd::from)
+        .map(File::from);
+    let streams = [
+        (pty.or(piped), Stream::Stdout),
+        (
+            process
+                .child
+                .stderr
+                .take()
+                .map(OwnedFd::from)
+                .map(File::from),
+            Stream::Stderr,
+        ),
+    ];
+    for (source, stream) in streams {
+        if let Some(source) = source {
+            readers.push(output::spawn_reader(
+                process.rank,
+                source,
+                prefixed,
+                stream,
+                errors.clone(),
+            )?);
+        }
+    }
+    Ok(())
+}

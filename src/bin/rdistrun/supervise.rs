@@ -1,0 +1,431 @@
+//! Watching the ranks: reaping them, stopping the rest after a failure or a
+//! signal (report period, SIGTERM, SIGKILL), and the final summary.
+
+use crate::signals::{self, describe_signal, signal_exit_code};
+use crate::EXIT_LAUNCHER_ERROR;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, ExitStatus};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How often children are polled for exit and pending signals are looked at.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How a rank ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RankExit {
+    Code(i32),
+    Signal {
+        signal: i32,
+        core_dumped: bool,
+    },
+    /// waitpid failed; should not happen for our own child.
+    Unknown(String),
+}
+
+impl RankExit {
+    fn from_status(status: ExitStatus) -> Self {
+        match (status.code(), status.signal()) {
+            (Some(code), _) => RankExit::Code(code),
+            (None, Some(signal)) => RankExit::Signal {
+                signal,
+                core_dumped: status.core_dumped(),
+            },
+            (None, None) => RankExit::Unknown(format!("unrecognized wait status {status}")),
+        }
+    }
+
+    fn is_success(&self) -> bool {
+        matches!(self, RankExit::Code(0))
+    }
+
+    /// rdistrun's own exit status when this exit is what stopped the job.
+    fn exit_code(&self) -> u8 {
+        match self {
+            RankExit::Code(code) => u8::try_from(*code).unwrap_or(EXIT_LAUNCHER_ERROR),
+            RankExit::Signal { signal, .. } => signal_exit_code(*signal),
+            RankExit::Unknown(_) => EXIT_LAUNCHER_ERROR,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            RankExit::Code(code) => format!("exited with code {code}"),
+            RankExit::Signal {
+                signal,
+                core_dumped,
+            } => {
+                let core = if *core_dumped { " (core dumped)" } else { "" };
+                format!("killed by {}{core}", describe_signal(*signal))
+            }
+            RankExit::Unknown(reason) => format!("could not be waited for: {reason}"),
+        }
+    }
+}
+
+/// One started rank.
+pub struct RankProcess {
+    pub rank: usize,
+    pub child: Child,
+    /// `Some` once the rank has been reaped.
+    exit: Option<RankExit>,
+}
+
+impl RankProcess {
+    pub fn new(rank: usize, child: Child) -> RankProcess {
+        RankProcess {
+            rank,
+            child,
+            exit: None,
+        }
+    }
+
+    fn is_running(&self) -> bool {
+        self.exit.is_none()
+    }
+
+    /// How the rank ended; `None` while it runs.
+    pub fn exit(&self) -> Option<&RankExit> {
+        self.exit.as_ref()
+    }
+
+    fn pid(&self) -> libc::pid_t {
+        // Linux pids fit in pid_t; std only reports them as u32.
+        self.child.id() as libc::pid_t
+    }
+
+    /// Signals the rank's whole process group. Only while the rank is unreaped:
+    /// its pid (= group id) cannot be reused by another process until then.
+    fn signal_group(&self, signal: i32) {
+        if self.is_running() {
+            // SAFETY: kill has no memory-safety preconditions. Failure (the group
+            // is already gone) needs no handling.
+            unsafe {
+                libc::kill(-self.pid(), signal);
+            }
+        }
+    }
+
+    /// Stops a rank at once; used when start-up is abandoned.
+    pub fn kill_and_reap(&mut self) {
+        self.signal_group(libc::SIGKILL);
+        if let Ok(status) = self.child.wait() {
+            self.exit = Some(RankExit::from_status(status));
+        }
+    }
+
+    /// Reaps the rank if it has exited; returns its exit the first time.
+    fn poll_exit(&mut self) -> Option<RankExit> {
+        if !self.is_running() {
+            return None;
+        }
+        let exit = match self.child.try_wait() {
+            Ok(Some(status)) => RankExit::from_status(status),
+            Ok(None) => return None,
+            Err(error) => RankExit::Unknown(error.to_string()),
+        };
+        self.exit = Some(exit.clone());
+        Some(exit)
+    }
+}
+
+/// Why the job is being stopped.
+#[derive(Debug)]
+pub enum StopCause {
+    RankFailed {
+        rank: usize,
+        pid: libc::pid_t,
+        exit: RankExit,
+    },
+    Signal(i32),
+}
+
+/// Where a stop is.
+#[derive(Debug)]
+enum Phase {
+    /// After a failure: the other ranks may still report their own errors and
+    /// exit; `None` for a period too long to matter.
+    Reporting { until: Option<Instant> },
+    /// The survivors were signalled; SIGKILL follows at `deadline`.
+    Stopping { deadline: Option<Instant> },
+}
+
+/// A job being (or having been) stopped before all ranks succeeded.
+#[derive(Debug)]
+pub struct Stop {
+    cause: StopCause,
+    /// Ranks still running when the stop began.
+    running: Vec<usize>,
+    /// Ranks still running when rdistrun signalled them.
+    stopped: Vec<usize>,
+    /// Ranks that had to be sent SIGKILL.
+    killed: Vec<usize>,
+    phase: Phase,
+}
+
+impl Stop {
+    fn new(ranks: &[RankProcess], cause: StopCause, report: Duration) -> Stop {
+        Stop {
+            cause,
+            running: running(ranks).map(|p| p.rank).collect(),
+            stopped: Vec::new(),
+            killed: Vec::new(),
+            phase: Phase::Reporting {
+                until: Instant::now().checked_add(report),
+            },
+        }
+    }
+
+    /// Sends `signal` to every running rank and starts the grace period.
+    fn terminate(&mut self, ranks: &[RankProcess], signal: i32, grace: Duration) {
+        for process in running(ranks) {
+            process.signal_group(signal);
+            self.stopped.push(process.rank);
+        }
+        self.phase = Phase::Stopping {
+            deadline: Instant::now().checked_add(grace),
+        };
+    }
+
+    fn kill_survivors(&mut self, ranks: &[RankProcess]) {
+        for process in running(ranks) {
+            if !self.killed.contains(&process.rank) {
+                process.signal_group(libc::SIGKILL);
+                self.killed.push(process.rank);
+            }
+        }
+    }
+
+    /// Moves on when the report period or the grace period is over.
+    fn advance(&mut self, ranks: &[RankProcess], grace: Duration) {
+        let now = Instant::now();
+        match self.phase {
+            Phase::Reporting { until } if until.is_some_and(|until| now >= until) => {
+                self.terminate(ranks, libc::SIGTERM, grace)
+            }
+            Phase::Stopping { deadline } if deadline.is_some_and(|deadline| now >= deadline) => {
+                self.kill_survivors(ranks)
+            }
+            _ => {}
+        }
+    }
+
+    /// rdistrun's exit status for a stopped job.
+    pub fn exit_code(&self) -> u8 {
+        match &self.cause {
+            StopCause::RankFailed { exit, .. } => exit.exit_code(),
+            StopCause::Signal(signal) => signal_exit_code(*signal),
+        }
+    }
+}
+
+fn running(ranks: &[RankProcess]) -> impl Iterator<Item = &RankProcess> {
+    ranks.iter().filter(|p| p.is_running())
+}
+
+/// Polls the ranks until all have exited. On the first failure the others get
+/// `report` to report and exit on their own, then SIGTERM and, `grace` later,
+/// SIGKILL; SIGINT/SIGTERM sent to rdistrun is forwarded at once. Returns `None`
+/// when every rank exited 0 undisturbed.
+pub fn supervise(ranks: &mut [RankProcess], report: Duration, grace: Duration) -> Option<Stop> {
+    let mut signals_handled = 0;
+    let mut stop: Option<Stop> = None;
+    while ranks.iter().any(RankProcess::is_running) {
+        // Signals first: a rank dying of a forwarded signal is not the cause.
+        handle_signals(ranks, &mut signals_handled, &mut stop, grace);
+        if let Some(failure) = reap_exited(ranks) {
+            if stop.is_none() {
+                stop = Some(Stop::new(ranks, failure, report));
+            }
+        }
+        if let Some(stop) = &mut stop {
+            stop.advance(ranks, grace);
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+    stop
+}
+
+/// Forwards a newly received SIGINT/SIGTERM to all ranks (ending a report
+/// period early); any further one, or one arriving while the ranks are already
+/// being stopped, escalates to SIGKILL.
+fn handle_signals(
+    ranks: &[RankProcess],
+    handled: &mut usize,
+    stop: &mut Option<Stop>,
+    grace: Duration,
+) {
+    let Some(received) = signals::take_new(handled) else {
+        return;
+    };
+    let stop = stop
+        .get_or_insert_with(|| Stop::new(ranks, StopCause::Signal(received.last), Duration::ZERO));
+    match stop.phase {
+        Phase::Reporting { .. } => {
+            stop.terminate(ranks, received.last, grace);
+            if received.fresh > 1 {
+                stop.kill_survivors(ranks);
+            }
+        }
+        Phase::Stopping { .. } => stop.kill_survivors(ranks),
+    }
+}
+
+/// Reaps ranks that have exited; returns the first (lowest) failed one, if any.
+fn reap_exited(ranks: &mut [RankProcess]) -> Option<StopCause> {
+    let mut first_failure = None;
+    for process in ranks.iter_mut() {
+        let Some(exit) = process.poll_exit() else {
+            continue;
+        };
+        if !exit.is_success() && first_failure.is_none() {
+            first_failure = Some(StopCause::RankFailed {
+                rank: process.rank,
+                pid: process.pid(),
+                exit,
+            });
+        }
+    }
+    first_failure
+}
+
+/// The summary: one line on what happened, e.g. "rank 2 (pid 4242) failed
+/// first: exited with code 3; ranks 0, 1 then exited with code 1; stopped rank
+/// 3", then one line per rank that did not exit 0 and printed an error, quoting
+/// its first error line (`first_error`). `exits`: every rank and how it ended.
+pub fn summarize(
+    stop: &Stop,
+    exits: &[(usize, Option<RankExit>)],
+    first_error: impl Fn(usize) -> Option<String>,
+) -> Vec<String> {
+    let mut parts = vec![match &stop.cause {
+        StopCause::RankFailed { rank, pid, exit } => {
+            format!("rank {rank} (pid {pid}) failed first: {}", exit.describe())
+        }
+        StopCause::Signal(signal) => format!("interrupted by {}", describe_signal(*signal)),
+    }];
+    // Ranks that ended on their own during the report period, grouped by how.
+    let mut on_their_own: Vec<(String, Vec<usize>)> = Vec::new();
+    for (rank, exit) in exits {
+        let Some(exit) = exit else { continue };
+        if !stop.running.contains(rank) || stop.stopped.contains(rank) {
+            continue;
+        }
+        let how = exit.describe();
+        match on_their_own.iter_mut().find(|(h, _)| *h == how) {
+            Some((_, group)) => group.push(*rank),
+            None => on_their_own.push((how, vec![*rank])),
+        }
+    }
+    for (how, group) in &on_their_own {
+        parts.push(format!("{} then {how}", list_ranks(group)));
+    }
+    if !stop.stopped.is_empty() {
+        let mut stopped = format!("stopped {}", list_ranks(&stop.stopped));
+        if !stop.killed.is_empty() {
+            stopped += &format!(" (SIGKILL needed for {})", list_ranks(&stop.killed));
+        }
+        parts.push(stopped);
+    }
+    if stop.running.is_empty() {
+        parts.push("no other ranks were running".to_string());
+    }
+    let mut lines = vec![parts.join("; ")];
+    for (rank, exit) in exits {
+        if exit.as_ref().is_some_and(RankExit::is_success) {
+            continue;
+        }
+        if let Some(line) = first_error(*rank) {
+            lines.push(format!("first error of rank {rank}: {line}"));
+        }
+    }
+    lines
+}
+
+/// "rank 3" or "ranks 0, 1, 3".
+pub fn list_ranks(ranks: &[usize]) -> String {
+    let numbers: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
+    format!("{noun} {}", numbers.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stop(cause: StopCause, running: &[usize], stopped: &[usize], killed: &[usize]) -> Stop {
+        Stop {
+            cause,
+            running: running.to_vec(),
+            stopped: stopped.to_vec(),
+            killed: killed.to_vec(),
+            phase: Phase::Stopping { deadline: None },
+        }
+    }
+
+    fn no_errors(_: usize) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn summary_lines() {
+        let failed = || StopCause::RankFailed {
+            rank: 2,
+            pid: 4242,
+            exit: RankExit::Code(3),
+        };
+        let killed = Some(RankExit::Signal {
+            signal: libc::SIGTERM,
+            core_dumped: false,
+        });
+        let exits = [
+            (0, killed.clone()),
+            (1, killed.clone()),
+            (2, Some(RankExit::Code(3))),
+            (3, killed.clone()),
+        ];
+        let s = stop(failed(), &[0, 1, 3], &[0, 1, 3], &[]);
+        assert_eq!(
+            summarize(&s, &exits, no_errors),
+            ["rank 2 (pid 4242) failed first: exited with code 3; stopped ranks 0, 1, 3"]
+        );
+        assert_eq!(s.exit_code(), 3);
+
+        // Ranks 0 and 1 reported and exited within the report period.
+        let exits = [
+            (0, Some(RankExit::Code(1))),
+            (1, Some(RankExit::Code(1))),
+            (2, Some(RankExit::Code(3))),
+            (3, killed),
+            (4, Some(RankExit::Code(0))),
+        ];
+        let s = stop(failed(), &[0, 1, 3], &[3], &[]);
+        let errors = |rank: usize| match rank {
+            0 => Some("lost rank 2".to_string()),
+            2 => Some("bad input".to_string()),
+            4 => Some("error: ignored, rank 4 succeeded".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            summarize(&s, &exits, errors),
+            [
+                "rank 2 (pid 4242) failed first: exited with code 3; ranks 0, 1 then exited with code 1; stopped rank 3",
+                "first error of rank 0: lost rank 2",
+                "first error of rank 2: bad input",
+            ]
+        );
+
+        let s = stop(failed(), &[], &[], &[]);
+        assert_eq!(
+            summarize(&s, &[(2, Some(RankExit::Code(3)))], no_errors),
+            ["rank 2 (pid 4242) failed first: exited with code 3; no other ranks were running"]
+        );
+
+        let s = stop(StopCause::Signal(libc::SIGINT), &[0], &[0], &[0]);
+        assert_eq!(
+            summarize(&s, &[(0, None)], no_errors),
+            ["interrupted by signal 2 (SIGINT); stopped rank 0 (SIGKILL needed for rank 0)"]
+        );
+        assert_eq!(s.exit_code(), 130);
+    }
+}
