@@ -61,4 +61,5 @@ fi
 export RDIST_LIBRARY="$PWD/target/debug/librdist.so"
 echo "test-python: $("$python" -c 'import sys; print(sys.executable, sys.version.split()[0])'), RDIST_LIBRARY=$RDIST_LIBRARY"
 # pytest exits 5 when it collects no tests; like any non-zero status that fails this script.
-exec "$python" -m pytest bindings/python/tests -q -p no:cacheprovider
+# -rs: each skipped test prints its reason (e.g. no CUDA device).
+exec "$python" -m pytest bindings/python/tests -q -rs -p no:cacheprovider
