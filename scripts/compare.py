@@ -31,7 +31,7 @@ def main():
     lines = [
         f"# rdist vs. peers on this machine ({data['meta'].get('date', '')}, {data['meta'].get('nproc', '?')} cores)",
         "",
-        "Produced by `scripts/compare.sh` from one run of `../shared/peers/peer_bench.py` (same timing",
+        "Produced by `scripts/compare.sh` from one run of `bench/peers/peer_bench.py` (same timing",
         "method for every library: median of batches, slowest rank). Speedup = best peer's time / rdist's",
         "time: above 1.00 rdist is faster. `rdist` is the default transport (shared memory on one host),",
         "`rdist-tcp` forces TCP (the cross-host path) and is compared with the TCP peers only.",

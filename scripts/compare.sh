@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs rdist and the peer libraries side by side, in one run on this
-# machine, with the shared harness (../shared/peers/peer_bench.py, same
+# machine, with the comparison harness in bench/peers (peer_bench.py, same
 # timing method for everyone), then writes the ratio table and a chart:
 #   build/compare/results-<date>.{json,md}   every peer's raw numbers
 #   docs/performance.md, docs/busbw.png      ratios rdist / best peer
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-peers_src=$(cd ../shared/peers && pwd)
+peers_src=$root/bench/peers
 export PEERS_HOME=$root/build/peers
 mkdir -p "$PEERS_HOME/build" build/compare docs
 bash scripts/setup.sh
@@ -25,7 +25,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 peers=rdist,rdist-tcp,gloo-native,openmpi-c,openmpi-tcp-c
-# MPICH comes from PyPI (as in ../shared/peers/setup.sh), in its own venv.
+# MPICH comes from PyPI (as in bench/peers/setup.sh), in its own venv.
 if [ ! -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
   /usr/bin/python3 -m venv "$PEERS_HOME/.venv-mpich" 2>/dev/null || python3 -m venv "$PEERS_HOME/.venv-mpich" || true
   "$PEERS_HOME/.venv-mpich/bin/pip" install -q mpich==5.0.2 >/dev/null 2>&1 || echo "compare: MPICH did not install; running without it"
@@ -41,15 +41,15 @@ if [ -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
   peers=$peers,mpich-c,mpich-tcp-c
 fi
 
-# Gloo through torch (PyPI torch, a 4.4 GB venv): used when the peers'
-# setup (bash ../shared/peers/setup.sh) has installed it.
-if [ ! -e "$PEERS_HOME/.venv" ] && [ -x "$peers_src/.venv/bin/python" ]; then
-  ln -s "$peers_src/.venv" "$PEERS_HOME/.venv"
+# Gloo through torch (PyPI torch, a 4.4 GB venv in build/peers/.venv):
+# WITH_TORCH=1 installs it (bench/peers/setup.sh) when it is not there yet.
+if [ -n "${WITH_TORCH:-}" ] && [ ! -x "$PEERS_HOME/.venv/bin/python" ]; then
+  bash "$peers_src/setup.sh" || echo "compare: the peers' setup failed; running without torch-gloo"
 fi
 if [ -x "$PEERS_HOME/.venv/bin/python" ] && "$PEERS_HOME/.venv/bin/python" -c "import torch" 2>/dev/null; then
   peers=$peers,torch-gloo
 else
-  echo "compare: torch is not installed (bash ../shared/peers/setup.sh installs it); running without torch-gloo"
+  echo "compare: torch is not installed (WITH_TORCH=1 scripts/compare.sh installs it); running without torch-gloo"
 fi
 
 args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
