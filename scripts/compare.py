@@ -21,6 +21,9 @@ def human(n):
     return f"{n} B" if n else "-"
 
 
+KEEP_MARKER = "<!-- scripts/compare.py keeps everything from this line on. -->"
+
+
 def main():
     src, out_md, out_png = sys.argv[1:4]
     data = json.load(open(src))
@@ -57,7 +60,17 @@ def main():
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", f"Cells where rdist is slower than the best peer: {len(misses)}", ""]
     lines += [f"- {m}" for m in misses]
-    open(out_md, "w").write("\n".join(lines) + "\n")
+    lines += ["", "![allreduce busbw vs size](busbw.png)", ""]
+    # The hand-written part of the page (how rdist gets there, dated
+    # measurements) follows the marker and is kept from run to run.
+    kept = ""
+    try:
+        old = open(out_md).read()
+        if KEEP_MARKER in old:
+            kept = old[old.index(KEEP_MARKER):]
+    except FileNotFoundError:
+        pass
+    open(out_md, "w").write("\n".join(lines) + "\n" + (kept or KEEP_MARKER + "\n"))
     try:
         import matplotlib
         matplotlib.use("Agg")
