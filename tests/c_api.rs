@@ -2,13 +2,11 @@
 //! -Wpedantic -Werror against the committed header, run as a 4-rank job
 //! through rdistrun.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Where cargo put librdist.so for this build profile.
 fn lib_dir() -> PathBuf {
@@ -17,29 +15,7 @@ fn lib_dir() -> PathBuf {
 }
 
 fn compile(src: &str, out: &Path) {
-    assert!(
-        lib_dir().join("librdist.so").exists(),
-        "{} has no librdist.so: run `cargo build` before `cargo test` (scripts/test.sh does)",
-        lib_dir().display()
-    );
-    let status = Command::new("cc")
-        .args([
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Wpedantic",
-            "-Werror",
-            "-O1",
-        ])
-        .arg(format!("-I{}", root().join("include").display()))
-        .arg(root().join(src))
-        .arg("-o")
-        .arg(out)
-        .arg(format!("-L{}", lib_dir().display()))
-        .args(["-lrdist", "-lm"])
-        .status()
-        .expect("cc runs");
-    assert!(status.success(), "compiling {src} failed");
+    common::compile_c(src, out, &lib_dir());
 }
 
 /// Runs a command, killing it and failing past `limit`.

@@ -2,6 +2,8 @@
 //! C program (tests/c/rdistrun_ranks.c) as ranks. Every run is bounded: a
 //! launcher that outlives `RUN_LIMIT` is killed and the test fails.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -49,6 +51,11 @@ impl Launcher {
         // The C rank program finds librdist.so through LD_LIBRARY_PATH.
         let mut command = Command::new(env!("CARGO_BIN_EXE_rdistrun"));
         command.args(args).env("LD_LIBRARY_PATH", lib_dir());
+        Launcher::spawn(command)
+    }
+
+    /// Starts `command` with its output read as it comes.
+    fn spawn(mut command: Command) -> Launcher {
         let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -547,38 +554,12 @@ fn lib_dir() -> PathBuf {
 fn rank_program() -> &'static str {
     static PROGRAM: OnceLock<String> = OnceLock::new();
     PROGRAM.get_or_init(|| {
-        assert!(
-            lib_dir().join("librdist.so").exists(),
-            "{} has no librdist.so: run `cargo build` before `cargo test` (scripts/test.sh does)",
-            lib_dir().display()
-        );
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
         let program = dir.join("rdistrun_ranks");
         // Built under a name of its own, then renamed: another test run may
         // be using the program.
         let building = dir.join(format!("rdistrun_ranks.{}", std::process::id()));
-        let status = Command::new("cc")
-            .args([
-                "-std=c11",
-                "-Wall",
-                "-Wextra",
-                "-Wpedantic",
-                "-Werror",
-                "-O1",
-            ])
-            .arg(format!("-I{}", root.join("include").display()))
-            .arg(root.join("tests/c/rdistrun_ranks.c"))
-            .arg("-o")
-            .arg(&building)
-            .arg(format!("-L{}", lib_dir().display()))
-            .args(["-lrdist", "-lm"])
-            .status()
-            .expect("cc runs");
-        assert!(
-            status.success(),
-            "compiling tests/c/rdistrun_ranks.c failed"
-        );
+        common::compile_c("tests/c/rdistrun_ranks.c", &building, &lib_dir());
         std::fs::rename(&building, &program).unwrap();
         program.to_str().expect("a UTF-8 path").to_string()
     })
@@ -807,22 +788,7 @@ fn run_alone(env: &[(&str, &str)], numbers: &[&str]) -> Finished {
         .env_clear()
         .env("LD_LIBRARY_PATH", lib_dir())
         .envs(env.iter().copied());
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the rank program starts");
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let stderr = child.stderr.take().expect("stderr is piped");
-    Launcher {
-        child,
-        started: Instant::now(),
-        stdout_lines: send_lines(stdout),
-        stdout_seen: Vec::new(),
-        stderr: thread::spawn(move || read_all(stderr)),
-    }
-    .finish()
+    Launcher::spawn(command).finish()
 }
 
 #[test]

@@ -5,6 +5,8 @@
 #![allow(dead_code)]
 
 use rdist::{Comm, Options};
+use std::path::Path;
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -115,4 +117,34 @@ pub fn output_within(
         stdout: out.join().unwrap(),
         stderr: err.join().unwrap(),
     }
+}
+
+/// Compiles the C program `src` (relative to the repository) into `out`
+/// with -Werror against the committed header and the librdist.so in
+/// `lib_dir`.
+pub fn compile_c(src: &str, out: &Path, lib_dir: &Path) {
+    assert!(
+        lib_dir.join("librdist.so").exists(),
+        "{} has no librdist.so: run `cargo build` before `cargo test` (scripts/test.sh does)",
+        lib_dir.display()
+    );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let status = Command::new("cc")
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Wpedantic",
+            "-Werror",
+            "-O1",
+        ])
+        .arg(format!("-I{}", root.join("include").display()))
+        .arg(root.join(src))
+        .arg("-o")
+        .arg(out)
+        .arg(format!("-L{}", lib_dir.display()))
+        .args(["-lrdist", "-lm"])
+        .status()
+        .expect("cc runs");
+    assert!(status.success(), "compiling {src} failed");
 }
