@@ -605,6 +605,24 @@ fn worker_process() {
         // A group over two NCCL communicators, the first with a
         // non-blocking call still running (the doubles stall the default
         // stream it waits on, for 300 ms).
+        // The engine numbers and traces every call, NCCL's included: a
+        // device allreduce (NCCL), a host allreduce (sockets), a barrier
+        // (NCCL), written to RDIST_TEST_TRACE at destroy.
+        "nccl_trace" => {
+            device::use_device(0);
+            let path = std::env::var("RDIST_TEST_TRACE").unwrap();
+            let o = options(&[("backend", "nccl"), ("trace_file", &path)]);
+            let comm = Comm::init_rank(&Comm::unique_id().unwrap(), 0, 1, &o).unwrap();
+            assert_eq!(comm.backend(), Backend::Nccl);
+            let buf = device::Buffer::new(&encode_all(DType::Float32, [1, 2, 3]));
+            // SAFETY: the buffer outlives the stream's work (synchronised below).
+            unsafe { comm.run_on(in_place_sum(&buf, 3), Stream(device::stream())) }.unwrap();
+            device::sync(device::stream());
+            let mut host = [1.0f32; 4];
+            comm.allreduce(&mut host, ReduceOp::Sum).unwrap();
+            comm.barrier().unwrap();
+            drop(comm);
+        }
         "group_behind_queued_work" => {
             let first = nccl_world_of_one(None);
             let second = first.split(0, 0).unwrap().expect("a color");
@@ -1022,6 +1040,51 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
     assert_eq!(nccl_lines(&log, "split").len(), 1, "{log}");
     assert_eq!(nccl_lines(&log, "destroy").len(), 3, "{log}");
     assert!(nccl_lines(&log, "abort").is_empty(), "{log}");
+}
+
+#[test]
+fn every_call_is_numbered_and_traced_on_nccl_and_sockets_alike() {
+    let trace = std::env::temp_dir().join(format!("rdist-nccl-trace-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&trace);
+    run_role(
+        "nccl_trace",
+        &[("RDIST_TEST_TRACE", trace.to_str().unwrap())],
+        true,
+    );
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let _ = std::fs::remove_file(&trace);
+    // One event per call, in order, with consecutive sequence numbers
+    // whichever backend ran it.
+    let events: Vec<(String, u64)> = text
+        .lines()
+        .filter(|l| l.contains("\"ph\":\"X\""))
+        .map(|l| {
+            let name = l
+                .split("\"name\":\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            let seq = l
+                .split("\"seq\":")
+                .nth(1)
+                .unwrap()
+                .split(',')
+                .next()
+                .unwrap();
+            (name.to_string(), seq.parse().unwrap())
+        })
+        .collect();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["allreduce", "allreduce", "barrier"], "{text}");
+    let first = events[0].1;
+    let seqs: Vec<u64> = events.iter().map(|e| e.1).collect();
+    assert_eq!(seqs, [first, first + 1, first + 2], "{text}");
+    assert!(
+        text.contains("\"bytes\":12") && text.contains("\"bytes\":16"),
+        "{text}"
+    );
 }
 
 #[test]
