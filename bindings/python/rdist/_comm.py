@@ -100,7 +100,7 @@ def init(init_method="env://", rank=-1, world_size=-1, **options):
     ``"tcp://HOST:PORT"`` or ``"file:///shared/path"``. ``rank`` and
     ``world_size`` of -1 (or None) are read from the environment.
 
-    Keyword ``options`` are rdist options (see API.md), e.g.
+    Keyword ``options`` are rdist options (see docs/options.md), e.g.
     ``backend="socket"``, ``timeout_ms=5000``, ``transport="tcp"``,
     ``algo="ring"``, ``debug="INFO"``; an explicit option wins over its
     environment variable. Blocks until every rank has joined, or raises
