@@ -57,6 +57,17 @@ pub fn driver() -> Option<&'static Cuda> {
         .as_ref()
 }
 
+/// Whether `len` bytes at `addr` are host memory for sure: no driver, an
+/// empty buffer, or the driver says so. When the driver cannot say, the
+/// answer is no (the buffer then takes the device path, which reports it).
+pub fn is_host(addr: usize, len: usize) -> bool {
+    match driver() {
+        None => true,
+        Some(_) if len == 0 => true,
+        Some(cuda) => matches!(cuda.memory(addr), Ok(Memory::Host)),
+    }
+}
+
 /// The number of CUDA devices, or why there are none usable. Never panics:
 /// cudarc panics when a library or symbol is missing, so the driver's
 /// presence is checked first and every driver call runs under

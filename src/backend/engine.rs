@@ -6,6 +6,7 @@
 
 use super::cuda::{self, Cuda, Stream};
 use super::nccl::communicator::{NcclComm, Raw};
+use super::p2p::Mailbox;
 use super::route::{self, Route};
 use super::socket::{Settings, SocketBackend};
 use super::staging::StagingPool;
@@ -82,6 +83,8 @@ pub(crate) struct Engine {
     staging: StagingPool,
     sequence: Sequence,
     trace: Option<Trace>,
+    /// Host-memory sends and receives, in their own context.
+    mailbox: Arc<Mailbox>,
 }
 
 /// Ends a communicator's work without its engine's lock, which a call
@@ -125,6 +128,11 @@ impl Engine {
         let addr = roster.addrs[rank];
         let settings = Settings::new(options, forced);
         let mut socket = SocketBackend::connect(rank, roster, listener, signal.clone(), settings)?;
+        let mailbox = Mailbox::new(
+            socket
+                .take_p2p(options.timeout, signal.clone())
+                .ok_or_else(|| Error::internal("no point-to-point listener"))?,
+        )?;
         log::emit(
             LogLevel::Info,
             Some(rank),
@@ -159,7 +167,13 @@ impl Engine {
                 .trace_file
                 .as_deref()
                 .map(|p| Trace::new(p, rank, size)),
+            mailbox,
         })
+    }
+
+    /// The point-to-point context (host memory).
+    pub(crate) fn mailbox(&self) -> Arc<Mailbox> {
+        self.mailbox.clone()
     }
 
     pub(crate) fn backend(&self) -> Backend {
@@ -337,10 +351,15 @@ impl Engine {
             Some(n) => n.split(color, key, shape)?,
             None => None,
         };
-        let Some((rank, socket)) = split else {
+        let Some((rank, mut socket)) = split else {
             return Ok(None);
         };
         let size = socket.roster().addrs.len();
+        let mailbox = Mailbox::new(
+            socket
+                .take_p2p(self.timeout, signal.clone())
+                .ok_or_else(|| Error::internal("no point-to-point listener"))?,
+        )?;
         Ok(Some((
             rank,
             Engine {
@@ -353,6 +372,7 @@ impl Engine {
                 staging: StagingPool::default(),
                 sequence: Sequence::new(size),
                 trace: None,
+                mailbox,
             },
         )))
     }
@@ -368,6 +388,7 @@ impl Engine {
     /// Local: NCCL first (finalizing flushes work the peers take part in),
     /// then the sockets; writes the trace.
     pub(crate) fn close(&mut self) {
+        self.mailbox.close();
         if let Some(n) = self.nccl.as_mut() {
             n.close();
         }

@@ -3,11 +3,13 @@
 //! buffers live: `socket` (rdist's algorithms over the transport) for host
 //! buffers, `nccl` for device buffers when every rank can run it, and
 //! `staging` (host copies) for device buffers NCCL cannot take. `cuda` is
-//! the driver, loaded at run time.
+//! the driver, loaded at run time. `p2p` is the point-to-point context:
+//! sends and receives matched by source and tag, beside the collectives.
 
 pub mod cuda;
 pub(crate) mod engine;
 pub mod nccl;
+pub(crate) mod p2p;
 pub(crate) mod route;
 pub(crate) mod socket;
 pub(crate) mod staging;

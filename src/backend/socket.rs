@@ -67,6 +67,10 @@ pub struct SocketBackend {
     scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
     to_self: VecDeque<Vec<u8>>,
+    /// What the point-to-point context starts from: the listener (kept
+    /// for the peers' point-to-point connections) and those that came
+    /// early (see `mesh::Mesh::early_p2p`).
+    p2p: Option<(TcpListener, Vec<(usize, std::net::TcpStream)>)>,
 }
 
 /// Copies `len` bytes between possibly overlapping caller buffers.
@@ -98,7 +102,12 @@ impl SocketBackend {
             comm_id: roster.comm_id,
             deadline: Instant::now() + timeout,
         };
-        let streams = mesh::connect(listener, &spec)?;
+        let mesh = mesh::connect(listener, &spec)?;
+        let streams = mesh.streams;
+        let p2p_listener = listener
+            .try_clone()
+            .map_err(|e| Error::system("keeping the listener", &e))?;
+        let early_p2p = mesh.early_p2p;
         let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
         let want_shm = same_host && settings.transport == TransportKind::Auto;
         let attached = shm::attach(
@@ -148,6 +157,7 @@ impl SocketBackend {
             roster,
             settings,
             to_self: VecDeque::new(),
+            p2p: Some((p2p_listener, early_p2p)),
             scratch: Vec::new(),
         })
     }
@@ -155,6 +165,29 @@ impl SocketBackend {
     /// The transport with its cores and single-copy choice, for the log.
     pub fn transport_detail(&self) -> &str {
         &self.transport_detail
+    }
+
+    /// What the point-to-point context starts from (once).
+    pub(crate) fn take_p2p(
+        &mut self,
+        timeout: Duration,
+        signal: Arc<AbortSignal>,
+    ) -> Option<crate::backend::p2p::MailboxSpec> {
+        let (listener, early) = self.p2p.take()?;
+        Some(crate::backend::p2p::MailboxSpec {
+            mesh: MeshSpec {
+                rank: self.rank,
+                size: self.size,
+                addrs: self.roster.addrs.clone(),
+                job: self.roster.job,
+                comm_id: self.roster.comm_id,
+                deadline: Instant::now(),
+            },
+            listener,
+            early,
+            timeout,
+            signal,
+        })
     }
 
     pub fn roster(&self) -> &Roster {

@@ -165,6 +165,9 @@ impl Comm {
             ));
         }
         if call.is_p2p() {
+            if self.runner.goes_to_mailbox(&call) {
+                return self.runner.post(&call, None);
+            }
             return Ok(self.runner.hold(call));
         }
         self.runner.submit(vec![call], None)

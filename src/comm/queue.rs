@@ -1,12 +1,14 @@
 //! Issue order: a communicator's calls run inline on the caller's thread
 //! when nothing is queued, otherwise behind the queued non-blocking calls
-//! on the communicator's worker thread. Non-blocking sends/receives are
-//! held until their request is waited for or tested, or another call
-//! comes, and then start together as one exchange. `Request` is a
-//! non-blocking call in flight.
+//! on the communicator's worker thread. Sends and receives on host memory
+//! go to the point-to-point context (backend/p2p) instead, and start when
+//! posted. Those on device memory (NCCL's, or staged) are held until their
+//! request is waited for or tested, or another call comes, and then start
+//! together as one exchange. `Request` is a non-blocking call in flight.
 
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Aborter, Engine};
+use crate::backend::p2p::{self, Mailbox, Status, Ticket};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::VecDeque;
@@ -25,6 +27,8 @@ pub(crate) struct Runner {
     /// NCCL holds).
     aborter: Aborter,
     has_nccl: bool,
+    /// Host-memory sends and receives.
+    mailbox: Arc<Mailbox>,
     queue: Mutex<Queue>,
     queue_changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -92,7 +96,71 @@ impl Completion {
 }
 
 /// A non-blocking call in flight.
-pub struct Request {
+pub struct Request(Kind);
+
+enum Kind {
+    /// A collective, or a device send/receive, on the worker.
+    Queued(Queued),
+    /// A host send or receive in the point-to-point context.
+    P2p {
+        mailbox: Arc<Mailbox>,
+        ticket: Ticket,
+        /// The call, for messages ("recv from rank 1 (tag 3)").
+        what: String,
+    },
+}
+
+impl Request {
+    fn p2p(mailbox: Arc<Mailbox>, ticket: Ticket, what: String) -> Request {
+        Request(Kind::P2p {
+            mailbox,
+            ticket,
+            what,
+        })
+    }
+
+    /// Blocks until the call completes and returns its result (bounded by
+    /// the timeout).
+    pub fn wait(&self) -> Result<()> {
+        self.wait_status().map(|_| ())
+    }
+
+    /// `wait`, with the status of a point-to-point call.
+    pub fn wait_status(&self) -> Result<Option<Status>> {
+        match &self.0 {
+            Kind::Queued(q) => q.wait().map(|_| None),
+            Kind::P2p {
+                mailbox,
+                ticket,
+                what,
+            } => mailbox.wait(ticket, what).map(Some),
+        }
+    }
+
+    /// The result if the call has completed; never blocks.
+    pub fn test(&self) -> Option<Result<()>> {
+        match &self.0 {
+            Kind::Queued(q) => q.test(),
+            Kind::P2p {
+                mailbox, ticket, ..
+            } => mailbox.test(ticket).map(|r| r.map(|_| ())),
+        }
+    }
+
+    /// Who sent what, once a point-to-point call completed (None for
+    /// other calls, or while in flight).
+    pub fn status(&self) -> Option<Status> {
+        match &self.0 {
+            Kind::Queued(_) => None,
+            Kind::P2p {
+                mailbox, ticket, ..
+            } => mailbox.test(ticket).and_then(|r| r.ok()),
+        }
+    }
+}
+
+/// A call queued on the communicator's worker.
+struct Queued {
     done: Arc<Completion>,
     timeout: Duration,
     /// For held sends/receives: the communicator to start them on when
@@ -115,9 +183,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Request {
+impl Queued {
     /// Blocks until the call completes and returns its result.
-    pub fn wait(&self) -> Result<()> {
+    fn wait(&self) -> Result<()> {
         if let Some(owner) = &self.owner {
             owner.start_held()?;
         }
@@ -149,7 +217,7 @@ impl Request {
 
     /// The result if the call has completed; never blocks (it may start
     /// held sends/receives on the worker).
-    pub fn test(&self) -> Option<Result<()>> {
+    fn test(&self) -> Option<Result<()>> {
         if let Some(owner) = &self.owner {
             if let Err(e) = owner.start_held() {
                 return Some(Err(e));
@@ -163,6 +231,7 @@ impl Runner {
     pub(crate) fn new(rank: usize, timeout: Duration, engine: Engine) -> Arc<Runner> {
         let aborter = engine.aborter();
         let has_nccl = engine.has_nccl();
+        let mailbox = engine.mailbox();
         let engine = Arc::new(Mutex::new(engine));
         crate::backend::engine::watch_nccl(&engine);
         Arc::new(Runner {
@@ -171,6 +240,7 @@ impl Runner {
             engine,
             aborter,
             has_nccl,
+            mailbox,
             queue: Mutex::new(Queue::default()),
             queue_changed: Condvar::new(),
             worker: Mutex::new(None),
@@ -200,6 +270,37 @@ impl Runner {
         calls: Vec<Call>,
         streams: Vec<Stream>,
     ) -> Result<()> {
+        // Host sends/receives: posted first, waited for last.
+        let mut posted = Vec::new();
+        let mut rest_calls = Vec::with_capacity(calls.len());
+        let mut rest_streams = Vec::with_capacity(calls.len());
+        for (call, stream) in calls.into_iter().zip(streams) {
+            if call.is_p2p() && self.goes_to_mailbox(&call) {
+                posted.push(self.post(&call, None)?);
+            } else {
+                rest_calls.push(call);
+                rest_streams.push(stream);
+            }
+        }
+        let rest = if rest_calls.is_empty() {
+            Ok(())
+        } else {
+            self.run_rest(rest_calls, rest_streams)
+        };
+        let mut first = rest.err();
+        for r in &posted {
+            if let Err(e) = r.wait() {
+                first.get_or_insert(e);
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// `run_batch` of what does not go to the point-to-point context.
+    unsafe fn run_rest(self: &Arc<Self>, calls: Vec<Call>, streams: Vec<Stream>) -> Result<()> {
         if calls.iter().all(Call::is_p2p) && self.has_held.load(Ordering::Acquire) {
             return self.run_with_held(calls, streams);
         }
@@ -217,6 +318,9 @@ impl Runner {
     /// # Safety
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
+        if call.is_p2p() && self.goes_to_mailbox(&call) {
+            return self.post(&call, None)?.wait();
+        }
         if call.is_p2p() && self.has_held.load(Ordering::Acquire) {
             return self.run_with_held(vec![call], vec![stream]);
         }
@@ -319,12 +423,77 @@ impl Runner {
     }
 
     fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
-        Request {
+        Request(Kind::Queued(Queued {
             done,
             timeout: self.timeout,
             owner: held.then(|| self.clone()),
             comm: Arc::downgrade(self),
-        }
+        }))
+    }
+
+    pub(crate) fn mailbox(&self) -> &Arc<Mailbox> {
+        &self.mailbox
+    }
+
+    /// Whether a send/receive goes to the point-to-point context: its
+    /// buffer is host memory (device memory keeps NCCL's semantics, or is
+    /// staged with the collectives).
+    pub(crate) fn goes_to_mailbox(&self, call: &Call) -> bool {
+        let buf = match call {
+            Call::Send { buf, .. } | Call::Recv { buf, .. } => buf,
+            _ => return false,
+        };
+        crate::backend::cuda::is_host(buf.addr(), buf.len())
+    }
+
+    /// Posts a host send/receive in the point-to-point context.
+    ///
+    /// # Safety
+    /// The call's buffer valid (and, for a receive, untouched) until the
+    /// request completes.
+    pub(crate) unsafe fn post(self: &Arc<Self>, call: &Call, tag: Option<i32>) -> Result<Request> {
+        let (ticket, what) = match *call {
+            Call::Send { buf, data, peer } => {
+                let tag = tag.unwrap_or(0);
+                let t = self.mailbox.send(p2p::Outgoing {
+                    buf,
+                    dtype: data.dtype,
+                    count: data.count,
+                    peer,
+                    tag,
+                })?;
+                (t, format!("send to rank {peer} (tag {tag}, {} x {})", data.count, data.dtype))
+            }
+            Call::Recv { buf, data, peer } => {
+                let t = self.mailbox.recv(p2p::Incoming {
+                    buf,
+                    dtype: data.dtype,
+                    count: data.count,
+                    peer: Some(peer),
+                    tag: Some(tag.unwrap_or(0)),
+                    exact: true,
+                })?;
+                (t, format!("recv from rank {peer} (tag {}, {} x {})", tag.unwrap_or(0), data.count, data.dtype))
+            }
+            _ => return Err(Error::internal("post of a call that is not a send or receive")),
+        };
+        Ok(Request::p2p(self.mailbox.clone(), ticket, what))
+    }
+
+    /// Posts a receive with wildcards (tagged API).
+    ///
+    /// # Safety
+    /// As `post`.
+    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: p2p::Incoming) -> Result<Request> {
+        let what = format!(
+            "recv from {} ({}, up to {} x {})",
+            r.peer.map_or("any rank".to_string(), |p| format!("rank {p}")),
+            r.tag.map_or("any tag".to_string(), |t| format!("tag {t}")),
+            r.count,
+            r.dtype
+        );
+        let ticket = self.mailbox.recv(r)?;
+        Ok(Request::p2p(self.mailbox.clone(), ticket, what))
     }
 
     /// Holds a non-blocking send/receive until its request is waited for or
@@ -467,6 +636,7 @@ impl Runner {
     /// finishes queued calls, joins the worker and closes the engine.
     pub(crate) fn close(self: &Arc<Self>) {
         let _ = self.start_held();
+        self.mailbox.close();
         lock(&self.queue).closing = true;
         self.queue_changed.notify_all();
         if let Some(h) = lock(&self.worker).take() {

@@ -1,7 +1,10 @@
 //! Connecting every pair of ranks: rank i dials every lower rank and accepts
 //! every higher one. Each connection starts with a hello naming the job, the
 //! communicator and the rank (the slot where authentication goes later),
-//! answered by a one-byte verdict.
+//! answered by a one-byte verdict. Point-to-point connections (see
+//! backend/p2p) start with the same hello, marked with their context, and
+//! are made later, on first use; one that arrives while this rank is still
+//! connecting its mesh is kept for them (`Mesh::early_p2p`).
 
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
@@ -10,7 +13,27 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x5244_4831; // "RDH1"
-const HELLO_BYTES: usize = 40;
+pub const HELLO_BYTES: usize = 40;
+
+/// Which traffic a connection carries (byte 36 of the hello).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Context {
+    /// The collectives' mesh, made at init.
+    Collectives = 0,
+    /// Point-to-point messages, one connection per ordered pair, dialed
+    /// by the sender on first use.
+    P2p = 1,
+}
+
+/// The connected mesh.
+pub struct Mesh {
+    /// Index = peer rank; `None` for self.
+    pub streams: Vec<Option<TcpStream>>,
+    /// Point-to-point connections that peers dialed (their ranks) while
+    /// this rank was still accepting its mesh.
+    pub early_p2p: Vec<(usize, TcpStream)>,
+}
 
 /// Who is connecting to whom.
 #[derive(Clone, Debug)]
@@ -34,6 +57,13 @@ enum Verdict {
     OtherWorld = 2,
 }
 
+/// The hello a rank sends on a connection of `context`.
+pub fn hello_for(spec: &MeshSpec, context: Context) -> [u8; HELLO_BYTES] {
+    let mut b = hello(spec);
+    b[36] = context as u8;
+    b
+}
+
 fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
     let mut b = [0u8; HELLO_BYTES];
     b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
@@ -42,6 +72,20 @@ fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
     b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
     b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
     b
+}
+
+/// Judges a point-to-point hello: the dialing rank when it belongs to this
+/// communicator (any rank but this one).
+pub fn judge_p2p(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> Option<usize> {
+    let rank = u32::from_le_bytes([b[28], b[29], b[30], b[31]]) as usize;
+    let ok = b[36] == Context::P2p as u8
+        && u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == HELLO_MAGIC
+        && b[4..20] == spec.job
+        && b[20..28] == spec.comm_id.to_le_bytes()
+        && u32::from_le_bytes([b[32], b[33], b[34], b[35]]) as usize == spec.size
+        && rank < spec.size
+        && rank != spec.rank;
+    ok.then_some(rank)
 }
 
 /// Judges a hello; returns the dialing rank when it belongs here.
@@ -62,7 +106,8 @@ fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, V
     Ok(rank)
 }
 
-fn configure(stream: &TcpStream) {
+/// No delay, and keepalive to notice a vanished host.
+pub fn configure(stream: &TcpStream) {
     let _ = stream.set_nodelay(true);
     let fd = stream.as_raw_fd();
     // Keepalive finds peers whose host vanished without closing the
@@ -92,7 +137,8 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
+/// Dials `addr` until `deadline`, retrying while nobody listens yet.
+pub fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     let mut pause = Duration::from_millis(5);
     loop {
         match TcpStream::connect_timeout(&addr, left(deadline)) {
@@ -111,9 +157,10 @@ fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     }
 }
 
-/// Connects this rank to every other; index = peer rank, `None` for self.
-pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<TcpStream>>> {
+/// Connects this rank to every other.
+pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
     let mut streams: Vec<Option<TcpStream>> = (0..spec.size).map(|_| None).collect();
+    let mut early_p2p = Vec::new();
     let me = hello(spec);
     let timed_out = |what: String| {
         Error::new(
@@ -141,7 +188,7 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
             .map_err(|e| Error::system(format!("sending hello to rank {peer} at {addr}"), &e))?;
         *slot = Some(s);
     }
-    accept_higher(listener, spec, &mut streams, &timed_out)?;
+    accept_higher(listener, spec, &mut streams, &mut early_p2p, &timed_out)?;
     for (peer, slot) in streams.iter_mut().enumerate().take(spec.rank) {
         let s = slot.as_mut().expect("dialed above");
         s.set_read_timeout(Some(left(spec.deadline)))
@@ -188,13 +235,14 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Vec<Option<Tcp
         s.set_read_timeout(None)
             .map_err(|e| Error::system("set_read_timeout", &e))?;
     }
-    Ok(streams)
+    Ok(Mesh { streams, early_p2p })
 }
 
 fn accept_higher(
     listener: &TcpListener,
     spec: &MeshSpec,
     streams: &mut [Option<TcpStream>],
+    early_p2p: &mut Vec<(usize, TcpStream)>,
     timed_out: &dyn Fn(String) -> Error,
 ) -> Result<()> {
     let expected = spec.size - 1 - spec.rank;
@@ -235,6 +283,13 @@ fn accept_higher(
         let mut b = [0u8; HELLO_BYTES];
         if s.read_exact(&mut b).is_err() {
             continue; // a stray connection (a port scanner, a health check)
+        }
+        if let Some(rank) = judge_p2p(spec, &b) {
+            // A peer that finished connecting already sends point-to-point.
+            configure(&s);
+            let _ = s.set_read_timeout(None);
+            early_p2p.push((rank, s));
+            continue;
         }
         match judge(spec, &b) {
             Ok(rank) if streams[rank].is_none() => {
