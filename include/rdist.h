@@ -42,6 +42,16 @@
 #define RDIST_SPLIT_NOCOLOR -1
 
 /**
+ * As peer of a tagged receive: a message from any rank (since 0.2).
+ */
+#define RDIST_ANY_SOURCE -1
+
+/**
+ * As tag of a tagged receive: a message with any tag (since 0.2).
+ */
+#define RDIST_ANY_TAG -1
+
+/**
  * Major version of this header.
  */
 #define RDIST_VERSION_MAJOR 0
@@ -182,6 +192,25 @@ typedef struct {
  * An operation in flight.
  */
 typedef rdist_request rdist_request_t;
+
+/**
+ * Who sent a received message, with which tag, and how many elements
+ * (since 0.2).
+ */
+typedef struct {
+  /**
+   * The rank the message came from.
+   */
+  int source;
+  /**
+   * Its tag.
+   */
+  int tag;
+  /**
+   * Elements received.
+   */
+  size_t count;
+} rdist_status_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -539,9 +568,10 @@ rdist_result_t rdist_recv(void *buf,
 
 /**
  * Non-blocking send; buf must stay valid until the request completes.
- * Non-blocking sends and receives are held until a request of this
- * communicator is waited on or tested (or another call is made on it);
- * then all held ones start together, so posting rdist_irecv before
+ * On host memory it starts at once, in the point-to-point context (see
+ * rdist_send_tagged). On device memory it is held until a request of
+ * this communicator is waited on or tested (or another call is made on
+ * it); then all held ones start together, so posting rdist_irecv before
  * rdist_isend, as MPI programs do, cannot deadlock.
  */
 rdist_result_t rdist_isend(const void *buf,
@@ -553,7 +583,7 @@ rdist_result_t rdist_isend(const void *buf,
 
 /**
  * Non-blocking receive; buf must stay untouched until the request
- * completes. Held and started like rdist_isend.
+ * completes. Started like rdist_isend.
  */
 rdist_result_t rdist_irecv(void *buf,
                            size_t count,
@@ -561,6 +591,64 @@ rdist_result_t rdist_irecv(void *buf,
                            int peer,
                            rdist_comm_t *comm,
                            rdist_request_t **req);
+
+/**
+ * Sends count elements to `peer` with `tag` (>= 0); returns when buf may
+ * be reused. Point-to-point has its own context, matched by source, tag
+ * and order apart from the collectives; messages up to 64 MiB are sent
+ * eagerly (the send can return before its receive is posted), larger
+ * ones wait for their receive. On device memory only tag 0 is possible
+ * (NCCL has no tags). Since 0.2.
+ */
+rdist_result_t rdist_send_tagged(const void *buf,
+                                 size_t count,
+                                 rdist_dtype_t dtype,
+                                 int peer,
+                                 int tag,
+                                 rdist_comm_t *comm,
+                                 void *stream);
+
+/**
+ * Receives into buf (room for count elements) the oldest message from
+ * `peer` (RDIST_ANY_SOURCE: any rank) with `tag` (RDIST_ANY_TAG: any
+ * tag). A shorter message is received whole; a longer one, or one of
+ * another dtype, fails with RDIST_ERR_MISMATCH (and is consumed). status
+ * (may be NULL) says who sent what; inside a group it must be NULL.
+ * Since 0.2.
+ */
+rdist_result_t rdist_recv_tagged(void *buf,
+                                 size_t count,
+                                 rdist_dtype_t dtype,
+                                 int peer,
+                                 int tag,
+                                 rdist_comm_t *comm,
+                                 void *stream,
+                                 rdist_status_t *status);
+
+/**
+ * Non-blocking rdist_send_tagged; it starts at once. buf must stay valid
+ * until the request completes. Since 0.2.
+ */
+rdist_result_t rdist_isend_tagged(const void *buf,
+                                  size_t count,
+                                  rdist_dtype_t dtype,
+                                  int peer,
+                                  int tag,
+                                  rdist_comm_t *comm,
+                                  rdist_request_t **req);
+
+/**
+ * Non-blocking rdist_recv_tagged; it is posted at once. buf must stay
+ * untouched until the request completes; rdist_request_status then says
+ * who sent what. Since 0.2.
+ */
+rdist_result_t rdist_irecv_tagged(void *buf,
+                                  size_t count,
+                                  rdist_dtype_t dtype,
+                                  int peer,
+                                  int tag,
+                                  rdist_comm_t *comm,
+                                  rdist_request_t **req);
 
 /**
  * Blocks until the request completes and returns its result (bounded by
@@ -579,6 +667,14 @@ rdist_result_t rdist_test(rdist_request_t *req, int *done);
  * Frees a request, waiting first if it is still in flight. NULL is a no-op.
  */
 void rdist_request_free(rdist_request_t *req);
+
+/**
+ * The status of a completed receive: who sent it, its tag, and how many
+ * elements arrived. RDIST_ERR_INVALID_USAGE while the request is in
+ * flight, when it failed, or for a request that is not a point-to-point
+ * receive or send on host memory. Since 0.2.
+ */
+rdist_result_t rdist_request_status(const rdist_request_t *req, rdist_status_t *status);
 
 /**
  * Starts a group (per thread, may nest): calls until the matching

@@ -54,12 +54,13 @@ pub(crate) mod transport;
 pub mod internals {
     pub use crate::backend::cuda::{self, Stream};
     pub use crate::backend::nccl;
-    pub use crate::call::{Call, Data};
+    pub use crate::call::{Call, Data, RawBuf};
     pub use crate::comm::group;
     pub use crate::descriptor::OpKind;
     pub use crate::rendezvous::method;
 }
 
+pub use backend::p2p::Status;
 pub use comm::{AbortHandle, Comm, Request};
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorKind, Result};

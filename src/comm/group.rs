@@ -2,7 +2,7 @@
 //! are queued and run together at the outermost end, so that sends and
 //! receives between the same ranks can't deadlock each other.
 
-use super::queue::Runner;
+use super::queue::{Request, Runner};
 use crate::backend::cuda::Stream;
 use crate::call::Call;
 use crate::error::{Error, Result};
@@ -12,6 +12,9 @@ use std::sync::Arc;
 struct Group {
     depth: usize,
     queued: Vec<(Arc<Runner>, Call, Stream)>,
+    /// Tagged sends/receives, posted at once (they have their own
+    /// context), waited for at the end.
+    posted: Vec<Request>,
 }
 
 thread_local! {
@@ -21,6 +24,7 @@ thread_local! {
         RefCell::new(Group {
             depth: 0,
             queued: Vec::new(),
+            posted: Vec::new(),
         })
     };
 }
@@ -38,6 +42,11 @@ pub(crate) fn enqueue(comm: Arc<Runner>, call: Call, stream: Stream) {
     GROUP.with(|g| g.borrow_mut().queued.push((comm, call, stream)));
 }
 
+/// Keeps a posted send/receive to wait for when the group ends.
+pub(crate) fn wait_at_end(req: Request) {
+    GROUP.with(|g| g.borrow_mut().posted.push(req));
+}
+
 /// Ends one level; the outermost end runs everything queued (each
 /// communicator's calls in order, different communicators concurrently)
 /// and reports the first error.
@@ -45,7 +54,7 @@ pub(crate) fn enqueue(comm: Arc<Runner>, call: Call, stream: Stream) {
 /// # Safety
 /// Every queued call's buffers must still be valid (the C contract).
 pub unsafe fn end() -> Result<()> {
-    let queued = GROUP.with(|g| {
+    let (queued, posted) = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return Err(Error::invalid_usage(
@@ -54,9 +63,9 @@ pub unsafe fn end() -> Result<()> {
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
-            std::mem::take(&mut g.queued)
+            (std::mem::take(&mut g.queued), std::mem::take(&mut g.posted))
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         })
     })?;
     // Split by communicator, keeping each one's order.
@@ -86,9 +95,17 @@ pub unsafe fn end() -> Result<()> {
         },
     );
     let rest = run_concurrently(per_comm);
+    if first_error.is_none() {
+        first_error = rest.err();
+    }
+    for r in &posted {
+        if let Err(e) = r.wait() {
+            first_error.get_or_insert(e);
+        }
+    }
     match first_error {
         Some(e) => Err(e),
-        None => rest,
+        None => Ok(()),
     }
 }
 

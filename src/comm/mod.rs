@@ -9,7 +9,8 @@ mod typed;
 
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Engine, EngineSpec};
-use crate::call::Call;
+use crate::backend::p2p::{Incoming, Status};
+use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{self, Backend, Options};
@@ -173,6 +174,149 @@ impl Comm {
         self.runner.submit(vec![call], None)
     }
 
+    /// Sends `data.count` elements of `buf` to `peer` with `tag` (>= 0), in
+    /// the point-to-point context; returns when buf may be reused.
+    /// `stream` is for device buffers (tag 0 only: NCCL has no tags).
+    ///
+    /// # Safety
+    /// `buf` valid for reads until this returns (inside a group: until
+    /// the group ends).
+    pub unsafe fn send_message(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+        tag: i32,
+        stream: Stream,
+    ) -> Result<()> {
+        check_tag(tag)?;
+        let call = Call::Send { buf, data, peer };
+        if !self.runner.goes_to_mailbox(&call) {
+            device_tag(tag == 0)?;
+            return self.run_on(call, stream);
+        }
+        let req = self.runner.post(&call, Some(tag))?;
+        if group::active() {
+            group::wait_at_end(req);
+            return Ok(());
+        }
+        req.wait()
+    }
+
+    /// Non-blocking `send_message`.
+    ///
+    /// # Safety
+    /// `buf` valid for reads until the request completes.
+    pub unsafe fn isend_message(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: usize,
+        tag: i32,
+    ) -> Result<Request> {
+        check_tag(tag)?;
+        let call = Call::Send { buf, data, peer };
+        if !self.runner.goes_to_mailbox(&call) {
+            device_tag(tag == 0)?;
+            return self.submit(call);
+        }
+        if group::active() {
+            return Err(group_refuses());
+        }
+        self.runner.post(&call, Some(tag))
+    }
+
+    /// Receives into `buf` (room for `data.count` elements) the oldest
+    /// message from `peer` (None: any rank) with `tag` (None: any tag),
+    /// and says who sent what. Inside a group it returns None at once and
+    /// the receive completes when the group ends.
+    ///
+    /// # Safety
+    /// `buf` valid for writes until this returns (inside a group: until
+    /// the group ends).
+    pub unsafe fn recv_message(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: Option<usize>,
+        tag: Option<i32>,
+        stream: Stream,
+    ) -> Result<Option<Status>> {
+        if let Some(call) = self.device_recv(buf, data, peer, tag)? {
+            self.run_on(call, stream)?;
+            return Ok((!group::active()).then_some(Status {
+                source: peer.unwrap_or(0),
+                tag: 0,
+                count: data.count,
+            }));
+        }
+        let req = self.runner.post_recv(Incoming {
+            buf,
+            dtype: data.dtype,
+            count: data.count,
+            peer,
+            tag,
+            exact: false,
+        })?;
+        if group::active() {
+            group::wait_at_end(req);
+            return Ok(None);
+        }
+        req.wait_status()
+    }
+
+    /// Non-blocking `recv_message`; the request's `status()` says who sent
+    /// what once it completed.
+    ///
+    /// # Safety
+    /// `buf` valid for writes, and untouched, until the request completes.
+    pub unsafe fn irecv_message(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: Option<usize>,
+        tag: Option<i32>,
+    ) -> Result<Request> {
+        if let Some(call) = self.device_recv(buf, data, peer, tag)? {
+            return self.submit(call);
+        }
+        if group::active() {
+            return Err(group_refuses());
+        }
+        self.runner.post_recv(Incoming {
+            buf,
+            dtype: data.dtype,
+            count: data.count,
+            peer,
+            tag,
+            exact: false,
+        })
+    }
+
+    /// The plain receive a tagged one on device memory becomes (None for
+    /// host memory, which the point-to-point context takes).
+    fn device_recv(
+        &self,
+        buf: RawBuf,
+        data: Data,
+        peer: Option<usize>,
+        tag: Option<i32>,
+    ) -> Result<Option<Call>> {
+        if let Some(t) = tag {
+            check_tag(t)?;
+        }
+        if crate::backend::cuda::is_host(buf.addr(), buf.len()) {
+            return Ok(None);
+        }
+        let Some(peer) = peer else {
+            return Err(Error::invalid_usage(
+                "a receive from any rank needs host memory (device buffers go through NCCL, which matches by rank only)",
+            ));
+        };
+        device_tag(tag == Some(0))?;
+        Ok(Some(Call::Recv { buf, data, peer }))
+    }
+
     /// Collective: ranks with equal `color` form a new communicator ordered
     /// by (key, rank); a negative color (RDIST_SPLIT_NOCOLOR) yields None.
     pub fn split(&self, color: i32, key: i32) -> Result<Option<Comm>> {
@@ -215,6 +359,31 @@ impl Comm {
             runner: self.runner.clone(),
         }
     }
+}
+
+fn check_tag(tag: i32) -> Result<()> {
+    if tag < 0 {
+        return Err(Error::invalid_argument(format!(
+            "tag {tag} is negative (tags are 0..{}; RDIST_ANY_TAG only in receives)",
+            i32::MAX
+        )));
+    }
+    Ok(())
+}
+
+fn device_tag(tag_zero: bool) -> Result<()> {
+    if tag_zero {
+        return Ok(());
+    }
+    Err(Error::invalid_usage(
+        "tags other than 0, and RDIST_ANY_TAG, need host memory (device buffers go through NCCL, which has no tags)",
+    ))
+}
+
+fn group_refuses() -> Error {
+    Error::invalid_usage(
+        "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
+    )
 }
 
 /// Aborts a communicator from another thread (see `Comm::abort`).

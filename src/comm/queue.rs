@@ -286,6 +286,7 @@ impl Runner {
             Ok(())
         } else {
             self.run_rest(rest_calls, rest_streams)
+                .map_err(|e| self.with_p2p_pending(e))
         };
         let mut first = rest.err();
         for r in &posted {
@@ -326,10 +327,12 @@ impl Runner {
         }
         self.start_held()?;
         let busy = self.queued.load(Ordering::Acquire) > 0;
-        if busy {
-            return self.submit(vec![call], Some(vec![stream]))?.wait();
-        }
-        self.run_now(std::slice::from_ref(&call), Some(&[stream]), false)
+        let r = if busy {
+            self.submit(vec![call], Some(vec![stream]))?.wait()
+        } else {
+            self.run_now(std::slice::from_ref(&call), Some(&[stream]), false)
+        };
+        r.map_err(|e| self.with_p2p_pending(e))
     }
 
     /// Runs calls on the engine now.
@@ -431,8 +434,25 @@ impl Runner {
         }))
     }
 
-    pub(crate) fn mailbox(&self) -> &Arc<Mailbox> {
-        &self.mailbox
+    /// A collective's timeout names the sends/receives pending here too
+    /// (a deadlock between the two contexts shows both sides).
+    fn with_p2p_pending(&self, e: Error) -> Error {
+        if e.kind() != ErrorKind::Timeout {
+            return e;
+        }
+        let pending = self.mailbox.pending();
+        if pending.is_empty() {
+            return e;
+        }
+        let shown: Vec<String> = pending.into_iter().take(8).collect();
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "{}; point-to-point calls pending on this rank: {}",
+                e.message(),
+                shown.join("; ")
+            ),
+        )
     }
 
     /// Whether a send/receive goes to the point-to-point context: its
@@ -462,7 +482,13 @@ impl Runner {
                     peer,
                     tag,
                 })?;
-                (t, format!("send to rank {peer} (tag {tag}, {} x {})", data.count, data.dtype))
+                (
+                    t,
+                    format!(
+                        "send to rank {peer} (tag {tag}, {} x {})",
+                        data.count, data.dtype
+                    ),
+                )
             }
             Call::Recv { buf, data, peer } => {
                 let t = self.mailbox.recv(p2p::Incoming {
@@ -473,9 +499,21 @@ impl Runner {
                     tag: Some(tag.unwrap_or(0)),
                     exact: true,
                 })?;
-                (t, format!("recv from rank {peer} (tag {}, {} x {})", tag.unwrap_or(0), data.count, data.dtype))
+                (
+                    t,
+                    format!(
+                        "recv from rank {peer} (tag {}, {} x {})",
+                        tag.unwrap_or(0),
+                        data.count,
+                        data.dtype
+                    ),
+                )
             }
-            _ => return Err(Error::internal("post of a call that is not a send or receive")),
+            _ => {
+                return Err(Error::internal(
+                    "post of a call that is not a send or receive",
+                ))
+            }
         };
         Ok(Request::p2p(self.mailbox.clone(), ticket, what))
     }
@@ -487,7 +525,8 @@ impl Runner {
     pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: p2p::Incoming) -> Result<Request> {
         let what = format!(
             "recv from {} ({}, up to {} x {})",
-            r.peer.map_or("any rank".to_string(), |p| format!("rank {p}")),
+            r.peer
+                .map_or("any rank".to_string(), |p| format!("rank {p}")),
             r.tag.map_or("any tag".to_string(), |t| format!("tag {t}")),
             r.count,
             r.dtype

@@ -3,7 +3,8 @@
 
 use super::group;
 use super::Comm;
-use crate::call::{Call, Data};
+use crate::backend::p2p::Status;
+use crate::call::{Call, Data, RawBuf};
 use crate::descriptor::OpKind;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
@@ -181,6 +182,67 @@ impl Comm {
         )?;
         // SAFETY: `buf` outlives this blocking call.
         unsafe { self.run(call) }
+    }
+
+    /// Sends `buf` to `peer` with `tag` (>= 0), in the point-to-point
+    /// context (matched by source, tag and order, apart from collectives).
+    pub fn send_tagged<T: Element>(&self, buf: &[T], peer: usize, tag: i32) -> Result<()> {
+        self.typed_p2p_allowed()?;
+        let peer = crate::call::check_rank("peer", peer as i64, self.size())?;
+        let data = Data {
+            count: buf.len(),
+            dtype: T::DTYPE,
+        };
+        // SAFETY: `buf` outlives this blocking call.
+        unsafe {
+            self.send_message(
+                RawBuf::of(as_bytes(buf)),
+                data,
+                peer,
+                tag,
+                crate::backend::cuda::Stream::DEFAULT,
+            )
+        }
+    }
+
+    /// Receives the oldest message from `peer` (None: any rank) with `tag`
+    /// (None: any tag) into `buf`, which may be longer than the message;
+    /// returns who sent what.
+    pub fn recv_tagged<T: Element>(
+        &self,
+        buf: &mut [T],
+        peer: Option<usize>,
+        tag: Option<i32>,
+    ) -> Result<Status> {
+        self.typed_p2p_allowed()?;
+        if let Some(p) = peer {
+            crate::call::check_rank("peer", p as i64, self.size())?;
+        }
+        let data = Data {
+            count: buf.len(),
+            dtype: T::DTYPE,
+        };
+        let bytes = as_bytes_mut(buf);
+        // SAFETY: `buf` outlives this blocking call.
+        let got = unsafe {
+            self.recv_message(
+                RawBuf::new(bytes.as_mut_ptr(), bytes.len()),
+                data,
+                peer,
+                tag,
+                crate::backend::cuda::Stream::DEFAULT,
+            )
+        }?;
+        got.ok_or_else(|| Error::internal("a blocking receive without a status"))
+    }
+
+    fn typed_p2p_allowed(&self) -> Result<()> {
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "the safe Rust API cannot be used inside a group (its borrows end before the group does)",
+            ));
+        }
+        Ok(())
     }
 
     /// Sends `send` to `to` while receiving `recv` from `from` (one

@@ -1,7 +1,8 @@
 //! Completing non-blocking calls.
 
 use super::types::*;
-use super::{boundary, handle, write_out};
+use super::{boundary, check_out, handle, write_out};
+use crate::error::Error;
 use std::ffi::c_int;
 
 /// Blocks until the request completes and returns its result (bounded by
@@ -40,4 +41,33 @@ pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
         let r = unsafe { Box::from_raw(req) };
         let _ = r.req.wait();
     });
+}
+
+/// The status of a completed receive: who sent it, its tag, and how many
+/// elements arrived. RDIST_ERR_INVALID_USAGE while the request is in
+/// flight, when it failed, or for a request that is not a point-to-point
+/// receive or send on host memory. Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_request_status(
+    req: *const rdist_request_t,
+    status: *mut rdist_status_t,
+) -> rdist_result_t {
+    boundary("rdist_request_status", None, || {
+        let r = handle(req, "req")?;
+        check_out(status, "status")?;
+        let s = r.req.status().ok_or_else(|| {
+            Error::invalid_usage(
+                "the request has no status: it is still in flight, it failed, or it is not a point-to-point call on host memory",
+            )
+        })?;
+        write_out(
+            status,
+            "status",
+            rdist_status_t {
+                source: s.source as c_int,
+                tag: s.tag,
+                count: s.count,
+            },
+        )
+    })
 }

@@ -117,6 +117,25 @@ pub struct rdist_unique_id_t {
 /// communicator.
 pub const RDIST_SPLIT_NOCOLOR: c_int = -1;
 
+/// As peer of a tagged receive: a message from any rank (since 0.2).
+pub const RDIST_ANY_SOURCE: c_int = -1;
+
+/// As tag of a tagged receive: a message with any tag (since 0.2).
+pub const RDIST_ANY_TAG: c_int = -1;
+
+/// Who sent a received message, with which tag, and how many elements
+/// (since 0.2).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct rdist_status_t {
+    /// The rank the message came from.
+    pub source: c_int,
+    /// Its tag.
+    pub tag: c_int,
+    /// Elements received.
+    pub count: usize,
+}
+
 /// A communicator (process group).
 pub struct rdist_comm {
     pub(crate) comm: Comm,

@@ -71,6 +71,7 @@ fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
     b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
     b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
     b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
+    b[36] = Context::Collectives as u8;
     b
 }
 

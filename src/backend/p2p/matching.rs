@@ -162,7 +162,10 @@ mod tests {
         assert!(m.post(recv(1, None, None)).is_none());
         assert!(m.post(recv(2, Some(1), None)).is_none());
         let (r, _) = m.arrive(msg(1, 3, 0)).unwrap();
-        assert_eq!(r.id, 1, "the wildcard posted before the other rank-1 receive");
+        assert_eq!(
+            r.id, 1,
+            "the wildcard posted before the other rank-1 receive"
+        );
         let (r, _) = m.arrive(msg(1, 9, 1)).unwrap();
         assert_eq!(r.id, 0);
         assert!(m.cancel(2).is_some());

@@ -1,0 +1,330 @@
+//! Point-to-point in its own context, as in MPI: tags, wildcards, sends
+//! that move when posted, receives posted before a collective and matched
+//! after it, and the errors that name what is pending. Real ranks (threads
+//! with real sockets on loopback), through the C ABI where requests are
+//! involved.
+
+mod common;
+
+use rdist::internals::{Data, RawBuf};
+use rdist::{Comm, DType, ErrorKind, Request};
+use std::time::{Duration, Instant};
+
+fn irecv(
+    comm: &Comm,
+    buf: &mut [u8],
+    dtype: DType,
+    peer: Option<usize>,
+    tag: Option<i32>,
+) -> Request {
+    let count = buf.len() / dtype.size();
+    // SAFETY: every test waits for the request before its buffer goes.
+    unsafe {
+        comm.irecv_message(
+            RawBuf::new(buf.as_mut_ptr(), buf.len()),
+            Data { count, dtype },
+            peer,
+            tag,
+        )
+    }
+    .unwrap()
+}
+
+fn isend(comm: &Comm, buf: &[u8], dtype: DType, peer: usize, tag: i32) -> Request {
+    let count = buf.len() / dtype.size();
+    // SAFETY: every test waits for the request before its buffer goes.
+    unsafe { comm.isend_message(RawBuf::of(buf), Data { count, dtype }, peer, tag) }.unwrap()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn a_receive_posted_before_a_collective_matches_a_send_made_after_it() {
+    // irecv; allreduce; send; wait on every rank at once (legal in MPI):
+    // the receive and the send are in their own context.
+    for n in [2usize, 3, 4] {
+        common::world(
+            n,
+            common::opts(20_000),
+            Duration::from_secs(60),
+            move |comm| {
+                let r = comm.rank();
+                let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+                for round in 0..3usize {
+                    // Small (eager) and large (rendezvous, > 64 MiB) messages.
+                    let elems = if round == 2 {
+                        (65 << 20) / 4 + 3
+                    } else {
+                        1000 + round
+                    };
+                    let mut got = vec![0u8; elems * 4];
+                    let req = irecv(&comm, &mut got, DType::Float32, Some(left), Some(7));
+                    let mut x = [r as f32 + 1.0; 4];
+                    comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
+                    assert_eq!(x[0], (n * (n + 1) / 2) as f32);
+                    let mine: Vec<f32> = (0..elems)
+                        .map(|i| (r * 1_000_000 + i + round) as f32)
+                        .collect();
+                    comm.send_tagged(&mine, right, 7).unwrap();
+                    let s = req.wait_status().unwrap().unwrap();
+                    assert_eq!((s.source, s.tag, s.count), (left, 7, elems));
+                    assert_eq!(req.status(), Some(s));
+                    let want: Vec<f32> = (0..elems)
+                        .map(|i| (left * 1_000_000 + i + round) as f32)
+                        .collect();
+                    assert!(
+                        got == f32_bytes(&want),
+                        "rank {r} round {round}: wrong payload"
+                    );
+                }
+                comm.barrier().unwrap();
+            },
+        );
+    }
+}
+
+#[test]
+fn a_nonblocking_send_moves_data_before_it_is_waited_on() {
+    // Rank 0 posts isend and computes for 1.5 s before waiting; rank 1's
+    // blocking receive must not wait for that (it did before: 2.0 s).
+    for elems in [256usize << 10, (80 << 20) / 4] {
+        let times = common::world(
+            2,
+            common::opts(20_000),
+            Duration::from_secs(60),
+            move |comm| {
+                if comm.rank() == 0 {
+                    let data: Vec<f32> = (0..elems).map(|i| i as f32).collect();
+                    let bytes = f32_bytes(&data);
+                    comm.barrier().unwrap();
+                    let req = isend(&comm, &bytes, DType::Float32, 1, 3);
+                    std::thread::sleep(Duration::from_millis(1500));
+                    req.wait().unwrap();
+                    Duration::ZERO
+                } else {
+                    let mut got = vec![0f32; elems];
+                    comm.barrier().unwrap();
+                    let t = Instant::now();
+                    let s = comm.recv_tagged(&mut got, Some(0), Some(3)).unwrap();
+                    let took = t.elapsed();
+                    assert_eq!(s.count, elems);
+                    assert!(got.iter().enumerate().all(|(i, v)| *v == i as f32));
+                    took
+                }
+            },
+        );
+        assert!(
+            times[1] < Duration::from_millis(1000),
+            "{elems} floats: the receiver waited {:?} for a send posted at once",
+            times[1]
+        );
+    }
+}
+
+#[test]
+fn tags_and_wildcards_match_as_in_mpi() {
+    common::world(3, common::opts(20_000), Duration::from_secs(60), |comm| {
+        let r = comm.rank();
+        if r > 0 {
+            // Each sender: tags 1, 2, 3, then tag 1 again (order within a tag kept).
+            for (k, tag) in [1, 2, 3, 1].into_iter().enumerate() {
+                let v = [(r * 100 + k) as i32; 3];
+                comm.send_tagged(&v, 0, tag).unwrap();
+            }
+        } else {
+            let mut buf = [0i32; 8];
+            // Tag 3 from rank 2 first, although tags 1 and 2 came before it.
+            let s = comm.recv_tagged(&mut buf, Some(2), Some(3)).unwrap();
+            assert_eq!((s.source, s.tag, s.count, buf[0]), (2, 3, 3, 202));
+            // Tag 1 from anyone, twice from rank 1 in order: first k=0, then k=3.
+            let s = comm.recv_tagged(&mut buf, Some(1), Some(1)).unwrap();
+            assert_eq!((s.source, buf[0]), (1, 100));
+            let s = comm.recv_tagged(&mut buf, Some(1), Some(1)).unwrap();
+            assert_eq!((s.source, buf[0]), (1, 103));
+            // Any source, any tag: the other five, each exactly once, and
+            // rank 2's two tag-1 messages in the order they were sent.
+            let mut seen = Vec::new();
+            for _ in 0..5 {
+                let s = comm.recv_tagged(&mut buf, None, None).unwrap();
+                assert_eq!(s.count, 3);
+                seen.push((s.source, s.tag, buf[0]));
+            }
+            let twos: Vec<i32> = seen
+                .iter()
+                .filter(|x| x.0 == 2 && x.1 == 1)
+                .map(|x| x.2)
+                .collect();
+            assert_eq!(twos, vec![200, 203]);
+            seen.sort();
+            assert_eq!(
+                seen,
+                vec![
+                    (1, 2, 101),
+                    (1, 3, 102),
+                    (2, 1, 200),
+                    (2, 1, 203),
+                    (2, 2, 201)
+                ]
+            );
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn a_message_that_does_not_fit_fails_its_receive_and_is_consumed() {
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            comm.send_tagged(&[1i32, 2, 3, 4], 1, 0).unwrap(); // too long
+            comm.send_tagged(&[5i32, 6], 1, 0).unwrap(); // shorter: fits
+            comm.send_tagged(&[7.0f32], 1, 0).unwrap(); // other dtype
+            comm.send_tagged(&[8i32], 1, 0).unwrap();
+        } else {
+            let mut buf = [0i32; 3];
+            let e = comm.recv_tagged(&mut buf, Some(0), Some(0)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            assert!(
+                e.message().contains("4 elements") && e.message().contains("room for 3"),
+                "{e}"
+            );
+            let s = comm.recv_tagged(&mut buf, Some(0), Some(0)).unwrap();
+            assert_eq!((s.count, &buf[..2]), (2, &[5, 6][..]));
+            let e = comm.recv_tagged(&mut buf, Some(0), Some(0)).unwrap_err();
+            assert!(
+                e.message().contains("float32") && e.message().contains("int32"),
+                "{e}"
+            );
+            let s = comm.recv_tagged(&mut buf, Some(0), Some(0)).unwrap();
+            assert_eq!((s.count, buf[0]), (1, 8));
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn a_deadlock_across_the_two_contexts_names_both_pending_calls() {
+    let errors = common::world(2, common::opts(1500), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            // Waits for a message with tag 5 that never comes, then a collective.
+            let mut got = vec![0u8; 16];
+            let req = irecv(&comm, &mut got, DType::Int32, Some(1), Some(5));
+            let mut x = [1.0f32];
+            let e = comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap_err();
+            let w = req.wait().is_ok();
+            (e.to_string(), w)
+        } else {
+            // Sends tag 6 (not 5), then waits for a message rank 0 never sends.
+            comm.send_tagged(&[1i32, 2, 3, 4], 0, 6).unwrap();
+            let mut buf = [0i32; 4];
+            let e = comm.recv_tagged(&mut buf, Some(0), None).unwrap_err();
+            (e.to_string(), false)
+        }
+    });
+    let (e0, w0) = &errors[0];
+    assert!(e0.contains("allreduce"), "{e0}");
+    assert!(
+        e0.contains("recv from rank 1 (tag 5"),
+        "rank 0 names its pending receive: {e0}"
+    );
+    assert!(!*w0, "the receive never matched");
+    let (e1, _) = &errors[1];
+    assert!(
+        e1.contains("recv from rank 0 (any tag") && e1.contains("did not complete"),
+        "{e1}"
+    );
+}
+
+#[test]
+fn a_receive_from_a_rank_that_left_fails_at_once() {
+    let t = common::world(2, common::opts(30_000), Duration::from_secs(60), |comm| {
+        comm.barrier().unwrap();
+        if comm.rank() == 1 {
+            drop(comm);
+            return Duration::ZERO;
+        }
+        let t = Instant::now();
+        let mut buf = [0u8; 4];
+        let e = comm.recv_tagged(&mut buf, Some(1), Some(0)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
+        assert!(e.message().contains("rank 1"), "{e}");
+        t.elapsed()
+    });
+    assert!(t[0] < Duration::from_secs(5), "noticed after {:?}", t[0]);
+}
+
+#[test]
+fn bad_tagged_arguments_are_refused_precisely() {
+    common::world(2, common::opts(5_000), Duration::from_secs(60), |comm| {
+        let mut buf = [0u8; 4];
+        let data = Data {
+            count: 4,
+            dtype: DType::Uint8,
+        };
+        let raw = RawBuf::new(buf.as_mut_ptr(), 4);
+        // SAFETY: nothing is posted by these calls, which fail.
+        unsafe {
+            let e = comm.isend_message(raw, data, 1, -3).err().unwrap();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+            assert!(e.message().contains("tag -3"), "{e}");
+            let e = comm
+                .irecv_message(raw, data, Some(0), Some(-2))
+                .err()
+                .unwrap();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        }
+        let e = comm.send_tagged(&[1u8], 2, 0).unwrap_err();
+        assert!(e.message().contains("peer 2"), "{e}");
+        // A request with no status (a collective), and one still in flight.
+        let mut x = [0u8; 1];
+        let peer = 1 - comm.rank();
+        let rq = irecv(&comm, &mut buf, DType::Uint8, None, None);
+        assert_eq!(rq.status(), None);
+        comm.send_tagged(&[comm.rank() as u8 + 10], peer, 9)
+            .unwrap();
+        let s = rq.wait_status().unwrap().unwrap();
+        assert_eq!(
+            (s.source, s.tag, s.count, buf[0]),
+            (peer, 9, 1, peer as u8 + 10)
+        );
+        x[0] = 1;
+        comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
+        assert_eq!(x[0], 2);
+    });
+}
+
+#[test]
+fn tagged_calls_in_a_group_complete_when_it_ends() {
+    common::world(2, common::opts(10_000), Duration::from_secs(60), |comm| {
+        let peer = 1 - comm.rank();
+        let mine: Vec<u8> = vec![comm.rank() as u8 + 1; 100_000];
+        let mut got = vec![0u8; 100_000];
+        let d = Data {
+            count: mine.len(),
+            dtype: DType::Uint8,
+        };
+        rdist::internals::group::start();
+        // SAFETY: both buffers outlive the group, which ends below.
+        unsafe {
+            comm.recv_message(
+                RawBuf::new(got.as_mut_ptr(), got.len()),
+                d,
+                Some(peer),
+                Some(4),
+                rdist::internals::Stream::DEFAULT,
+            )
+            .unwrap();
+            comm.send_message(
+                RawBuf::of(&mine),
+                d,
+                peer,
+                4,
+                rdist::internals::Stream::DEFAULT,
+            )
+            .unwrap();
+            rdist::internals::group::end().unwrap();
+        }
+        assert!(got.iter().all(|b| *b == peer as u8 + 1));
+    });
+}
