@@ -27,7 +27,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use wire::{Header, Kind, EAGER_MAX, HEADER_BYTES};
+use wire::{Header, Kind, EAGER_MAX, FAILURE_MAX, HEADER_BYTES};
 
 /// Who sent a received message, with which tag, and how many elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,6 +181,11 @@ enum Reading {
     Header,
     Eager {
         env: Envelope,
+        buf: Vec<u8>,
+        got: usize,
+    },
+    /// A peer's failure report.
+    Failure {
         buf: Vec<u8>,
         got: usize,
     },
@@ -676,6 +681,23 @@ impl State {
         self.matching.posted = keep;
     }
 
+    /// Best effort, never blocking: a Failure frame on every connection
+    /// that is between frames, so the peers learn why rather than only
+    /// that the line went dead.
+    fn tell_peers(&mut self, kind: ErrorKind, report: &str) {
+        let mut payload = vec![kind.code() as u8];
+        payload.extend_from_slice(report.as_bytes());
+        payload.truncate(FAILURE_MAX);
+        let head = Header::failure(payload.len()).encode();
+        for p in self.peers.iter_mut() {
+            for c in [p.out.as_mut(), p.inc.as_mut()].into_iter().flatten() {
+                if c.written == 0 {
+                    let _ = writev(c.stream.as_raw_fd(), &head, &payload);
+                }
+            }
+        }
+    }
+
     fn fail_all(&mut self, err: Error) {
         if self.failed.is_none() {
             self.failed = Some(err.clone());
@@ -848,6 +870,10 @@ fn progress(sh: &Shared) {
                 }
                 Slot::Abort => {
                     if st.failed.is_none() {
+                        st.tell_peers(
+                            ErrorKind::Aborted,
+                            &format!("rank {} aborted the communicator", sh.rank),
+                        );
                         st.fail_all(Error::new(
                             ErrorKind::Aborted,
                             format!("the communicator was aborted (rank {})", sh.rank),
@@ -1053,6 +1079,18 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                     arrive(st, env, Some(buf), me);
                 }
             }
+            Reading::Failure { buf, got } => {
+                match c.stream.read(&mut buf[*got..]) {
+                    Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
+                    Ok(n) => *got += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
+                }
+                if *got == buf.len() {
+                    return Err(reported(buf));
+                }
+            }
             Reading::Data {
                 target, len, got, ..
             } => {
@@ -1090,6 +1128,18 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
     }
 }
 
+/// The error a peer's Failure frame reports.
+fn reported(payload: &[u8]) -> Error {
+    let kind = payload
+        .first()
+        .and_then(|k| ErrorKind::from_code(*k as i32))
+        .unwrap_or(ErrorKind::PeerLost);
+    Error::new(
+        kind,
+        String::from_utf8_lossy(payload.get(1..).unwrap_or(&[])).into_owned(),
+    )
+}
+
 fn arrive(st: &mut State, env: Envelope, payload: Option<Vec<u8>>, me: usize) {
     if let Some((r, a)) = st.matching.arrive(Arrival { env, payload }) {
         st.deliver(r, a, me);
@@ -1107,6 +1157,17 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
         )
     };
     let me = sh.rank;
+    if h.kind == Kind::Failure {
+        let c = conn(st, peer, out).expect("reading it");
+        if h.payload == 0 {
+            return Err(reported(&[]));
+        }
+        c.reading = Reading::Failure {
+            buf: vec![0; h.payload as usize],
+            got: 0,
+        };
+        return Ok(());
+    }
     if out {
         // Only Cts comes back on a connection this rank dialed.
         if h.kind != Kind::Cts {
@@ -1193,6 +1254,7 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
             };
         }
         Kind::Cts => return Err(protocol("clear-to-send on the receiver's connection")),
+        Kind::Failure => unreachable!("handled above"),
     }
     Ok(())
 }

@@ -26,7 +26,13 @@ pub enum Kind {
     Data = 3,
     /// Clear to send message `seq` (receiver to sender).
     Cts = 4,
+    /// The sender's communicator failed or was aborted; the payload is
+    /// [error kind, message...] (either direction).
+    Failure = 5,
 }
+
+/// Longest Failure payload.
+pub const FAILURE_MAX: usize = 4096;
 
 /// One frame header. `seq` numbers the messages of one connection from 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +56,17 @@ impl Header {
             seq,
             count: 0,
             payload: 0,
+        }
+    }
+
+    pub fn failure(payload: usize) -> Header {
+        Header {
+            kind: Kind::Failure,
+            dtype: DType::Uint8,
+            tag: 0,
+            seq: 0,
+            count: payload as u64,
+            payload: payload as u64,
         }
     }
 
@@ -83,6 +100,7 @@ impl Header {
             2 => Kind::Rts,
             3 => Kind::Data,
             4 => Kind::Cts,
+            5 => Kind::Failure,
             _ => return Err(corrupt("unknown frame kind")),
         };
         let dtype = DType::try_from(b[3] as i32).map_err(|_| corrupt("unknown dtype"))?;
@@ -103,6 +121,7 @@ impl Header {
             Kind::Rts => h.payload == 0 && bytes > EAGER_MAX && h.tag >= 0,
             Kind::Data => h.payload == bytes as u64,
             Kind::Cts => h.payload == 0,
+            Kind::Failure => h.payload as usize <= FAILURE_MAX && h.payload == bytes as u64,
         };
         if !ok {
             return Err(corrupt("sizes that do not agree"));

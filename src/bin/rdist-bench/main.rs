@@ -13,7 +13,7 @@
 //! `--seconds`; a batch's time is the maximum over ranks and the reported
 //! time the median batch. algbw = bytes / time; busbw applies nccl-tests'
 //! factor per collective (allreduce 2(n-1)/n; allgather, reduce_scatter,
-//! alltoall (n-1)/n; broadcast, reduce 1). #wrong counts elements that
+//! alltoall (n-1)/n; broadcast, reduce, sendrecv 1). #wrong counts elements that
 //! differ from an independently computed reference on a checked run.
 
 mod device;
@@ -31,9 +31,12 @@ enum Coll {
     ReduceScatter,
     AllToAll,
     Barrier,
+    /// Point-to-point: each rank sends to the next and receives from the
+    /// previous at once (a ring shift).
+    SendRecv,
 }
 
-const ALL: [Coll; 7] = [
+const ALL: [Coll; 8] = [
     Coll::AllReduce,
     Coll::Broadcast,
     Coll::Reduce,
@@ -41,6 +44,7 @@ const ALL: [Coll; 7] = [
     Coll::ReduceScatter,
     Coll::AllToAll,
     Coll::Barrier,
+    Coll::SendRecv,
 ];
 
 impl Coll {
@@ -53,6 +57,7 @@ impl Coll {
             Coll::ReduceScatter => "reduce_scatter",
             Coll::AllToAll => "alltoall",
             Coll::Barrier => "barrier",
+            Coll::SendRecv => "sendrecv",
         }
     }
 
@@ -190,7 +195,7 @@ fn setup(c: Coll, count: usize, comm: &Comm) -> Bufs {
             .collect::<Vec<_>>()
     };
     match c {
-        Coll::AllReduce | Coll::Broadcast | Coll::Reduce => Bufs {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => Bufs {
             send: fill(count, r),
             recv: vec![0.0; count],
         },
@@ -218,6 +223,10 @@ fn run_once(c: Coll, b: &mut Bufs, count: usize, a: &Args, comm: &Comm) -> rdist
         Coll::ReduceScatter => comm.reduce_scatter(&b.send, &mut b.recv[..count], a.redop),
         Coll::AllToAll => comm.alltoall(&b.send, &mut b.recv),
         Coll::Barrier => comm.barrier(),
+        Coll::SendRecv => {
+            let (r, n) = (comm.rank(), comm.size());
+            comm.sendrecv(&b.send, (r + 1) % n, &mut b.recv, (r + n - 1) % n)
+        }
     }
 }
 
@@ -249,6 +258,10 @@ fn count_wrong(c: Coll, count: usize, a: &Args, comm: &Comm) -> rdist::Result<u6
             .map(|j| v(j / count.max(1), r * count + j % count.max(1)))
             .collect(),
         Coll::Barrier => return Ok(0),
+        Coll::SendRecv => {
+            let left = (r + n - 1) % n;
+            (0..count).map(|i| v(left, i)).collect()
+        }
     };
     let got = &b.recv[..want.len()];
     Ok(got.iter().zip(&want).filter(|(g, w)| g != w).count() as u64)
