@@ -44,44 +44,44 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 fn a_receive_posted_before_a_collective_matches_a_send_made_after_it() {
     // irecv; allreduce; send; wait on every rank at once (legal in MPI):
     // the receive and the send are in their own context.
-    for n in [2usize, 3, 4] {
-        common::world(
-            n,
-            common::opts(20_000),
-            Duration::from_secs(60),
-            move |comm| {
-                let r = comm.rank();
-                let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-                for round in 0..3usize {
-                    // Small (eager) and large (rendezvous, > 64 MiB) messages.
-                    let elems = if round == 2 {
-                        (65 << 20) / 4 + 3
-                    } else {
-                        1000 + round
-                    };
-                    let mut got = vec![0u8; elems * 4];
-                    let req = irecv(&comm, &mut got, DType::Float32, Some(left), Some(7));
-                    let mut x = [r as f32 + 1.0; 4];
-                    comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
-                    assert_eq!(x[0], (n * (n + 1) / 2) as f32);
-                    let mine: Vec<f32> = (0..elems)
-                        .map(|i| (r * 1_000_000 + i + round) as f32)
-                        .collect();
-                    comm.send_tagged(&mine, right, 7).unwrap();
-                    let s = req.wait_status().unwrap().unwrap();
-                    assert_eq!((s.source, s.tag, s.count), (left, 7, elems));
-                    assert_eq!(req.status(), Some(s));
-                    let want: Vec<f32> = (0..elems)
-                        .map(|i| (left * 1_000_000 + i + round) as f32)
-                        .collect();
-                    assert!(
-                        got == f32_bytes(&want),
-                        "rank {r} round {round}: wrong payload"
-                    );
-                }
-                comm.barrier().unwrap();
-            },
-        );
+    // Shared memory (large payloads single-copy) and TCP (eager and
+    // rendezvous over the socket).
+    for (n, transport) in [(2usize, "auto"), (3, "auto"), (4, "auto"), (3, "tcp")] {
+        let mut o = common::opts(20_000);
+        o.set("transport", transport).unwrap();
+        common::world(n, o, Duration::from_secs(60), move |comm| {
+            let r = comm.rank();
+            let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+            for round in 0..4usize {
+                // Small (eager), 1 MiB (single copy on one host, else
+                // eager) and large (rendezvous, > 64 MiB) messages.
+                let elems = match round {
+                    2 => (65 << 20) / 4 + 3,
+                    3 => (1 << 20) / 4 + 1,
+                    _ => 1000 + round,
+                };
+                let mut got = vec![0u8; elems * 4];
+                let req = irecv(&comm, &mut got, DType::Float32, Some(left), Some(7));
+                let mut x = [r as f32 + 1.0; 4];
+                comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
+                assert_eq!(x[0], (n * (n + 1) / 2) as f32);
+                let mine: Vec<f32> = (0..elems)
+                    .map(|i| (r * 1_000_000 + i + round) as f32)
+                    .collect();
+                comm.send_tagged(&mine, right, 7).unwrap();
+                let s = req.wait_status().unwrap().unwrap();
+                assert_eq!((s.source, s.tag, s.count), (left, 7, elems));
+                assert_eq!(req.status(), Some(s));
+                let want: Vec<f32> = (0..elems)
+                    .map(|i| (left * 1_000_000 + i + round) as f32)
+                    .collect();
+                assert!(
+                    got == f32_bytes(&want),
+                    "rank {r} round {round}: wrong payload"
+                );
+            }
+            comm.barrier().unwrap();
+        });
     }
 }
 

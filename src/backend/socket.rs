@@ -71,6 +71,9 @@ pub struct SocketBackend {
     /// for the peers' point-to-point connections) and those that came
     /// early (see `mesh::Mesh::early_p2p`).
     p2p: Option<(TcpListener, Vec<(usize, std::net::TcpStream)>)>,
+    /// Whether point-to-point payloads to each rank may be read by it
+    /// straight from this process's memory (same host, single copy on).
+    p2p_single_copy: Vec<bool>,
 }
 
 /// Copies `len` bytes between possibly overlapping caller buffers.
@@ -126,6 +129,16 @@ impl SocketBackend {
         let cores = online_cores();
         let oversubscribed = local_ranks > cores;
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
+        let p2p_single_copy: Vec<bool> = (0..size)
+            .map(|p| {
+                attached.single_copy
+                    && attached.name != "tcp"
+                    // Point-to-point takes it whenever allowed: its other
+                    // path is a socket, not a ring.
+                    && settings.single_copy != SingleCopy::Off
+                    && roster.hosts[p] == roster.hosts[rank]
+            })
+            .collect();
         let mut transport_detail = format!(
             "{}, {local_ranks} ranks on {cores} cores here",
             attached.name
@@ -158,6 +171,7 @@ impl SocketBackend {
             settings,
             to_self: VecDeque::new(),
             p2p: Some((p2p_listener, early_p2p)),
+            p2p_single_copy,
             scratch: Vec::new(),
         })
     }
@@ -186,6 +200,8 @@ impl SocketBackend {
             listener,
             early,
             timeout,
+            spin: self.settings.spin,
+            single_copy: self.p2p_single_copy.clone(),
             signal,
         })
     }

@@ -274,9 +274,18 @@ impl Runner {
         let mut posted = Vec::new();
         let mut rest_calls = Vec::with_capacity(calls.len());
         let mut rest_streams = Vec::with_capacity(calls.len());
+        // Receives first: a payload that arrives while the batch is being
+        // posted then goes straight into its buffer.
+        for call in calls.iter().filter(|c| matches!(c, Call::Recv { .. })) {
+            if self.goes_to_mailbox(call) {
+                posted.push(self.post(call, None)?);
+            }
+        }
         for (call, stream) in calls.into_iter().zip(streams) {
             if call.is_p2p() && self.goes_to_mailbox(&call) {
-                posted.push(self.post(&call, None)?);
+                if matches!(call, Call::Send { .. }) {
+                    posted.push(self.post(&call, None)?);
+                }
             } else {
                 rest_calls.push(call);
                 rest_streams.push(stream);

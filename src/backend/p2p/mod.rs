@@ -16,6 +16,7 @@ pub mod wire;
 use crate::call::RawBuf;
 use crate::dtype::DType;
 use crate::error::{describe_io, Error, ErrorKind, Result};
+use crate::transport::channel::read_remote;
 use crate::transport::channel::writev;
 use crate::transport::mesh::{self, Context, MeshSpec};
 use crate::transport::signal::AbortSignal;
@@ -27,7 +28,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use wire::{Header, Kind, EAGER_MAX, FAILURE_MAX, HEADER_BYTES};
+use wire::{Header, Kind, EAGER_MAX, FAILURE_MAX, HEADER_BYTES, REMOTE_BYTES, REMOTE_MIN};
 
 /// Who sent a received message, with which tag, and how many elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +64,9 @@ impl Done {
 pub struct Ticket {
     id: u64,
     done: Arc<Done>,
+    /// The rank it talks to (None: any), whose connections a waiting
+    /// caller services itself.
+    peer: Option<usize>,
 }
 
 /// A message to send.
@@ -96,6 +100,11 @@ pub(crate) struct MailboxSpec {
     pub listener: TcpListener,
     pub early: Vec<(usize, TcpStream)>,
     pub timeout: Duration,
+    /// How long a waiting caller drives progress itself before sleeping.
+    pub spin: Duration,
+    /// Per rank: whether it can copy large payloads straight from this
+    /// process's memory (same host, process_vm_readv allowed).
+    pub single_copy: Vec<bool>,
     pub signal: Arc<AbortSignal>,
 }
 
@@ -109,9 +118,15 @@ struct Shared {
     rank: usize,
     mesh: MeshSpec,
     timeout: Duration,
+    spin: Duration,
     signal: Arc<AbortSignal>,
     /// Wakes the progress thread (eventfd).
     wake: AbortSignal,
+    /// Callers driving progress in their waits right now: the progress
+    /// thread stays out of their way (two cores, four busy threads).
+    drivers: std::sync::atomic::AtomicUsize,
+    /// Bytes moved on any connection, so a driving caller sees progress.
+    moved: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
 }
 
@@ -150,6 +165,9 @@ struct Peer {
     receiving: HashMap<u64, Target>,
     next_out_seq: u64,
     next_in_seq: u64,
+    /// Large payloads go single-copy (the peer reads them from here);
+    /// cleared when the peer once could not.
+    single_copy: bool,
     /// Why this pair can no longer talk.
     gone: Option<Error>,
 }
@@ -189,6 +207,12 @@ enum Reading {
         buf: Vec<u8>,
         got: usize,
     },
+    /// Where a same-host message lies in its sender: [pid, address].
+    Remote {
+        env: Envelope,
+        at: [u8; REMOTE_BYTES],
+        got: usize,
+    },
     /// A payload going to `target` (a matched receive, or nowhere).
     Data {
         target: Target,
@@ -198,7 +222,9 @@ enum Reading {
 }
 
 struct Frame {
-    head: [u8; HEADER_BYTES],
+    /// The header, and for Remote its [pid, address].
+    head: [u8; HEADER_BYTES + REMOTE_BYTES],
+    head_len: usize,
     payload: RawBuf,
     /// Completed when the frame is written.
     done: Option<(u64, Arc<Done>, Status)>,
@@ -212,6 +238,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 const UNEXPECTED_LIMIT: usize = 256 << 20;
 /// A connection that says nothing for this long after accept is dropped.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+
+impl Frame {
+    fn new(
+        h: Header,
+        extra: &[u8],
+        payload: RawBuf,
+        done: Option<(u64, Arc<Done>, Status)>,
+    ) -> Frame {
+        let mut head = [0u8; HEADER_BYTES + REMOTE_BYTES];
+        head[..HEADER_BYTES].copy_from_slice(&h.encode());
+        head[HEADER_BYTES..HEADER_BYTES + extra.len()].copy_from_slice(extra);
+        Frame {
+            head,
+            head_len: HEADER_BYTES + extra.len(),
+            payload,
+            done,
+        }
+    }
+}
 
 impl Conn {
     fn new(stream: TcpStream) -> io::Result<Conn> {
@@ -231,6 +276,9 @@ impl Mailbox {
     pub(crate) fn new(spec: MailboxSpec) -> Result<Arc<Mailbox>> {
         let size = spec.mesh.size;
         let mut peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
+        for (p, ok) in peers.iter_mut().zip(&spec.single_copy) {
+            p.single_copy = *ok;
+        }
         for (rank, s) in spec.early {
             if let Ok(c) = Conn::new(s) {
                 peers[rank].inc = Some(c);
@@ -244,8 +292,11 @@ impl Mailbox {
                 rank: spec.mesh.rank,
                 mesh: spec.mesh,
                 timeout: spec.timeout,
+                spin: spec.spin,
                 signal: spec.signal,
                 wake: AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?,
+                drivers: Default::default(),
+                moved: Default::default(),
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
                     greeting: Vec::new(),
@@ -305,7 +356,11 @@ impl Mailbox {
                 tag: msg.tag,
                 count: msg.count,
             }));
-            return Ok(Ticket { id, done });
+            return Ok(Ticket {
+                id,
+                done,
+                peer: None,
+            });
         }
         if let Some(e) = &st.peers[msg.peer].gone {
             return Err(e.clone());
@@ -316,12 +371,37 @@ impl Mailbox {
             done: done.clone(),
         });
         let dial = st.needs_dial(msg.peer);
+        if !dial && st.peers[msg.peer].out.is_some() {
+            // The fast path: the caller writes what it can now (a small
+            // message usually whole), without waking the progress thread.
+            st.frame_sends();
+            if let Err(e) = write_some(&self.shared, &mut st, msg.peer, true) {
+                st.fail_peer(msg.peer, e);
+            }
+            let idle = st.peers[msg.peer]
+                .out
+                .as_ref()
+                .is_none_or(|c| c.out.is_empty());
+            drop(st);
+            if !idle {
+                self.shared.wake.abort();
+            }
+            return Ok(Ticket {
+                id,
+                done,
+                peer: Some(msg.peer),
+            });
+        }
         drop(st);
         if dial {
             self.dial(msg.peer);
         }
         self.shared.wake.abort();
-        Ok(Ticket { id, done })
+        Ok(Ticket {
+            id,
+            done,
+            peer: Some(msg.peer),
+        })
     }
 
     /// Posts a receive; it matches at once if its message already arrived.
@@ -366,9 +446,34 @@ impl Mailbox {
         drop(st);
         if dial {
             self.dial(r.peer.expect("some"));
+            self.shared.wake.abort();
         }
-        self.shared.wake.abort();
-        Ok(Ticket { id, done })
+        Ok(Ticket {
+            id,
+            done,
+            peer: r.peer,
+        })
+    }
+
+    /// One round of progress by a waiting caller: nonblocking reads and
+    /// writes on the connections with `peer` (every peer for None).
+    fn drive(&self, peer: Option<usize>) {
+        let mut st = lock(&self.shared.state);
+        let peers = match peer {
+            Some(p) if p != self.rank() => p..p + 1,
+            Some(_) => return,
+            None => 0..st.peers.len(),
+        };
+        for p in peers {
+            for out in [true, false] {
+                let r = write_some(&self.shared, &mut st, p, out)
+                    .and_then(|_| read_some(&self.shared, &mut st, p, out));
+                if let Err(e) = r {
+                    st.fail_peer(p, e);
+                }
+            }
+        }
+        st.frame_sends();
     }
 
     /// Dials `peer` (outside the lock) and installs the connection, or
@@ -423,6 +528,23 @@ impl Mailbox {
     /// and whatever else is pending here.
     pub(crate) fn wait(&self, t: &Ticket, what: &str) -> Result<Status> {
         let deadline = Instant::now() + self.shared.timeout;
+        // Drive progress here first, as MPI does in its waits: no thread
+        // hand-off on the way in or out for a message that comes soon.
+        // While bytes keep moving (a large message), keep driving.
+        use std::sync::atomic::Ordering::Relaxed;
+        self.shared.drivers.fetch_add(1, Relaxed);
+        let mut spin_until = Instant::now() + self.shared.spin;
+        let mut seen = self.shared.moved.load(Relaxed);
+        while t.done.get().is_none() && Instant::now() < spin_until {
+            self.drive(t.peer);
+            let now = self.shared.moved.load(Relaxed);
+            if now != seen {
+                seen = now;
+                spin_until = Instant::now() + self.shared.spin;
+            }
+            std::hint::spin_loop();
+        }
+        self.shared.drivers.fetch_sub(1, Relaxed);
         let mut r = lock(&t.done.result);
         loop {
             if let Some(res) = r.as_ref() {
@@ -597,11 +719,8 @@ impl State {
                 let p = &mut self.peers[env.source];
                 p.receiving.insert(env.seq, target);
                 if let Some(inc) = p.inc.as_mut() {
-                    inc.out.push_back(Frame {
-                        head: Header::cts(env.seq).encode(),
-                        payload: RawBuf::EMPTY,
-                        done: None,
-                    });
+                    inc.out
+                        .push_back(Frame::new(Header::cts(env.seq), &[], RawBuf::EMPTY, None));
                 }
             }
         }
@@ -761,14 +880,24 @@ impl State {
                 let seq = p.next_out_seq;
                 p.next_out_seq += 1;
                 let bytes = s.msg.buf.len();
-                let eager = bytes <= EAGER_MAX;
+                // Same host: large payloads are read by the receiver
+                // straight from here (one copy, no socket).
+                let remote = p.single_copy && (REMOTE_MIN..=EAGER_MAX).contains(&bytes);
+                let eager = bytes <= EAGER_MAX && !remote;
+                let (kind, payload) = if remote {
+                    (Kind::Remote, REMOTE_BYTES as u64)
+                } else if eager {
+                    (Kind::Eager, bytes as u64)
+                } else {
+                    (Kind::Rts, 0)
+                };
                 let head = Header {
-                    kind: if eager { Kind::Eager } else { Kind::Rts },
+                    kind,
                     dtype: s.msg.dtype,
                     tag: s.msg.tag,
                     seq,
                     count: s.msg.count as u64,
-                    payload: if eager { bytes as u64 } else { 0 },
+                    payload,
                 };
                 if eager {
                     let status = Status {
@@ -776,17 +905,15 @@ impl State {
                         tag: s.msg.tag,
                         count: s.msg.count,
                     };
-                    out.out.push_back(Frame {
-                        head: head.encode(),
-                        payload: s.msg.buf,
-                        done: Some((s.id, s.done, status)),
-                    });
+                    let done = Some((s.id, s.done, status));
+                    out.out.push_back(Frame::new(head, &[], s.msg.buf, done));
                 } else {
-                    out.out.push_back(Frame {
-                        head: head.encode(),
-                        payload: RawBuf::EMPTY,
-                        done: None,
-                    });
+                    let mut extra = [0u8; REMOTE_BYTES];
+                    extra[..8].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+                    extra[8..].copy_from_slice(&(s.msg.buf.addr() as u64).to_le_bytes());
+                    let extra = if remote { &extra[..] } else { &[][..] };
+                    out.out
+                        .push_back(Frame::new(head, extra, RawBuf::EMPTY, None));
                     p.awaiting_cts.insert(seq, s);
                 }
             }
@@ -855,6 +982,11 @@ fn progress(sh: &Shared) {
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
         if n < 0 {
             continue; // EINTR
+        }
+        if n > 0 && sh.drivers.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            // A waiting caller is moving the bytes; look again shortly.
+            std::thread::sleep(Duration::from_micros(50));
+            continue;
         }
         let mut st = lock(&sh.state);
         let mut dead_greetings = Vec::new();
@@ -1005,15 +1137,18 @@ fn write_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()>
         let Some(f) = c.out.front() else {
             return Ok(());
         };
-        let head_left = &f.head[c.written.min(HEADER_BYTES)..];
+        let hl = f.head_len;
+        let head_left = &f.head[c.written.min(hl)..hl];
         // SAFETY: a frame's payload is a posted send's buffer, valid
         // until the frame is written and the send completes.
         let body = unsafe { f.payload.bytes() };
-        let body_left = &body[c.written.saturating_sub(HEADER_BYTES)..];
+        let body_left = &body[c.written.saturating_sub(hl)..];
         match writev(c.stream.as_raw_fd(), head_left, body_left) {
             Ok(n) => {
+                sh.moved
+                    .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
                 c.written += n;
-                if c.written == HEADER_BYTES + body.len() {
+                if c.written == hl + body.len() {
                     c.written = 0;
                     let f = c.out.pop_front().expect("front");
                     if let Some((_, done, status)) = f.done {
@@ -1046,7 +1181,11 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                             &format!("rank {peer} closed the connection (it destroyed its communicator, exited or crashed)"),
                         ))
                     }
-                    Ok(n) => c.head_len += n,
+                    Ok(n) => {
+                        sh.moved
+                            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        c.head_len += n
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
@@ -1065,7 +1204,11 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
             Reading::Eager { buf, got, .. } => {
                 match c.stream.read(&mut buf[*got..]) {
                     Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
-                    Ok(n) => *got += n,
+                    Ok(n) => {
+                        sh.moved
+                            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        *got += n
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
@@ -1079,10 +1222,38 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                     arrive(st, env, Some(buf), me);
                 }
             }
+            Reading::Remote { at, got, .. } => {
+                match c.stream.read(&mut at[*got..]) {
+                    Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
+                    Ok(n) => {
+                        sh.moved
+                            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        *got += n
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
+                }
+                if *got == REMOTE_BYTES {
+                    let Reading::Remote { env, at, .. } =
+                        std::mem::replace(&mut c.reading, Reading::Header)
+                    else {
+                        unreachable!()
+                    };
+                    let pid = u64::from_le_bytes(at[..8].try_into().expect("8 bytes")) as i32;
+                    let addr = u64::from_le_bytes(at[8..].try_into().expect("8 bytes"));
+                    on_remote(st, peer, env, pid, addr, me);
+                    sh.moved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
             Reading::Failure { buf, got } => {
                 match c.stream.read(&mut buf[*got..]) {
                     Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
-                    Ok(n) => *got += n,
+                    Ok(n) => {
+                        sh.moved
+                            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        *got += n
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
@@ -1108,7 +1279,11 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                     Ok(0) if *len > *got => {
                         return Err(lost(sh, peer, "the connection closed inside a message"))
                     }
-                    Ok(n) => *got += n,
+                    Ok(n) => {
+                        sh.moved
+                            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        *got += n
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
@@ -1126,6 +1301,54 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
             }
         }
     }
+}
+
+/// A same-host message: copied straight from the sender's memory into
+/// its receive, or (none posted yet) into memory kept until one is; the
+/// sender hears Ack. When the copy is refused, the receiver asks for the
+/// payload over the socket instead (Cts), as for any large message.
+fn on_remote(st: &mut State, peer: usize, env: Envelope, pid: i32, addr: u64, me: usize) {
+    let len = env.count as usize * env.dtype.size();
+    let answer = |st: &mut State, kind: Kind| {
+        if let Some(inc) = st.peers[peer].inc.as_mut() {
+            inc.out.push_back(Frame::new(
+                Header::answer(kind, env.seq),
+                &[],
+                RawBuf::EMPTY,
+                None,
+            ));
+        }
+    };
+    if let Some(r) = st.matching.claim(&env) {
+        match fit(r, &env, me) {
+            Target::Recv(r, status) => {
+                // SAFETY: the receive's buffer is valid until it completes
+                // and holds the message (fit checked it).
+                let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
+                if read_remote(pid, addr, dst).is_ok() {
+                    r.done.complete(Ok(status));
+                    answer(st, Kind::Ack);
+                } else {
+                    st.peers[peer]
+                        .receiving
+                        .insert(env.seq, Target::Recv(r, status));
+                    answer(st, Kind::Cts);
+                }
+            }
+            Target::Discard => answer(st, Kind::Ack),
+        }
+        return;
+    }
+    if st.matching.unexpected_bytes + len <= UNEXPECTED_LIMIT {
+        let mut kept = vec![0u8; len];
+        if read_remote(pid, addr, &mut kept).is_ok() {
+            arrive(st, env, Some(kept), me);
+            answer(st, Kind::Ack);
+            return;
+        }
+    }
+    // Kept as an envelope: its receive asks for the payload (Cts).
+    arrive(st, env, None, me);
 }
 
 /// The error a peer's Failure frame reports.
@@ -1169,15 +1392,24 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
         return Ok(());
     }
     if out {
-        // Only Cts comes back on a connection this rank dialed.
-        if h.kind != Kind::Cts {
+        // Only answers come back on a connection this rank dialed.
+        if h.kind != Kind::Cts && h.kind != Kind::Ack {
             return Err(protocol("a message on the sender's own connection"));
         }
         let p = &mut st.peers[peer];
         let s = p
             .awaiting_cts
             .remove(&h.seq)
-            .ok_or_else(|| protocol("clear-to-send for no message"))?;
+            .ok_or_else(|| protocol("an answer for no message"))?;
+        if h.kind == Kind::Ack {
+            // The receiver copied it from here: done.
+            s.done.complete(Ok(Status {
+                source: peer,
+                tag: s.msg.tag,
+                count: s.msg.count,
+            }));
+            return Ok(());
+        }
         let status = Status {
             source: peer,
             tag: s.msg.tag,
@@ -1191,11 +1423,16 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
             count: s.msg.count as u64,
             payload: s.msg.buf.len() as u64,
         };
-        p.out.as_mut().expect("reading it").out.push_back(Frame {
-            head: head.encode(),
-            payload: s.msg.buf,
-            done: Some((s.id, s.done, status)),
-        });
+        p.out
+            .as_mut()
+            .expect("reading it")
+            .out
+            .push_back(Frame::new(
+                head,
+                &[],
+                s.msg.buf,
+                Some((s.id, s.done, status)),
+            ));
         return Ok(());
     }
     let p = &mut st.peers[peer];
@@ -1253,7 +1490,19 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
                 got: 0,
             };
         }
-        Kind::Cts => return Err(protocol("clear-to-send on the receiver's connection")),
+        Kind::Remote => {
+            if h.seq != p.next_in_seq {
+                return Err(protocol("messages out of order"));
+            }
+            p.next_in_seq += 1;
+            let c = p.inc.as_mut().expect("reading it");
+            c.reading = Reading::Remote {
+                env,
+                at: [0; REMOTE_BYTES],
+                got: 0,
+            };
+        }
+        Kind::Cts | Kind::Ack => return Err(protocol("an answer on the receiver's connection")),
         Kind::Failure => unreachable!("handled above"),
     }
     Ok(())
@@ -1279,6 +1528,8 @@ mod tests {
             listener: l,
             early: Vec::new(),
             timeout: Duration::from_secs(5),
+            spin: Duration::from_micros(50),
+            single_copy: vec![false],
             signal: Arc::new(AbortSignal::new().unwrap()),
         })
         .unwrap();

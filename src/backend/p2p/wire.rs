@@ -29,7 +29,19 @@ pub enum Kind {
     /// The sender's communicator failed or was aborted; the payload is
     /// [error kind, message...] (either direction).
     Failure = 5,
+    /// The envelope of a message whose payload the receiver copies
+    /// straight from the sender's memory (same host); the payload is
+    /// [pid, address] as two u64.
+    Remote = 6,
+    /// The receiver copied message `seq` (answer to Remote).
+    Ack = 7,
 }
+
+/// Bytes of a Remote frame's payload.
+pub const REMOTE_BYTES: usize = 16;
+
+/// Messages from this size go single-copy between ranks of one host.
+pub const REMOTE_MIN: usize = 64 << 10;
 
 /// Longest Failure payload.
 pub const FAILURE_MAX: usize = 4096;
@@ -48,6 +60,18 @@ pub struct Header {
 }
 
 impl Header {
+    /// An answer to message `seq` (Cts or Ack).
+    pub fn answer(kind: Kind, seq: u64) -> Header {
+        Header {
+            kind,
+            dtype: DType::Uint8,
+            tag: 0,
+            seq,
+            count: 0,
+            payload: 0,
+        }
+    }
+
     pub fn cts(seq: u64) -> Header {
         Header {
             kind: Kind::Cts,
@@ -101,6 +125,8 @@ impl Header {
             3 => Kind::Data,
             4 => Kind::Cts,
             5 => Kind::Failure,
+            6 => Kind::Remote,
+            7 => Kind::Ack,
             _ => return Err(corrupt("unknown frame kind")),
         };
         let dtype = DType::try_from(b[3] as i32).map_err(|_| corrupt("unknown dtype"))?;
@@ -122,6 +148,8 @@ impl Header {
             Kind::Data => h.payload == bytes as u64,
             Kind::Cts => h.payload == 0,
             Kind::Failure => h.payload as usize <= FAILURE_MAX && h.payload == bytes as u64,
+            Kind::Remote => h.payload == REMOTE_BYTES as u64 && bytes <= EAGER_MAX && h.tag >= 0,
+            Kind::Ack => h.payload == 0,
         };
         if !ok {
             return Err(corrupt("sizes that do not agree"));
