@@ -219,6 +219,9 @@ fn a_deadlock_across_the_two_contexts_names_both_pending_calls() {
             comm.send_tagged(&[1i32, 2, 3, 4], 0, 6).unwrap();
             let mut buf = [0i32; 4];
             let e = comm.recv_tagged(&mut buf, Some(0), None).unwrap_err();
+            // Stay until rank 0's collective has timed out too (leaving
+            // would make it fail for that reason instead).
+            std::thread::sleep(Duration::from_millis(2500));
             (e.to_string(), false)
         }
     });
@@ -326,5 +329,26 @@ fn tagged_calls_in_a_group_complete_when_it_ends() {
             rdist::internals::group::end().unwrap();
         }
         assert!(got.iter().all(|b| *b == peer as u8 + 1));
+    });
+}
+
+#[test]
+fn messages_sent_before_a_rank_left_are_still_received() {
+    // Rank 0 sends (eager, and single-copy-sized) and destroys its
+    // communicator at once; rank 1 receives later and must get both, then
+    // hear that rank 0 is gone.
+    common::world(2, common::opts(10_000), Duration::from_secs(60), |comm| {
+        comm.barrier().unwrap();
+        if comm.rank() == 0 {
+            comm.send_tagged(&[7u32; 10], 1, 1).unwrap();
+            drop(comm);
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let mut small = [0u32; 10];
+        let s = comm.recv_tagged(&mut small, Some(0), Some(1)).unwrap();
+        assert_eq!((s.count, small), (10, [7u32; 10]));
+        let e = comm.recv_tagged(&mut small, Some(0), None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
     });
 }

@@ -168,6 +168,9 @@ struct Peer {
     /// Large payloads go single-copy (the peer reads them from here);
     /// cleared when the peer once could not.
     single_copy: bool,
+    /// Why this rank can no longer send to the peer (its connection to
+    /// it closed); the peer's messages already sent may still arrive.
+    out_gone: Option<Error>,
     /// Why this pair can no longer talk.
     gone: Option<Error>,
 }
@@ -362,7 +365,11 @@ impl Mailbox {
                 peer: None,
             });
         }
-        if let Some(e) = &st.peers[msg.peer].gone {
+        if let Some(e) = st.peers[msg.peer]
+            .gone
+            .as_ref()
+            .or(st.peers[msg.peer].out_gone.as_ref())
+        {
             return Err(e.clone());
         }
         st.peers[msg.peer].queued.push_back(SendOp {
@@ -376,7 +383,7 @@ impl Mailbox {
             // message usually whole), without waking the progress thread.
             st.frame_sends();
             if let Err(e) = write_some(&self.shared, &mut st, msg.peer, true) {
-                st.fail_peer(msg.peer, e);
+                st.out_lost(&self.shared, msg.peer, e);
             }
             let idle = st.peers[msg.peer]
                 .out
@@ -434,7 +441,13 @@ impl Mailbox {
             Some((r, a)) => st.deliver(r, a, self.rank()),
             None => {
                 // Nothing buffered from a rank that is gone: nothing will come.
-                if let Some(e) = r.peer.and_then(|p| st.peers[p].gone.clone()) {
+                let gone = r.peer.and_then(|p| {
+                    let q = &st.peers[p];
+                    q.gone
+                        .clone()
+                        .or_else(|| q.out_gone.clone().filter(|_| q.inc.is_none()))
+                });
+                if let Some(e) = gone {
                     st.matching.cancel(id);
                     return Err(e);
                 }
@@ -469,7 +482,11 @@ impl Mailbox {
                 let r = write_some(&self.shared, &mut st, p, out)
                     .and_then(|_| read_some(&self.shared, &mut st, p, out));
                 if let Err(e) = r {
-                    st.fail_peer(p, e);
+                    if out {
+                        st.out_lost(&self.shared, p, e);
+                    } else {
+                        st.fail_peer(p, e);
+                    }
                 }
             }
         }
@@ -504,7 +521,7 @@ impl Mailbox {
                         describe_io(&e)
                     ),
                 );
-                st.fail_peer(peer, err);
+                st.out_lost(sh, peer, err);
             }
         }
     }
@@ -694,7 +711,7 @@ impl State {
     /// Whether the caller should dial `peer` now (and marks it dialing).
     fn needs_dial(&mut self, peer: usize) -> bool {
         let p = &mut self.peers[peer];
-        if p.out.is_some() || p.dialing || p.gone.is_some() {
+        if p.out.is_some() || p.dialing || p.gone.is_some() || p.out_gone.is_some() {
             return false;
         }
         p.dialing = true;
@@ -767,6 +784,29 @@ impl State {
                 self.fail_peer(peer, err);
                 return;
             }
+        }
+    }
+
+    /// This rank's connection to `peer` failed: sends to it fail. Its
+    /// messages already sent to this rank may still be in flight (on the
+    /// connection it dialed, perhaps not even accepted yet: a rank that
+    /// sends and then exits), so receives from it fail only once that
+    /// connection ends, or now if there is none.
+    fn out_lost(&mut self, sh: &Shared, peer: usize, err: Error) {
+        let p = &mut self.peers[peer];
+        p.out = None;
+        if p.out_gone.is_none() {
+            p.out_gone = Some(err.clone());
+        }
+        for s in p.queued.drain(..) {
+            s.done.complete(Err(err.clone()));
+        }
+        for (_, s) in p.awaiting_cts.drain() {
+            s.done.complete(Err(err.clone()));
+        }
+        accept_and_greet(sh, self);
+        if self.peers[peer].inc.is_none() {
+            self.fail_peer(peer, err);
         }
     }
 
@@ -931,7 +971,7 @@ fn progress(sh: &Shared) {
         Wake,
         Abort,
         Listener,
-        Greeting(usize),
+        Greeting,
         Out(usize),
         Inc(usize),
     }
@@ -958,8 +998,8 @@ fn progress(sh: &Shared) {
             if let Some(l) = &st.listener {
                 add(l.as_raw_fd(), libc::POLLIN, Slot::Listener);
             }
-            for (i, g) in st.greeting.iter().enumerate() {
-                add(g.stream.as_raw_fd(), libc::POLLIN, Slot::Greeting(i));
+            for g in st.greeting.iter() {
+                add(g.stream.as_raw_fd(), libc::POLLIN, Slot::Greeting);
             }
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
             for (peer, p) in st.peers.iter().enumerate() {
@@ -989,7 +1029,7 @@ fn progress(sh: &Shared) {
             continue;
         }
         let mut st = lock(&sh.state);
-        let mut dead_greetings = Vec::new();
+        let mut greet_now = false;
         for (fd, slot) in fds.iter().zip(slots.iter().copied()) {
             if fd.revents == 0 {
                 continue;
@@ -1012,15 +1052,10 @@ fn progress(sh: &Shared) {
                         ));
                     }
                 }
-                Slot::Listener => accept_all(&mut st),
-                Slot::Greeting(i) => {
-                    if !greet(sh, &mut st, i) {
-                        dead_greetings.push(i);
-                    }
-                }
+                Slot::Listener | Slot::Greeting => greet_now = true,
                 Slot::Out(peer) => {
                     if let Err(e) = service(sh, &mut st, peer, true, fd.revents) {
-                        st.fail_peer(peer, e);
+                        st.out_lost(sh, peer, e);
                     }
                 }
                 Slot::Inc(peer) => {
@@ -1030,19 +1065,25 @@ fn progress(sh: &Shared) {
                 }
             }
         }
-        // Greetings that finished (moved) or failed are removed, newest first.
+        if greet_now {
+            accept_and_greet(sh, &mut st);
+        }
+        // Connections that never said hello are dropped.
         let now = Instant::now();
-        for (i, g) in st.greeting.iter().enumerate() {
-            if now.duration_since(g.since) > HELLO_DEADLINE && !dead_greetings.contains(&i) {
-                dead_greetings.push(i);
-            }
-        }
-        dead_greetings.sort_unstable();
-        for i in dead_greetings.into_iter().rev() {
-            st.greeting.remove(i);
-        }
+        st.greeting
+            .retain(|g| now.duration_since(g.since) <= HELLO_DEADLINE);
         if st.failed.is_some() && st.closing {
             return;
+        }
+    }
+}
+
+/// Accepts what waits on the listener and reads the hellos that arrived.
+fn accept_and_greet(sh: &Shared, st: &mut State) {
+    accept_all(st);
+    for i in (0..st.greeting.len()).rev() {
+        if !greet(sh, st, i) {
+            st.greeting.remove(i);
         }
     }
 }
