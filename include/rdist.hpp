@@ -360,6 +360,14 @@ class [[nodiscard]] Request {
     return done != 0;
   }
 
+  /// Who sent what, once a point-to-point receive (or send) on host
+  /// memory completed; throws rdist::Error otherwise.
+  rdist_status_t status() const {
+    rdist_status_t s{};
+    detail::check(rdist_request_status(ptr_.get(), &s));
+    return s;
+  }
+
   /// Whether this holds a request.
   explicit operator bool() const noexcept { return static_cast<bool>(ptr_); }
   /// The C handle (still owned by this object).
@@ -1010,6 +1018,47 @@ class Comm {
   template <class T>
   Request irecv(std::vector<T>& buf, int peer) {
     return irecv(buf.data(), buf.size(), peer);
+  }
+
+  // ---- tagged point-to-point (MPI matching: source, tag, order) ----------
+  /// Sends `count` elements to `peer` with `tag` (>= 0).
+  template <class T>
+  void send_tagged(const T* buf, std::size_t count, int peer, int tag) {
+    detail::check(rdist_send_tagged(buf, count, dtype_v<T>, peer, tag, c(), nullptr));
+  }
+  /// Sends the whole vector with `tag`.
+  template <class T>
+  void send_tagged(const std::vector<T>& buf, int peer, int tag) {
+    send_tagged(buf.data(), buf.size(), peer, tag);
+  }
+  /// Receives into room for `count` elements the oldest message from `peer`
+  /// (RDIST_ANY_SOURCE: any rank) with `tag` (RDIST_ANY_TAG: any tag);
+  /// returns who sent how many.
+  template <class T>
+  rdist_status_t recv_tagged(T* buf, std::size_t count, int peer = RDIST_ANY_SOURCE, int tag = RDIST_ANY_TAG) {
+    rdist_status_t s{};
+    detail::check(rdist_recv_tagged(buf, count, dtype_v<T>, peer, tag, c(), nullptr, &s));
+    return s;
+  }
+  /// Receives into the vector (size it first to the largest message).
+  template <class T>
+  rdist_status_t recv_tagged(std::vector<T>& buf, int peer = RDIST_ANY_SOURCE, int tag = RDIST_ANY_TAG) {
+    return recv_tagged(buf.data(), buf.size(), peer, tag);
+  }
+  /// Non-blocking send_tagged: it starts at once.
+  template <class T>
+  Request isend_tagged(const T* buf, std::size_t count, int peer, int tag) {
+    rdist_request_t* r = nullptr;
+    detail::check(rdist_isend_tagged(buf, count, dtype_v<T>, peer, tag, c(), &r));
+    return Request(r);
+  }
+  /// Non-blocking recv_tagged: posted at once; Request::status() says who
+  /// sent how many once it completed.
+  template <class T>
+  Request irecv_tagged(T* buf, std::size_t count, int peer = RDIST_ANY_SOURCE, int tag = RDIST_ANY_TAG) {
+    rdist_request_t* r = nullptr;
+    detail::check(rdist_irecv_tagged(buf, count, dtype_v<T>, peer, tag, c(), &r));
+    return Request(r);
   }
 
  private:

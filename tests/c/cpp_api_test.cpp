@@ -192,6 +192,24 @@ void test_p2p_and_group(rdist::Comm& comm) {
     while (!r.test()) {
     }
   }
+  // tagged: every rank sends rank 0 its rank with tag = rank; rank 0 takes
+  // them with wildcards, and the status says from whom
+  if (rank != 0) {
+    comm.send_tagged(std::vector<std::int64_t>(static_cast<std::size_t>(rank), rank), 0, rank);
+  } else {
+    int seen = 0;
+    for (int k = 1; k < size; k++) {
+      std::vector<std::int64_t> in(64, -1);
+      rdist::Request r = comm.irecv_tagged(in.data(), in.size());
+      r.wait();
+      const rdist_status_t s = r.status();
+      EXPECT(s.source >= 1 && s.tag == s.source && s.count == static_cast<std::size_t>(s.source) &&
+                 in[0] == s.source,
+             "tagged status");
+      seen |= 1 << s.source;
+    }
+    EXPECT(seen == (1 << size) - 2, "every sender once");
+  }
   // group: ring shift (send right, receive from the left)
   std::array<std::int32_t, 3> right{rank, rank * 2, rank * 3}, left{};
   const int to = (rank + 1) % size, from = (rank + size - 1) % size;

@@ -155,6 +155,12 @@ RequestHandle = POINTER(RequestStruct)
 OptionsHandle = POINTER(OptionsStruct)
 
 
+class Status(Structure):
+    """rdist_status_t: who sent a received message, its tag, its count."""
+
+    _fields_ = [("source", c_int), ("tag", c_int), ("count", c_size_t)]
+
+
 class UniqueId(Structure):
     """rdist_unique_id_t: opaque bytes, passed by value."""
 
@@ -232,12 +238,26 @@ SIGNATURES = {
         _result,
         [_buf, c_size_t, _dtype, c_int, CommHandle, POINTER(RequestHandle)],
     ),
+    "rdist_send_tagged": (_result, [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, _stream]),
+    "rdist_recv_tagged": (
+        _result,
+        [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, _stream, POINTER(Status)],
+    ),
+    "rdist_isend_tagged": (
+        _result,
+        [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, POINTER(RequestHandle)],
+    ),
+    "rdist_irecv_tagged": (
+        _result,
+        [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, POINTER(RequestHandle)],
+    ),
     "rdist_group_start": (_result, []),
     "rdist_group_end": (_result, []),
     # Requests.
     "rdist_wait": (_result, [RequestHandle]),
     "rdist_test": (_result, [RequestHandle, POINTER(c_int)]),
     "rdist_request_free": (None, [RequestHandle]),
+    "rdist_request_status": (_result, [RequestHandle, POINTER(Status)]),
     # Communicators.
     "rdist_init": (_result, [POINTER(CommHandle), c_char_p, c_int, c_int, OptionsHandle]),
     "rdist_get_unique_id": (_result, [POINTER(UniqueId)]),
