@@ -70,11 +70,19 @@ pub struct SocketBackend {
     /// What the point-to-point context starts from: the listener (kept
     /// for the peers' point-to-point connections) and those that came
     /// early (see `mesh::Mesh::early_p2p`).
-    p2p: Option<(TcpListener, Vec<(usize, std::net::TcpStream)>)>,
+    p2p: Option<P2pStart>,
     /// Whether point-to-point payloads to each rank may be read by it
     /// straight from this process's memory (same host, single copy on).
     p2p_single_copy: Vec<bool>,
 }
+
+/// What the point-to-point context starts from: the listener, the
+/// connections that came early, and its shared-memory channels if any.
+type P2pStart = (
+    TcpListener,
+    Vec<(usize, std::net::TcpStream)>,
+    Option<shm::P2pChannels>,
+);
 
 /// Copies `len` bytes between possibly overlapping caller buffers.
 ///
@@ -121,6 +129,7 @@ impl SocketBackend {
             want_shm,
             settings.shm,
         )?;
+        let p2p_shm = attached.p2p;
         let local_ranks = roster
             .hosts
             .iter()
@@ -170,7 +179,7 @@ impl SocketBackend {
             roster,
             settings,
             to_self: VecDeque::new(),
-            p2p: Some((p2p_listener, early_p2p)),
+            p2p: Some((p2p_listener, early_p2p, p2p_shm)),
             p2p_single_copy,
             scratch: Vec::new(),
         })
@@ -187,7 +196,7 @@ impl SocketBackend {
         timeout: Duration,
         signal: Arc<AbortSignal>,
     ) -> Option<crate::backend::p2p::MailboxSpec> {
-        let (listener, early) = self.p2p.take()?;
+        let (listener, early, shm) = self.p2p.take()?;
         Some(crate::backend::p2p::MailboxSpec {
             mesh: MeshSpec {
                 rank: self.rank,
@@ -202,6 +211,7 @@ impl SocketBackend {
             timeout,
             spin: self.settings.spin,
             single_copy: self.p2p_single_copy.clone(),
+            shm,
             signal,
         })
     }

@@ -105,18 +105,12 @@ enum Kind {
     P2p {
         mailbox: Arc<Mailbox>,
         ticket: Ticket,
-        /// The call, for messages ("recv from rank 1 (tag 3)").
-        what: String,
     },
 }
 
 impl Request {
-    fn p2p(mailbox: Arc<Mailbox>, ticket: Ticket, what: String) -> Request {
-        Request(Kind::P2p {
-            mailbox,
-            ticket,
-            what,
-        })
+    fn p2p(mailbox: Arc<Mailbox>, ticket: Ticket) -> Request {
+        Request(Kind::P2p { mailbox, ticket })
     }
 
     /// Blocks until the call completes and returns its result (bounded by
@@ -129,11 +123,7 @@ impl Request {
     pub fn wait_status(&self) -> Result<Option<Status>> {
         match &self.0 {
             Kind::Queued(q) => q.wait().map(|_| None),
-            Kind::P2p {
-                mailbox,
-                ticket,
-                what,
-            } => mailbox.wait(ticket, what).map(Some),
+            Kind::P2p { mailbox, ticket } => mailbox.wait(ticket).map(Some),
         }
     }
 
@@ -481,50 +471,29 @@ impl Runner {
     /// The call's buffer valid (and, for a receive, untouched) until the
     /// request completes.
     pub(crate) unsafe fn post(self: &Arc<Self>, call: &Call, tag: Option<i32>) -> Result<Request> {
-        let (ticket, what) = match *call {
-            Call::Send { buf, data, peer } => {
-                let tag = tag.unwrap_or(0);
-                let t = self.mailbox.send(p2p::Outgoing {
-                    buf,
-                    dtype: data.dtype,
-                    count: data.count,
-                    peer,
-                    tag,
-                })?;
-                (
-                    t,
-                    format!(
-                        "send to rank {peer} (tag {tag}, {} x {})",
-                        data.count, data.dtype
-                    ),
-                )
-            }
-            Call::Recv { buf, data, peer } => {
-                let t = self.mailbox.recv(p2p::Incoming {
-                    buf,
-                    dtype: data.dtype,
-                    count: data.count,
-                    peer: Some(peer),
-                    tag: Some(tag.unwrap_or(0)),
-                    exact: true,
-                })?;
-                (
-                    t,
-                    format!(
-                        "recv from rank {peer} (tag {}, {} x {})",
-                        tag.unwrap_or(0),
-                        data.count,
-                        data.dtype
-                    ),
-                )
-            }
+        let ticket = match *call {
+            Call::Send { buf, data, peer } => self.mailbox.send(p2p::Outgoing {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer,
+                tag: tag.unwrap_or(0),
+            })?,
+            Call::Recv { buf, data, peer } => self.mailbox.recv(p2p::Incoming {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer: Some(peer),
+                tag: Some(tag.unwrap_or(0)),
+                exact: true,
+            })?,
             _ => {
                 return Err(Error::internal(
                     "post of a call that is not a send or receive",
                 ))
             }
         };
-        Ok(Request::p2p(self.mailbox.clone(), ticket, what))
+        Ok(Request::p2p(self.mailbox.clone(), ticket))
     }
 
     /// Posts a receive with wildcards (tagged API).
@@ -532,16 +501,8 @@ impl Runner {
     /// # Safety
     /// As `post`.
     pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: p2p::Incoming) -> Result<Request> {
-        let what = format!(
-            "recv from {} ({}, up to {} x {})",
-            r.peer
-                .map_or("any rank".to_string(), |p| format!("rank {p}")),
-            r.tag.map_or("any tag".to_string(), |t| format!("tag {t}")),
-            r.count,
-            r.dtype
-        );
         let ticket = self.mailbox.recv(r)?;
-        Ok(Request::p2p(self.mailbox.clone(), ticket, what))
+        Ok(Request::p2p(self.mailbox.clone(), ticket))
     }
 
     /// Holds a non-blocking send/receive until its request is waited for or

@@ -17,8 +17,9 @@ use crate::call::RawBuf;
 use crate::dtype::DType;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::transport::channel::read_remote;
-use crate::transport::channel::writev;
+use crate::transport::channel::{Channel, TcpChannel};
 use crate::transport::mesh::{self, Context, MeshSpec};
+use crate::transport::shm::Doorbell;
 use crate::transport::signal::AbortSignal;
 use matching::{Arrival, Envelope, Matching, PostedRecv};
 use std::collections::{HashMap, VecDeque};
@@ -67,6 +68,42 @@ pub struct Ticket {
     /// The rank it talks to (None: any), whose connections a waiting
     /// caller services itself.
     peer: Option<usize>,
+    /// What it is, for messages (formatted only when one is needed).
+    call: Described,
+}
+
+/// A send or receive as its errors name it.
+#[derive(Clone, Copy, Debug)]
+enum Described {
+    Send(Outgoing),
+    Recv(Incoming),
+}
+
+impl std::fmt::Display for Described {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Described::Send(m) => write!(
+                f,
+                "send to rank {} (tag {}, {} x {})",
+                m.peer, m.tag, m.count, m.dtype
+            ),
+            Described::Recv(r) => {
+                match r.peer {
+                    Some(p) => write!(f, "recv from rank {p}")?,
+                    None => write!(f, "recv from any rank")?,
+                }
+                match r.tag {
+                    Some(t) => write!(f, " (tag {t}, ")?,
+                    None => write!(f, " (any tag, ")?,
+                }
+                if r.exact {
+                    write!(f, "{} x {})", r.count, r.dtype)
+                } else {
+                    write!(f, "up to {} x {})", r.count, r.dtype)
+                }
+            }
+        }
+    }
 }
 
 /// A message to send.
@@ -105,8 +142,19 @@ pub(crate) struct MailboxSpec {
     /// Per rank: whether it can copy large payloads straight from this
     /// process's memory (same host, process_vm_readv allowed).
     pub single_copy: Vec<bool>,
+    /// Shared-memory channels to every peer and the doorbell they ring,
+    /// when every rank is on this host (then no connection is dialed).
+    pub shm: Option<crate::transport::shm::P2pChannels>,
     pub signal: Arc<AbortSignal>,
 }
+
+/// A doorbell shared by the callers and the progress thread.
+struct Bell(Doorbell);
+
+// SAFETY: a Doorbell is two atomic words in shared memory plus futex
+// calls on them; every method takes &self and is safe to call from any
+// thread at once.
+unsafe impl Sync for Bell {}
 
 /// One communicator's point-to-point context.
 pub(crate) struct Mailbox {
@@ -127,6 +175,9 @@ struct Shared {
     drivers: std::sync::atomic::AtomicUsize,
     /// Bytes moved on any connection, so a driving caller sees progress.
     moved: std::sync::atomic::AtomicU64,
+    /// Shared memory: what the progress thread sleeps on (peers ring it
+    /// when they write to or free space in a ring shared with this rank).
+    bell: Option<Bell>,
     state: Mutex<State>,
 }
 
@@ -189,7 +240,10 @@ enum Target {
 }
 
 struct Conn {
-    stream: TcpStream,
+    chan: Box<dyn Channel>,
+    /// Shared memory: data shows in no descriptor (its fd only reports
+    /// the peer's exit); the doorbell says when to look.
+    shm: bool,
     out: VecDeque<Frame>,
     /// Bytes of `out.front()` written.
     written: usize,
@@ -264,14 +318,36 @@ impl Frame {
 impl Conn {
     fn new(stream: TcpStream) -> io::Result<Conn> {
         stream.set_nonblocking(true)?;
-        Ok(Conn {
-            stream,
+        Ok(Conn::over(Box::new(TcpChannel(stream))))
+    }
+
+    fn over_shm(chan: Box<dyn Channel>) -> Conn {
+        Conn {
+            shm: true,
+            ..Conn::over(chan)
+        }
+    }
+
+    fn over(chan: Box<dyn Channel>) -> Conn {
+        Conn {
+            chan,
+            shm: false,
             out: VecDeque::new(),
             written: 0,
             head: [0; HEADER_BYTES],
             head_len: 0,
             reading: Reading::Header,
-        })
+        }
+    }
+}
+
+impl Shared {
+    /// Wakes the progress thread (posts, closing).
+    fn nudge(&self) {
+        self.wake.abort();
+        if let Some(b) = &self.bell {
+            b.0.ring();
+        }
     }
 }
 
@@ -281,6 +357,18 @@ impl Mailbox {
         let mut peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
         for (p, ok) in peers.iter_mut().zip(&spec.single_copy) {
             p.single_copy = *ok;
+        }
+        let mut bell = None;
+        if let Some((channels, doorbell)) = spec.shm {
+            for (p, pair) in peers.iter_mut().zip(channels) {
+                if let Some((out, inc)) = pair {
+                    p.out = Some(Conn::over_shm(out));
+                    p.inc = Some(Conn::over_shm(inc));
+                    // The rings beat reading the sender's memory.
+                    p.single_copy = false;
+                }
+            }
+            bell = Some(Bell(doorbell));
         }
         for (rank, s) in spec.early {
             if let Ok(c) = Conn::new(s) {
@@ -300,6 +388,7 @@ impl Mailbox {
                 wake: AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?,
                 drivers: Default::default(),
                 moved: Default::default(),
+                bell,
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
                     greeting: Vec::new(),
@@ -363,6 +452,7 @@ impl Mailbox {
                 id,
                 done,
                 peer: None,
+                call: Described::Send(msg),
             });
         }
         if let Some(e) = st.peers[msg.peer]
@@ -391,23 +481,25 @@ impl Mailbox {
                 .is_none_or(|c| c.out.is_empty());
             drop(st);
             if !idle {
-                self.shared.wake.abort();
+                self.shared.nudge();
             }
             return Ok(Ticket {
                 id,
                 done,
                 peer: Some(msg.peer),
+                call: Described::Send(msg),
             });
         }
         drop(st);
         if dial {
             self.dial(msg.peer);
         }
-        self.shared.wake.abort();
+        self.shared.nudge();
         Ok(Ticket {
             id,
             done,
             peer: Some(msg.peer),
+            call: Described::Send(msg),
         })
     }
 
@@ -459,12 +551,13 @@ impl Mailbox {
         drop(st);
         if dial {
             self.dial(r.peer.expect("some"));
-            self.shared.wake.abort();
+            self.shared.nudge();
         }
         Ok(Ticket {
             id,
             done,
             peer: r.peer,
+            call: Described::Recv(r),
         })
     }
 
@@ -543,7 +636,7 @@ impl Mailbox {
     /// Waits for a ticket, bounded by the timeout; on timeout the call is
     /// withdrawn (its buffer is no longer touched) and the error names it
     /// and whatever else is pending here.
-    pub(crate) fn wait(&self, t: &Ticket, what: &str) -> Result<Status> {
+    pub(crate) fn wait(&self, t: &Ticket) -> Result<Status> {
         let deadline = Instant::now() + self.shared.timeout;
         // Drive progress here first, as MPI does in its waits: no thread
         // hand-off on the way in or out for a message that comes soon.
@@ -588,8 +681,9 @@ impl Mailbox {
         let err = Error::new(
             ErrorKind::Timeout,
             format!(
-                "rank {}: {what} did not complete within {:.1} s{}",
+                "rank {}: {} did not complete within {:.1} s{}",
                 self.rank(),
+                t.call,
                 self.shared.timeout.as_secs_f64(),
                 if others.is_empty() {
                     String::new()
@@ -615,7 +709,7 @@ impl Mailbox {
     /// Fails every pending and future call with `err`.
     pub(crate) fn fail(&self, err: Error) {
         lock(&self.shared.state).fail_all(err);
-        self.shared.wake.abort();
+        self.shared.nudge();
     }
 
     /// Local: lets posted sends finish (bounded by the timeout), then fails
@@ -626,7 +720,7 @@ impl Mailbox {
             let mut st = lock(&self.shared.state);
             st.closing = true;
         }
-        self.shared.wake.abort();
+        self.shared.nudge();
         let thread = lock(&self.thread).take();
         if let Some(h) = thread {
             // The thread ends once no send is in flight, or at the deadline.
@@ -851,7 +945,7 @@ impl State {
         for p in self.peers.iter_mut() {
             for c in [p.out.as_mut(), p.inc.as_mut()].into_iter().flatten() {
                 if c.written == 0 {
-                    let _ = writev(c.stream.as_raw_fd(), &head, &payload);
+                    let _ = c.chan.write2(&head, &payload);
                 }
             }
         }
@@ -1004,29 +1098,68 @@ fn progress(sh: &Shared) {
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
             for (peer, p) in st.peers.iter().enumerate() {
                 if let Some(c) = &p.out {
-                    let w = if c.out.is_empty() { 0 } else { libc::POLLOUT };
-                    add(c.stream.as_raw_fd(), libc::POLLIN | w, Slot::Out(peer));
+                    let w = if c.out.is_empty() || c.shm {
+                        0
+                    } else {
+                        libc::POLLOUT
+                    };
+                    add(c.chan.fd(), libc::POLLIN | w, Slot::Out(peer));
                 }
                 if let Some(c) = &p.inc {
-                    let w = if c.out.is_empty() { 0 } else { libc::POLLOUT };
+                    let w = if c.out.is_empty() || c.shm {
+                        0
+                    } else {
+                        libc::POLLOUT
+                    };
                     let r = if paused && matches!(c.reading, Reading::Header) {
                         0
                     } else {
                         libc::POLLIN
                     };
-                    add(c.stream.as_raw_fd(), r | w, Slot::Inc(peer));
+                    add(c.chan.fd(), r | w, Slot::Inc(peer));
                 }
             }
         }
+        // Shared memory shows in no descriptor: look without waiting, and
+        // sleep on the doorbell below instead.
+        let wait_ms = if sh.bell.is_some() { 0 } else { 100 };
         // SAFETY: fds is a live array of pollfd.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
         if n < 0 {
             continue; // EINTR
         }
-        if n > 0 && sh.drivers.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        let driven = sh.drivers.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        if (n > 0 || sh.bell.is_some()) && driven {
             // A waiting caller is moving the bytes; look again shortly.
             std::thread::sleep(Duration::from_micros(50));
             continue;
+        }
+        if let Some(bell) = &sh.bell {
+            if !service_shm(sh, &mut lock(&sh.state)) && n == 0 {
+                // Nothing moved: sleep until a peer rings (it does after
+                // every write to, or read from, a ring shared with this
+                // rank) or a caller does, or a short while passes (for
+                // what only descriptors show: a peer's exit, strangers).
+                let seen = bell.0.prepare();
+                let busy = {
+                    let st = lock(&sh.state);
+                    st.peers.iter().any(|p| {
+                        [p.out.as_ref(), p.inc.as_ref()]
+                            .into_iter()
+                            .flatten()
+                            .any(|c| c.shm && c.chan.has_data())
+                    })
+                };
+                if busy {
+                    bell.0.done();
+                } else {
+                    bell.0.sleep(seen, Duration::from_millis(2));
+                }
+                continue;
+            }
+            if n == 0 {
+                continue;
+            }
         }
         let mut st = lock(&sh.state);
         let mut greet_now = false;
@@ -1076,6 +1209,26 @@ fn progress(sh: &Shared) {
             return;
         }
     }
+}
+
+/// One pass over the shared-memory connections (reads and writes that
+/// can go on now); true when anything moved.
+fn service_shm(sh: &Shared, st: &mut State) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let before = sh.moved.load(Relaxed);
+    st.frame_sends();
+    for peer in 0..st.peers.len() {
+        for out in [true, false] {
+            if !conn(st, peer, out).is_some_and(|c| c.shm) {
+                continue;
+            }
+            if let Err(e) = service(sh, st, peer, out, libc::POLLIN | libc::POLLOUT) {
+                st.fail_peer(peer, e);
+            }
+        }
+    }
+    st.frame_sends();
+    sh.moved.load(Relaxed) != before
 }
 
 /// Accepts what waits on the listener and reads the hellos that arrived.
@@ -1184,7 +1337,7 @@ fn write_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()>
         // until the frame is written and the send completes.
         let body = unsafe { f.payload.bytes() };
         let body_left = &body[c.written.saturating_sub(hl)..];
-        match writev(c.stream.as_raw_fd(), head_left, body_left) {
+        match c.chan.write2(head_left, body_left) {
             Ok(n) => {
                 sh.moved
                     .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
@@ -1214,7 +1367,7 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
         match &mut c.reading {
             Reading::Header => {
                 let got = c.head_len;
-                match c.stream.read(&mut c.head[got..]) {
+                match c.chan.read(&mut c.head[got..]) {
                     Ok(0) => {
                         return Err(lost(
                             sh,
@@ -1243,7 +1396,7 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                 }
             }
             Reading::Eager { buf, got, .. } => {
-                match c.stream.read(&mut buf[*got..]) {
+                match c.chan.read(&mut buf[*got..]) {
                     Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
                     Ok(n) => {
                         sh.moved
@@ -1264,7 +1417,7 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                 }
             }
             Reading::Remote { at, got, .. } => {
-                match c.stream.read(&mut at[*got..]) {
+                match c.chan.read(&mut at[*got..]) {
                     Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
                     Ok(n) => {
                         sh.moved
@@ -1288,7 +1441,7 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                 }
             }
             Reading::Failure { buf, got } => {
-                match c.stream.read(&mut buf[*got..]) {
+                match c.chan.read(&mut buf[*got..]) {
                     Ok(0) => return Err(lost(sh, peer, "the connection closed inside a message")),
                     Ok(n) => {
                         sh.moved
@@ -1316,7 +1469,7 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                         &mut sink[..n]
                     }
                 };
-                match c.stream.read(dst) {
+                match c.chan.read(dst) {
                     Ok(0) if *len > *got => {
                         return Err(lost(sh, peer, "the connection closed inside a message"))
                     }
@@ -1587,7 +1740,7 @@ mod tests {
                     tag: 4,
                 })
                 .unwrap();
-            m.wait(&s, "send").unwrap();
+            m.wait(&s).unwrap();
             let r = m
                 .recv(Incoming {
                     buf: RawBuf::of(&got),
@@ -1598,7 +1751,7 @@ mod tests {
                     exact: false,
                 })
                 .unwrap();
-            let st = m.wait(&r, "recv").unwrap();
+            let st = m.wait(&r).unwrap();
             assert_eq!(
                 st,
                 Status {

@@ -64,6 +64,9 @@ fn everyone_ok(streams: &mut [Option<TcpStream>], ok: bool) -> io::Result<bool> 
     Ok(all)
 }
 
+/// Per peer (out, in), and the doorbell (see `Attached::p2p`).
+pub type P2pChannels = (Vec<Option<(Box<dyn Channel>, Box<dyn Channel>)>>, Doorbell);
+
 /// Channels to every peer, and what this rank sleeps on while waiting.
 pub struct Attached {
     pub channels: Vec<Option<Box<dyn Channel>>>,
@@ -73,6 +76,11 @@ pub struct Attached {
     pub doorbell: Option<Doorbell>,
     /// Every peer agreed that single-copy reads work (shared memory only).
     pub single_copy: bool,
+    /// The point-to-point context's own channels to every peer, (out, in):
+    /// one ring pair carries this rank's messages to the peer (and its
+    /// answers back), another the peer's messages; and the context's own
+    /// doorbell. Shared memory only.
+    pub p2p: Option<P2pChannels>,
 }
 
 /// Turns the mesh's TCP streams into channels: shared-memory rings when
@@ -90,14 +98,18 @@ pub fn attach(
     let io_err = |e: io::Error| Error::system("agreeing on shared memory with the peers", &e);
     if use_shm && size > 1 {
         let mine_name = segment_name(job, comm_id, rank);
-        let mine = Segment::map(&mine_name, size, true);
+        // Slots 0..size: the collectives' rings; size..2*size: point-to-
+        // point messages from lower to higher ranks (and the context's
+        // doorbells); 2*size..3*size: from higher to lower. Pages are only
+        // allocated when touched.
+        let mine = Segment::map(&mine_name, 3 * size, true);
         let created = everyone_ok(&mut streams, mine.is_ok()).map_err(io_err)?;
         let mut theirs: Vec<Option<Arc<Segment>>> = (0..size).map(|_| None).collect();
         let mut opened = created;
         if created {
             for (peer, slot) in theirs.iter_mut().enumerate() {
                 if peer != rank {
-                    match Segment::map(&segment_name(job, comm_id, peer), size, false) {
+                    match Segment::map(&segment_name(job, comm_id, peer), 3 * size, false) {
                         Ok(seg) => *slot = Some(Arc::new(seg)),
                         Err(_) => opened = false,
                     }
@@ -116,24 +128,47 @@ pub fn attach(
         Segment::unlink(&mine_name);
         if let (true, Ok(mine)) = (all_opened, mine) {
             let mine = Arc::new(mine);
-            let channels = streams
-                .into_iter()
-                .enumerate()
-                .map(|(peer, s)| {
-                    s.map(|stream| {
-                        let theirs = theirs[peer].as_ref().expect("mapped above");
-                        let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
-                        Box::new(ShmChannel::new(
-                            &mine, theirs, rank, peer, stream, pid, asymmetric,
-                        )) as Box<dyn Channel>
-                    })
-                })
-                .collect();
+            let mut p2p: Vec<Option<(Box<dyn Channel>, Box<dyn Channel>)>> =
+                (0..size).map(|_| None).collect();
+            let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
+            for (peer, s) in streams.into_iter().enumerate() {
+                let Some(stream) = s else {
+                    channels.push(None);
+                    continue;
+                };
+                let theirs = theirs[peer].as_ref().expect("mapped above");
+                let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
+                // The liveness connection is shared (a duplicate descriptor:
+                // both notice the peer's exit).
+                let (up, down) = (size, 2 * size);
+                let (out_base, in_base) = if rank < peer { (up, down) } else { (down, up) };
+                let p2p_channel = |base: usize| -> io::Result<Box<dyn Channel>> {
+                    Ok(Box::new(ShmChannel::new(
+                        &mine,
+                        theirs,
+                        rank,
+                        peer,
+                        stream.try_clone()?,
+                        pid,
+                        asymmetric,
+                        base,
+                        size,
+                    )))
+                };
+                p2p[peer] = Some((
+                    p2p_channel(out_base).map_err(io_err)?,
+                    p2p_channel(in_base).map_err(io_err)?,
+                ));
+                channels.push(Some(Box::new(ShmChannel::new(
+                    &mine, theirs, rank, peer, stream, pid, asymmetric, 0, 0,
+                )) as Box<dyn Channel>));
+            }
             return Ok(Attached {
                 channels,
                 name: "shared memory",
                 doorbell: Some(mine.doorbell(rank, asymmetric)),
                 single_copy: pids.is_some(),
+                p2p: Some((p2p, mine.doorbell(size + rank, asymmetric))),
             });
         }
     }
@@ -154,5 +189,6 @@ pub fn attach(
         name: "tcp",
         doorbell: None,
         single_copy: false,
+        p2p: None,
     })
 }

@@ -25,8 +25,11 @@ pub struct ShmChannel {
 }
 
 impl ShmChannel {
-    /// `mine` is this rank's segment (slot = peer), `theirs` the peer's
-    /// (slot = this rank).
+    /// `mine` is this rank's segment (slot = base + peer), `theirs` the
+    /// peer's (slot = base + this rank): `base` picks the ring pair (0 for
+    /// the collectives; point-to-point has its own, see attach). The
+    /// peer's doorbell is at `bell_base` + its rank.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         mine: &Arc<Segment>,
         theirs: &Arc<Segment>,
@@ -35,12 +38,14 @@ impl ShmChannel {
         liveness: TcpStream,
         cma_pid: Option<i32>,
         asymmetric: bool,
+        base: usize,
+        bell_base: usize,
     ) -> ShmChannel {
         let _ = liveness.set_nonblocking(true);
         ShmChannel {
-            from_peer: mine.ring(peer),
-            to_peer: theirs.ring(rank),
-            peer_bell: theirs.doorbell(peer, asymmetric),
+            from_peer: mine.ring(base + peer),
+            to_peer: theirs.ring(base + rank),
+            peer_bell: theirs.doorbell(bell_base + peer, asymmetric),
             liveness,
             peer_closed: false,
             asked: 0,
