@@ -1724,6 +1724,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             spin: Duration::from_micros(50),
             single_copy: vec![false],
+            shm: None,
             signal: Arc::new(AbortSignal::new().unwrap()),
         })
         .unwrap();

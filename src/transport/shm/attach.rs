@@ -64,8 +64,11 @@ fn everyone_ok(streams: &mut [Option<TcpStream>], ok: bool) -> io::Result<bool> 
     Ok(all)
 }
 
+/// A peer's point-to-point channels: (out, in) (see `Attached::p2p`).
+pub type P2pPair = (Box<dyn Channel>, Box<dyn Channel>);
+
 /// Per peer (out, in), and the doorbell (see `Attached::p2p`).
-pub type P2pChannels = (Vec<Option<(Box<dyn Channel>, Box<dyn Channel>)>>, Doorbell);
+pub type P2pChannels = (Vec<Option<P2pPair>>, Doorbell);
 
 /// Channels to every peer, and what this rank sleeps on while waiting.
 pub struct Attached {
@@ -128,8 +131,7 @@ pub fn attach(
         Segment::unlink(&mine_name);
         if let (true, Ok(mine)) = (all_opened, mine) {
             let mine = Arc::new(mine);
-            let mut p2p: Vec<Option<(Box<dyn Channel>, Box<dyn Channel>)>> =
-                (0..size).map(|_| None).collect();
+            let mut p2p: Vec<Option<P2pPair>> = (0..size).map(|_| None).collect();
             let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
             for (peer, s) in streams.into_iter().enumerate() {
                 let Some(stream) = s else {
