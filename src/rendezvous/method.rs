@@ -11,6 +11,14 @@ pub enum Method {
     Tcp { host: String, port: u16 },
     /// A store in a directory on a shared file system.
     File(PathBuf),
+    /// A PyTorch TCPStore that a launcher already hosts at host:port
+    /// (torchrun's agent store): every rank is a client, rdist's keys go
+    /// under `prefix`.
+    TorchStore {
+        host: String,
+        port: u16,
+        prefix: String,
+    },
     /// `env://` in a process that no launcher started (none of the rank or
     /// world-size variables is set): a world of one meets no one, so it
     /// needs no store, as an MPI program started without mpirun. A larger
@@ -104,10 +112,24 @@ pub fn env_master(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
     })?;
     let port = lookup("MASTER_PORT")
         .ok_or_else(|| Error::invalid_argument("init method env:// needs MASTER_PORT"))?;
-    Ok(Method::Tcp {
-        host,
-        port: parse_port(&port, "MASTER_PORT")?,
-    })
+    let port = parse_port(&port, "MASTER_PORT")?;
+    if let Some(prefix) = torchrun_store_prefix(lookup) {
+        return Ok(Method::TorchStore { host, port, prefix });
+    }
+    Ok(Method::Tcp { host, port })
+}
+
+/// Under torchrun, whose agent hosts a TCPStore on MASTER_PORT for its
+/// workers (TORCHELASTIC_USE_AGENT_STORE): the key prefix for rdist in it,
+/// one per run and restart, so a restarted job never sees stale keys.
+fn torchrun_store_prefix(lookup: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let agent = lookup("TORCHELASTIC_USE_AGENT_STORE")?;
+    if !matches!(agent.trim().to_ascii_lowercase().as_str(), "true" | "1") {
+        return None;
+    }
+    let run = lookup("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into());
+    let restart = lookup("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+    Some(format!("rdist/{}/{}/", run.trim(), restart.trim()))
 }
 
 fn parse_port(s: &str, what: &str) -> Result<u16> {
@@ -164,6 +186,43 @@ pub fn rank_and_size(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    static TORCHRUN: [(&str, &str); 7] = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RUN_ID", "job7"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+    ];
+    static NO_AGENT_STORE: [(&str, &str); 5] = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+    ];
+
+    #[test]
+    fn torchruns_agent_store_is_joined_not_hosted() {
+        assert_eq!(
+            parse("env://", &env(&TORCHRUN)).unwrap(),
+            Method::TorchStore {
+                host: "127.0.0.1".into(),
+                port: 29500,
+                prefix: "rdist/job7/2/".into()
+            }
+        );
+        assert!(matches!(
+            parse("env://", &env(&TORCHRUN[..4])).unwrap(),
+            Method::Tcp { .. }
+        ));
+        assert!(matches!(
+            parse("env://", &env(&NO_AGENT_STORE)).unwrap(),
+            Method::Tcp { .. }
+        ));
+    }
 
     fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
         move |k: &str| {

@@ -15,7 +15,9 @@ use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
+use store::{
+    answers_as_torch_store, FileStore, Store, TcpStoreClient, TcpStoreServer, TorchStoreClient,
+};
 use unique_id::UniqueId;
 
 /// How ranks meet.
@@ -116,14 +118,56 @@ fn join_hosting(
         Option<[u8; 16]>,
         String,
     ) = match meeting {
-        Meeting::Method(Method::Tcp { host, port }) => {
+        Meeting::Method(Method::TorchStore { host, port, prefix }) => {
             let master = iface::resolve(host, *port)?;
-            if rank == 0 {
-                *server = Some(TcpStoreServer::bind(wildcard(master.ip(), *port))?);
-            }
-            let client = TcpStoreClient::connect(&format!("{host}:{port}"), deadline)?;
+            let client = TorchStoreClient::connect(master, prefix, rank, deadline)?;
             (
                 Arc::new(client),
+                Some(master),
+                None,
+                format!("torchrun's store at {host}:{port}"),
+            )
+        }
+        Meeting::Method(Method::Tcp { host, port })
+            if answers_as_torch_store(iface::resolve(host, *port)?, Duration::from_secs(1)) =>
+        {
+            // A PyTorch TCPStore already listens there (one a program or
+            // launcher made): every rank joins it rather than rdist's own.
+            let master = iface::resolve(host, *port)?;
+            let client = TorchStoreClient::connect(master, "rdist/tcp/", rank, deadline)?;
+            (
+                Arc::new(client),
+                Some(master),
+                None,
+                format!("the PyTorch store at {host}:{port}"),
+            )
+        }
+        Meeting::Method(Method::Tcp { host, port }) => {
+            let master = iface::resolve(host, *port)?;
+            let mut hosted = Ok(());
+            if rank == 0 {
+                match TcpStoreServer::bind(wildcard(master.ip(), *port)) {
+                    Ok(s) => *server = Some(s),
+                    Err(e) => hosted = Err(e),
+                }
+            }
+            let client: Result<Arc<dyn Store>> = hosted.and_then(|_| {
+                TcpStoreClient::connect(&format!("{host}:{port}"), deadline)
+                    .map(|c| Arc::new(c) as Arc<dyn Store>)
+            });
+            let store = match client {
+                Ok(c) => c,
+                // The port is taken, or its store does not speak rdist's
+                // protocol: a PyTorch TCPStore there (a launcher's, or one
+                // the program made) is joined instead.
+                Err(e) if answers_as_torch_store(master, Duration::from_secs(2)) => Arc::new(
+                    TorchStoreClient::connect(master, "rdist/tcp/", rank, deadline)
+                        .map_err(|t| t.context(format!("(after: {e})")))?,
+                ),
+                Err(e) => return Err(e),
+            };
+            (
+                store,
                 Some(master),
                 None,
                 format!("the store at {host}:{port}"),

@@ -26,15 +26,33 @@ pub fn world<R: Send + 'static>(
     body: impl Fn(Comm) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let id = Comm::unique_id().expect("unique id");
+    world_with(
+        n,
+        options.clone(),
+        limit,
+        move |rank, size| Comm::init_rank(&id, rank as i64, size as i64, &options),
+        body,
+    )
+}
+
+/// `world`, with each rank's communicator made by `init(rank, size)`.
+pub fn world_with<R: Send + 'static>(
+    n: usize,
+    _options: Options,
+    limit: Duration,
+    init: impl Fn(usize, usize) -> rdist::Result<Comm> + Send + Sync + 'static,
+    body: impl Fn(Comm) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let body = std::sync::Arc::new(body);
+    let init = std::sync::Arc::new(init);
     let (tx, rx) = mpsc::channel();
     for rank in 0..n {
-        let (tx, body, options) = (tx.clone(), body.clone(), options.clone());
+        let (tx, body, init) = (tx.clone(), body.clone(), init.clone());
         std::thread::Builder::new()
             .name(format!("rank{rank}"))
             .spawn(move || {
-                let comm = Comm::init_rank(&id, rank as i64, n as i64, &options)
-                    .unwrap_or_else(|e| panic!("rank {rank}: init failed: {e}"));
+                let comm =
+                    init(rank, n).unwrap_or_else(|e| panic!("rank {rank}: init failed: {e}"));
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(comm)));
                 let _ = tx.send((rank, r));
             })

@@ -231,7 +231,7 @@ fn handshake(
         Err(WireError::Io(err)) => Err(io_failure(&err)),
         Err(WireError::Protocol(msg)) => Err(AttemptError::Fatal(Error::new(
             ErrorKind::System,
-            format!("the server at {addr} does not speak the rdist store protocol: {msg}"),
+            format!("the server at {addr} speaks neither rdist's store protocol nor PyTorch's TCPStore protocol ({msg}): is something else listening on that port?"),
         ))),
     }
 }
