@@ -654,12 +654,7 @@ impl Mailbox {
             }
             std::hint::spin_loop();
         }
-        if self.shared.drivers.fetch_sub(1, Relaxed) == 1 {
-            // The progress thread stayed out of the way; it takes over.
-            if let Some(h) = lock(&self.thread).as_ref() {
-                h.thread().unpark();
-            }
-        }
+        self.shared.drivers.fetch_sub(1, Relaxed);
         let mut r = lock(&t.done.result);
         loop {
             if let Some(res) = r.as_ref() {
@@ -1135,9 +1130,8 @@ fn progress(sh: &Shared) {
         }
         let driven = sh.drivers.load(std::sync::atomic::Ordering::Relaxed) > 0;
         if (n > 0 || sh.bell.is_some()) && driven {
-            // A waiting caller is moving the bytes: stay off its core
-            // until it stops (it unparks this thread then).
-            std::thread::park_timeout(Duration::from_millis(10));
+            // A waiting caller is moving the bytes; look again shortly.
+            std::thread::sleep(Duration::from_micros(50));
             continue;
         }
         if let Some(bell) = &sh.bell {
