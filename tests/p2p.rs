@@ -46,9 +46,20 @@ fn a_receive_posted_before_a_collective_matches_a_send_made_after_it() {
     // the receive and the send are in their own context.
     // Shared memory (large payloads single-copy) and TCP (eager and
     // rendezvous over the socket).
-    for (n, transport) in [(2usize, "auto"), (3, "auto"), (4, "auto"), (3, "tcp")] {
+    // And shared memory with single copy from 64 KiB (the receiver reads
+    // the sender's buffer: Remote frames).
+    for (n, transport, single_copy) in [
+        (2usize, "auto", None),
+        (3, "auto", None),
+        (4, "auto", None),
+        (3, "tcp", None),
+        (3, "auto", Some("65536")),
+    ] {
         let mut o = common::opts(20_000);
         o.set("transport", transport).unwrap();
+        if let Some(min) = single_copy {
+            o.set("single_copy_min", min).unwrap();
+        }
         common::world(n, o, Duration::from_secs(60), move |comm| {
             let r = comm.rank();
             let (right, left) = ((r + 1) % n, (r + n - 1) % n);

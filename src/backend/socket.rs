@@ -73,7 +73,7 @@ pub struct SocketBackend {
     p2p: Option<P2pStart>,
     /// Whether point-to-point payloads to each rank may be read by it
     /// straight from this process's memory (same host, single copy on).
-    p2p_single_copy: Vec<bool>,
+    p2p_single_copy: Vec<Option<usize>>,
 }
 
 /// What the point-to-point context starts from: the listener, the
@@ -138,14 +138,14 @@ impl SocketBackend {
         let cores = online_cores();
         let oversubscribed = local_ranks > cores;
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
-        let p2p_single_copy: Vec<bool> = (0..size)
+        // Point-to-point follows the collectives' choice (single copy from
+        // `single_copy_min`, by default only when oversubscribed).
+        let p2p_single_copy: Vec<Option<usize>> = (0..size)
             .map(|p| {
-                attached.single_copy
-                    && attached.name != "tcp"
-                    // Point-to-point takes it whenever allowed: its other
-                    // path is a socket, not a ring.
-                    && settings.single_copy != SingleCopy::Off
-                    && roster.hosts[p] == roster.hosts[rank]
+                (attached.single_copy
+                    && single_copy_min != usize::MAX
+                    && roster.hosts[p] == roster.hosts[rank])
+                    .then_some(single_copy_min)
             })
             .collect();
         let mut transport_detail = format!(

@@ -139,9 +139,10 @@ pub(crate) struct MailboxSpec {
     pub timeout: Duration,
     /// How long a waiting caller drives progress itself before sleeping.
     pub spin: Duration,
-    /// Per rank: whether it can copy large payloads straight from this
-    /// process's memory (same host, process_vm_readv allowed).
-    pub single_copy: Vec<bool>,
+    /// Per rank: from which payload size it copies messages straight from
+    /// this process's memory (same host, process_vm_readv allowed, and
+    /// `single_copy_min` says so); None: never.
+    pub single_copy: Vec<Option<usize>>,
     /// Shared-memory channels to every peer and the doorbell they ring,
     /// when every rank is on this host (then no connection is dialed).
     pub shm: Option<crate::transport::shm::P2pChannels>,
@@ -216,9 +217,9 @@ struct Peer {
     receiving: HashMap<u64, Target>,
     next_out_seq: u64,
     next_in_seq: u64,
-    /// Large payloads go single-copy (the peer reads them from here);
-    /// cleared when the peer once could not.
-    single_copy: bool,
+    /// Payloads from this size go single-copy (the peer reads them from
+    /// here); None: never.
+    single_copy: Option<usize>,
     /// Why this rank can no longer send to the peer (its connection to
     /// it closed); the peer's messages already sent may still arrive.
     out_gone: Option<Error>,
@@ -364,8 +365,6 @@ impl Mailbox {
                 if let Some((out, inc)) = pair {
                     p.out = Some(Conn::over_shm(out));
                     p.inc = Some(Conn::over_shm(inc));
-                    // The rings beat reading the sender's memory.
-                    p.single_copy = false;
                 }
             }
             bell = Some(Bell(doorbell));
@@ -1016,7 +1015,9 @@ impl State {
                 let bytes = s.msg.buf.len();
                 // Same host: large payloads are read by the receiver
                 // straight from here (one copy, no socket).
-                let remote = p.single_copy && (REMOTE_MIN..=EAGER_MAX).contains(&bytes);
+                let remote = p
+                    .single_copy
+                    .is_some_and(|min| (min.max(REMOTE_MIN)..=EAGER_MAX).contains(&bytes));
                 let eager = bytes <= EAGER_MAX && !remote;
                 let (kind, payload) = if remote {
                     (Kind::Remote, REMOTE_BYTES as u64)
@@ -1723,7 +1724,7 @@ mod tests {
             early: Vec::new(),
             timeout: Duration::from_secs(5),
             spin: Duration::from_micros(50),
-            single_copy: vec![false],
+            single_copy: vec![None],
             shm: None,
             signal: Arc::new(AbortSignal::new().unwrap()),
         })

@@ -40,8 +40,9 @@ pub enum Kind {
 /// Bytes of a Remote frame's payload.
 pub const REMOTE_BYTES: usize = 16;
 
-/// Messages from this size go single-copy between ranks of one host.
-pub const REMOTE_MIN: usize = 64 << 10;
+/// Messages below this size never go single-copy (a round trip costs
+/// more than copying them).
+pub const REMOTE_MIN: usize = 4 << 10;
 
 /// Longest Failure payload.
 pub const FAILURE_MAX: usize = 4096;
