@@ -192,18 +192,20 @@ void test_p2p_and_group(rdist::Comm& comm) {
     while (!r.test()) {
     }
   }
-  // tagged: every rank sends rank 0 its rank with tag = rank; rank 0 takes
-  // them with wildcards, and the status says from whom
+  // tagged: every rank sends rank 0 `rank` elements with tag 7; rank 0
+  // takes them from any source (tag 7 only: a later message of this test,
+  // tag 0, may already be on its way), and the status says from whom
+  constexpr int kTag = 7;
   if (rank != 0) {
-    comm.send_tagged(std::vector<std::int64_t>(static_cast<std::size_t>(rank), rank), 0, rank);
+    comm.send_tagged(std::vector<std::int64_t>(static_cast<std::size_t>(rank), rank), 0, kTag);
   } else {
     int seen = 0;
     for (int k = 1; k < size; k++) {
       std::vector<std::int64_t> in(64, -1);
-      rdist::Request r = comm.irecv_tagged(in.data(), in.size());
+      rdist::Request r = comm.irecv_tagged(in.data(), in.size(), RDIST_ANY_SOURCE, kTag);
       r.wait();
       const rdist_status_t s = r.status();
-      EXPECT(s.source >= 1 && s.tag == s.source && s.count == static_cast<std::size_t>(s.source) &&
+      EXPECT(s.source >= 1 && s.tag == kTag && s.count == static_cast<std::size_t>(s.source) &&
                  in[0] == s.source,
              "tagged status");
       seen |= 1 << s.source;
