@@ -238,18 +238,28 @@ class Pinned:
     object (and, for buffer-protocol objects, an export that stops e.g. a
     bytearray from being resized) until :meth:`release`."""
 
-    __slots__ = ("obj", "address", "nbytes", "dtype", "type_name", "_view", "stream")
+    __slots__ = ("obj", "address", "nbytes", "dtype", "_type_name", "_view", "stream")
 
     def __init__(self, obj, address, nbytes, dtype, type_name, view=None, stream=None):
         self.obj = obj
         self.address = address
         self.nbytes = nbytes
         self.dtype = dtype
-        self.type_name = type_name
+        self._type_name = type_name  # a str, or a numpy dtype (formatted on demand)
         self._view = view
         # For device arrays: the CUDA stream their data is valid on (an int
         # handle; 1 and 2 are CUDA's legacy and per-thread default streams).
         self.stream = stream
+
+    @property
+    def type_name(self):
+        """What the buffer is, for messages."""
+        name = self._type_name
+        return name if isinstance(name, str) else f"numpy {name}"
+
+    @type_name.setter
+    def type_name(self, value):
+        self._type_name = value
 
     def release(self):
         """Ends the export; idempotent."""
@@ -265,6 +275,21 @@ class Pinned:
             pass
 
 
+_numpy_by_dtype = {}
+
+
+def _numpy_dtype(np_dtype):
+    """The DType of a numpy dtype (cached by dtype object: numpy's .name is
+    slow, and this runs on every call)."""
+    try:
+        return _numpy_by_dtype[np_dtype]
+    except KeyError:
+        pass
+    found = _NUMPY_DTYPES.get(np_dtype.name) if np_dtype.isnative else None
+    _numpy_by_dtype[np_dtype] = found
+    return found
+
+
 def _pin_numpy(array, what, writable):
     if not array.flags.c_contiguous:
         raise InvalidArgumentError(
@@ -274,9 +299,9 @@ def _pin_numpy(array, what, writable):
         )
     if writable and not array.flags.writeable:
         raise InvalidArgumentError(f"{what} is a read-only numpy array, but the call writes to it")
-    dtype = _NUMPY_DTYPES.get(array.dtype.name) if array.dtype.isnative else None
+    dtype = _numpy_dtype(array.dtype)
     address = array.__array_interface__["data"][0]
-    return Pinned(array, address, array.nbytes, dtype, f"numpy {array.dtype}")
+    return Pinned(array, address, array.nbytes, dtype, array.dtype)
 
 
 def _pin_buffer(obj, what, writable):

@@ -354,6 +354,17 @@ def wait_all(requests):
 # ---------------------------------------------------------------------------
 
 
+# (name, non-blocking) -> the C function, looked up once.
+_FUNCTIONS = {
+    (base, nonblocking): getattr(lib, ("rdist_i" if nonblocking else "rdist_") + base)
+    for base in (
+        "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
+        "scatter", "alltoall", "barrier", "send", "recv",
+    )
+    for nonblocking in (False, True)
+}
+
+
 def _stream_of(pinned):
     """The CUDA stream a blocking call runs on: the one a device array's
     ``__cuda_array_interface__`` names (its data is valid there), else NULL
@@ -535,15 +546,18 @@ class Comm:
         handed to the request / the enclosing group."""
         pinned = list(pins.values())
         try:
-            handle = self._live_handle(base)
+            handle = self._handle
+            if handle is None:
+                self._live_handle(base)
+            function = _FUNCTIONS[base, nonblocking]
             if nonblocking:
                 order_after(pinned)
                 request = RequestHandle()
-                function = getattr(lib, "rdist_i" + base)
-                check(function(*args, handle, ctypes.byref(request)))
+                code = function(*args, handle, ctypes.byref(request))
             else:
-                function = getattr(lib, "rdist_" + base)
-                check(function(*args, handle, _stream_of(pinned)) if args else function(handle))
+                code = function(*args, handle, _stream_of(pinned)) if args else function(handle)
+            if code:
+                check(code)
         except BaseException:
             _release_all(pinned)
             raise
