@@ -262,6 +262,33 @@ class RdistBackend(_C10dBackend):
     def getBackendName(self):  # noqa: N802 - torch's name
         return BACKEND_NAME
 
+    # Capabilities torch asks for as properties. Defined here because the
+    # inherited C++ ones ask the Python object again (endless recursion in
+    # a Python subclass that does not override them).
+    @property
+    def supports_coalescing(self):
+        return False
+
+    @property
+    def supports_splitting(self):
+        return False
+
+    @property
+    def supports_shrinking(self):
+        return False
+
+    @property
+    def supports_reconfigure(self):
+        return False
+
+    @property
+    def supports_window(self):
+        return False
+
+    @property
+    def _supports_time_estimate(self):
+        return False
+
     # -- completion ----------------------------------------------------------
 
     def _watch(self, work):
@@ -332,7 +359,7 @@ class RdistBackend(_C10dBackend):
         """(rdist op, input to use) for a ReduceOp; PREMUL_SUM scales a copy."""
         red = opts.reduceOp
         kind = red.op
-        if kind is _PREMUL_SUM:
+        if kind == _PREMUL_SUM:
             factor = red.factor if hasattr(red, "factor") else None
             return Op.SUM, factor
         found = _OPS.get(kind)
