@@ -36,7 +36,7 @@ from ._default import init_from_store
 from ._errors import InvalidArgumentError, UnavailableError, error_for, last_error_text
 from ._library import RequestHandle, Status, has, lib
 
-__all__ = ["BACKEND_NAME", "RdistBackend", "Work", "create_backend"]
+__all__ = ["BACKEND_NAME", "RdistBackend", "Work", "create_backend", "register"]
 
 #: The name ``init_process_group(backend=...)`` takes.
 BACKEND_NAME = "rdist"
@@ -726,14 +726,17 @@ _recv.__doc__ = _torch_recv.__doc__
 _recv.__wrapped__ = _torch_recv
 
 
-def _register():
+def register():
+    """Registers the "rdist" backend with torch.distributed (idempotent;
+    importing this module does it). torch calls it through the
+    ``torch.distributed.backends`` entry point of an installed rdist."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
     dist.distributed_c10d.recv = _recv
     dist.recv = _recv
 
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    _register()
+register()
