@@ -514,6 +514,30 @@ def _pin_dlpack(obj, what, writable):
     )
 
 
+def fast_buffer(obj):
+    """(address, nbytes, DType) of a writable, C-contiguous host numpy array
+    or CPU torch tensor whose dtype the library knows, else None (the
+    general path then pins it, or says what is wrong)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(obj) is numpy.ndarray:
+        flags = obj.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return None
+        dtype = _numpy_dtype(obj.dtype)
+        if dtype is None or (dtype in NEW_IN_0_2 and not HAS_0_2):
+            return None
+        return obj.__array_interface__["data"][0], obj.nbytes, dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and type(obj) is torch.Tensor:
+        if obj.device.type != "cpu" or obj.layout is not torch.strided or not obj.is_contiguous():
+            return None
+        dtype = torch_dtypes().get(obj.dtype)
+        if dtype is None or (dtype in NEW_IN_0_2 and not HAS_0_2):
+            return None
+        return obj.data_ptr(), obj.numel() * obj.element_size(), dtype
+    return None
+
+
 def pin(obj, what, writable):
     """Pins ``obj`` for a C call; ``what`` names the argument in messages."""
     torch = sys.modules.get("torch")
