@@ -516,8 +516,12 @@ class RdistBackend(_C10dBackend):
         dtype, scale = _dtype(out, True)
         send = None
         if self._rank == root:
-            send = torch.stack([t.reshape(out.shape) for t in input_tensors[0]]).view(out.dtype)
-            send = _flat(send, "input")
+            send = torch.cat([_flat(t, "input").reshape(-1) for t in input_tensors[0]])
+            if send.numel() != out.numel() * self._size:
+                raise InvalidArgumentError(
+                    f"rdist scatter: the root's inputs hold {send.numel()} elements, need "
+                    f"{self._size} x {out.numel()}"
+                )
         args = (None if send is None else send.data_ptr(), out.data_ptr(), out.numel() * scale, dtype, root)
         return self._run(_scatter, _iscatter, args, output_tensors, [send, out], stream=_stream(out))
 
