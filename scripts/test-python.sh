@@ -5,7 +5,12 @@
 # tests/test_wheel.py also runs `pip install ./bindings/python` into a fresh
 # venv (offline; cargo reuses target/debug) and a 2-rank job with the
 # installed package from another directory, and checks that the source tree
-# is left untouched. Its last line is pytest's summary.
+# is left untouched. tests/test_torch.py runs rdist inside PyTorch (the
+# "rdist" torch.distributed backend, DDP and ZeRO against gloo, torchrun)
+# with the torch venv's Python from scripts/torch-env.sh (installed on first
+# use, ~4 GB; RDIST_TORCH_PYTHON=/path/to/python picks another, and
+# RDIST_SKIP_TORCH=1 skips them); when none can be had those tests print
+# `skipped:` lines. Its last line is pytest's summary.
 #
 # Needs a Python >= 3.9 with numpy and pytest. It uses $PYTHON if set, else
 # `python3` if it has both; /usr/bin/python3 if it has both (here
@@ -56,6 +61,20 @@ if [ ! -f target/debug/librdist.so ] || [ ! -x target/debug/rdistrun ]; then
   echo "test-python: building target/debug (cargo build)"
   cargo build -q
 fi
+
+# The torch tests' ranks run with the torch venv's Python (pytest itself may not have torch).
+if [ -n "${RDIST_SKIP_TORCH:-}" ]; then
+  echo "test-python: skipped: the torch tests (RDIST_SKIP_TORCH is set)"
+  export RDIST_TORCH_PYTHON=
+elif [ -z "${RDIST_TORCH_PYTHON:-}" ]; then
+  if RDIST_TORCH_PYTHON=$(bash scripts/torch-env.sh); then
+    export RDIST_TORCH_PYTHON
+  else
+    echo "test-python: skipped: torch could not be installed (scripts/torch-env.sh failed); the torch tests skip"
+    export RDIST_TORCH_PYTHON=
+  fi
+fi
+[ -z "${RDIST_TORCH_PYTHON:-}" ] || echo "test-python: torch tests with $RDIST_TORCH_PYTHON"
 
 # Test exactly this build, never another librdist the search could find.
 export RDIST_LIBRARY="$PWD/target/debug/librdist.so"

@@ -102,11 +102,11 @@ def _parse_simple_toml(text):
             continue
         if not line or line.startswith("#"):
             continue
-        header = re.fullmatch(r"\[([A-Za-z0-9_.-]+)\]", line)
+        header = re.fullmatch(r'\[([A-Za-z0-9_."-]+)\]', line)
         if header:
             table = doc
-            for part in header.group(1).split("."):
-                table = table.setdefault(part, {})
+            for quoted, bare in re.findall(r'"([^"]*)"|([^."]+)', header.group(1)):
+                table = table.setdefault(quoted or bare, {})
             continue
         key, _, value = (s.strip() for s in line.partition("="))
         key = key.strip('"')
@@ -163,6 +163,17 @@ def _metadata(project):
     return "\n".join(lines) + "\n" + body
 
 
+def _entry_points(project):
+    """entry_points.txt, or None when the project declares none."""
+    groups = project.get("entry-points", {})
+    if not groups:
+        return None
+    text = ""
+    for group, entries in groups.items():
+        text += f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) + "\n"
+    return text
+
+
 def _wheel_file(tag):
     return (
         "Wheel-Version: 1.0\n"
@@ -182,6 +193,8 @@ def _write_metadata_dir(metadata_directory, tag):
     dist_info.mkdir(parents=True, exist_ok=True)
     (dist_info / "METADATA").write_text(_metadata(project), encoding="utf-8")
     (dist_info / "WHEEL").write_text(_wheel_file(tag), encoding="utf-8")
+    if _entry_points(project):
+        (dist_info / "entry_points.txt").write_text(_entry_points(project), encoding="utf-8")
     return dist_info.name
 
 
@@ -332,6 +345,8 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         wheel.add(f"{data}/scripts/rdistrun", _stripped(launcher, scratch), executable=True)
         wheel.add(f"{dist_info}/METADATA", _metadata(project).encode())
         wheel.add(f"{dist_info}/WHEEL", _wheel_file(tag).encode())
+        if _entry_points(project):
+            wheel.add(f"{dist_info}/entry_points.txt", _entry_points(project).encode())
         name = wheel.close(dist_info)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -351,4 +366,6 @@ def build_editable(wheel_directory, config_settings=None, metadata_directory=Non
     wheel.add(f"_{PACKAGE}_editable.pth", (str(HERE) + "\n").encode())
     wheel.add(f"{dist_info}/METADATA", _metadata(project).encode())
     wheel.add(f"{dist_info}/WHEEL", _wheel_file(tag).encode())
+    if _entry_points(project):
+        wheel.add(f"{dist_info}/entry_points.txt", _entry_points(project).encode())
     return wheel.close(dist_info)

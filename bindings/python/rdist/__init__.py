@@ -13,7 +13,10 @@ A pure-ctypes binding of librdist's C API (include/rdist.h)::
 The library is found through ``RDIST_LIBRARY``, next to this package, in a
 source checkout's ``target/`` directory, or on the system library path (see
 :mod:`rdist._library`); ``rdist.library_path`` says which was loaded.
-numpy is optional: any C-contiguous buffer-protocol object works too.
+numpy is optional: torch tensors (CPU and CUDA, by data pointer), DLPack
+and C-contiguous buffer-protocol objects work too. ``rdist.init_process_group``
+and friends keep a default communicator as torch.distributed does, and
+``import rdist.torch`` registers rdist as a torch.distributed backend.
 """
 
 from ._library import LibraryNotFoundError, lib as _lib, library_path
@@ -47,6 +50,29 @@ from ._comm import (
     wait_all,
 )
 
+from ._default import (
+    NON_GROUP_MEMBER,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    gather,
+    get_default_comm,
+    get_rank,
+    get_world_size,
+    init_from_store,
+    init_process_group,
+    is_initialized,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+
 #: Version of this Python package.
 __version__ = "0.1.0"
 
@@ -74,6 +100,26 @@ def nccl_version():
 
 
 __all__ = [
+    "NON_GROUP_MEMBER",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "gather",
+    "get_default_comm",
+    "get_rank",
+    "get_world_size",
+    "init_from_store",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
     "AbortedError",
     "AuthError",
     "Backend",

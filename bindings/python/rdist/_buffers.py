@@ -16,7 +16,11 @@ import enum
 import sys
 from ctypes import c_char, c_int, c_void_p, py_object
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, UnavailableError
+from ._library import lib
+
+#: Whether the loaded library knows the 0.2 element types and reductions.
+HAS_0_2 = lib.rdist_version() >= 200
 
 __all__ = ["DType", "Op", "resolve_dtype", "resolve_op"]
 
@@ -34,6 +38,10 @@ class DType(enum.IntEnum):
     FLOAT32 = 7
     FLOAT64 = 8
     BFLOAT16 = 9
+    # Since 0.2 (rdist's own; NCCL has none of them).
+    BOOL = 64
+    INT16 = 65
+    UINT16 = 66
 
     @property
     def itemsize(self):
@@ -55,7 +63,13 @@ _ITEMSIZE = {
     DType.FLOAT32: 4,
     DType.FLOAT64: 8,
     DType.BFLOAT16: 2,
+    DType.BOOL: 1,
+    DType.INT16: 2,
+    DType.UINT16: 2,
 }
+
+#: Element types and reductions a library before 0.2 does not know.
+NEW_IN_0_2 = frozenset({DType.BOOL, DType.INT16, DType.UINT16})
 
 
 class Op(enum.IntEnum):
@@ -67,6 +81,10 @@ class Op(enum.IntEnum):
     MAX = 2
     MIN = 3
     AVG = 4
+    # Since 0.2: bitwise, on integer and bool types only.
+    BAND = 64
+    BOR = 65
+    BXOR = 66
 
     def __str__(self):
         return self.name.lower()
@@ -75,7 +93,7 @@ class Op(enum.IntEnum):
 _DTYPE_BY_NAME = {str(d): d for d in DType}
 _DTYPE_BY_NAME.update({"half": DType.FLOAT16, "bf16": DType.BFLOAT16})
 _OP_BY_NAME = {str(o): o for o in Op}
-_OP_BY_NAME.update({"mean": Op.AVG, "product": Op.PROD})
+_OP_BY_NAME.update({"mean": Op.AVG, "product": Op.PROD, "and": Op.BAND, "or": Op.BOR, "xor": Op.BXOR})
 
 
 def resolve_dtype(dtype):
@@ -100,14 +118,31 @@ def resolve_dtype(dtype):
     return found
 
 
+def _needs_0_2(what):
+    packed = lib.rdist_version()
+    return (
+        f"{what} needs librdist 0.2 or later, but the loaded library is "
+        f"{packed // 10000}.{packed // 100 % 100}.{packed % 100}"
+    )
+
+
+def check_dtype(dtype):
+    """Raises UnavailableError for a 0.2 element type on an older library."""
+    if dtype in NEW_IN_0_2 and not HAS_0_2:
+        raise UnavailableError(_needs_0_2(f"the {dtype} element type"))
+    return dtype
+
+
 def resolve_op(op):
     """An Op from an Op or a name ("sum", "prod", "max", "min", "avg")."""
     if isinstance(op, Op):
-        return op
-    if isinstance(op, str):
-        found = _OP_BY_NAME.get(op.lower())
-        if found is not None:
-            return found
+        found = op
+    else:
+        found = _OP_BY_NAME.get(op.lower()) if isinstance(op, str) else None
+    if found is not None:
+        if found >= Op.BAND and not HAS_0_2:
+            raise UnavailableError(_needs_0_2(f"the {found} reduction"))
+        return found
     raise InvalidArgumentError(
         f"unknown reduction op {op!r} (known: {', '.join(str(o) for o in Op)})"
     )
@@ -156,12 +191,15 @@ _PyBUF_RECORDS_RO = _PyBUF_STRIDES | _PyBUF_FORMAT
 # struct-module format characters (native sizes) -> dtype, by item size.
 _SIGNED_CODES = "bhilqn"
 _UNSIGNED_CODES = "BHILQN"
-_INT_BY_SIZE = {1: DType.INT8, 4: DType.INT32, 8: DType.INT64}
-_UINT_BY_SIZE = {1: DType.UINT8, 4: DType.UINT32, 8: DType.UINT64}
+_INT_BY_SIZE = {1: DType.INT8, 2: DType.INT16, 4: DType.INT32, 8: DType.INT64}
+_UINT_BY_SIZE = {1: DType.UINT8, 2: DType.UINT16, 4: DType.UINT32, 8: DType.UINT64}
 _FLOAT_CODES = {"e": DType.FLOAT16, "f": DType.FLOAT32, "d": DType.FLOAT64}
 _NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 
 _NUMPY_DTYPES = {
+    "bool": DType.BOOL,
+    "int16": DType.INT16,
+    "uint16": DType.UINT16,
     "int8": DType.INT8,
     "uint8": DType.UINT8,
     "int32": DType.INT32,
@@ -189,6 +227,8 @@ def _dtype_of_format(fmt, itemsize):
         return _INT_BY_SIZE.get(itemsize)
     if fmt in _UNSIGNED_CODES or fmt == "c":
         return _UINT_BY_SIZE.get(itemsize)
+    if fmt == "?" and itemsize == 1:
+        return DType.BOOL
     return _FLOAT_CODES.get(fmt)
 
 
@@ -198,18 +238,28 @@ class Pinned:
     object (and, for buffer-protocol objects, an export that stops e.g. a
     bytearray from being resized) until :meth:`release`."""
 
-    __slots__ = ("obj", "address", "nbytes", "dtype", "type_name", "_view", "stream")
+    __slots__ = ("obj", "address", "nbytes", "dtype", "_type_name", "_view", "stream")
 
     def __init__(self, obj, address, nbytes, dtype, type_name, view=None, stream=None):
         self.obj = obj
         self.address = address
         self.nbytes = nbytes
         self.dtype = dtype
-        self.type_name = type_name
+        self._type_name = type_name  # a str, or a numpy dtype (formatted on demand)
         self._view = view
         # For device arrays: the CUDA stream their data is valid on (an int
         # handle; 1 and 2 are CUDA's legacy and per-thread default streams).
         self.stream = stream
+
+    @property
+    def type_name(self):
+        """What the buffer is, for messages."""
+        name = self._type_name
+        return name if isinstance(name, str) else f"numpy {name}"
+
+    @type_name.setter
+    def type_name(self, value):
+        self._type_name = value
 
     def release(self):
         """Ends the export; idempotent."""
@@ -225,6 +275,21 @@ class Pinned:
             pass
 
 
+_numpy_by_dtype = {}
+
+
+def _numpy_dtype(np_dtype):
+    """The DType of a numpy dtype (cached by dtype object: numpy's .name is
+    slow, and this runs on every call)."""
+    try:
+        return _numpy_by_dtype[np_dtype]
+    except KeyError:
+        pass
+    found = _NUMPY_DTYPES.get(np_dtype.name) if np_dtype.isnative else None
+    _numpy_by_dtype[np_dtype] = found
+    return found
+
+
 def _pin_numpy(array, what, writable):
     if not array.flags.c_contiguous:
         raise InvalidArgumentError(
@@ -234,9 +299,9 @@ def _pin_numpy(array, what, writable):
         )
     if writable and not array.flags.writeable:
         raise InvalidArgumentError(f"{what} is a read-only numpy array, but the call writes to it")
-    dtype = _NUMPY_DTYPES.get(array.dtype.name) if array.dtype.isnative else None
+    dtype = _numpy_dtype(array.dtype)
     address = array.__array_interface__["data"][0]
-    return Pinned(array, address, array.nbytes, dtype, f"numpy {array.dtype}")
+    return Pinned(array, address, array.nbytes, dtype, array.dtype)
 
 
 def _pin_buffer(obj, what, writable):
@@ -275,7 +340,7 @@ def _pin_buffer(obj, what, writable):
 # __cuda_array_interface__ typestr -> dtype ("<V2"-style bfloat16 has no
 # standard spelling, so it needs dtype=).
 _CUDA_TYPESTR = {
-    "i1": DType.INT8, "u1": DType.UINT8, "b1": DType.UINT8,
+    "i1": DType.INT8, "u1": DType.UINT8, "b1": DType.BOOL, "i2": DType.INT16, "u2": DType.UINT16,
     "i4": DType.INT32, "u4": DType.UINT32, "i8": DType.INT64, "u8": DType.UINT64,
     "f2": DType.FLOAT16, "f4": DType.FLOAT32, "f8": DType.FLOAT64,
 }
@@ -312,15 +377,184 @@ def _pin_cuda(obj, what, writable):
     return Pinned(obj, address or 0, nbytes, dtype, f"device array {typestr}", stream=stream)
 
 
+# ---------------------------------------------------------------------------
+# torch tensors: their data pointer, no copy and no numpy round trip
+# ---------------------------------------------------------------------------
+
+_torch_dtypes = None
+
+
+def torch_dtypes():
+    """torch dtype -> DType (built on first use; torch is never imported here)."""
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        torch = sys.modules["torch"]
+        _torch_dtypes = {
+            torch.bool: DType.BOOL, torch.int8: DType.INT8, torch.uint8: DType.UINT8,
+            torch.int16: DType.INT16, torch.int32: DType.INT32, torch.int64: DType.INT64,
+            torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
+            torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64,
+        }
+        for name, dtype in (("uint16", DType.UINT16), ("uint32", DType.UINT32), ("uint64", DType.UINT64)):
+            if hasattr(torch, name):  # torch >= 2.3
+                _torch_dtypes[getattr(torch, name)] = dtype
+    return _torch_dtypes
+
+
+def torch_stream(tensor):
+    """The CUDA stream a torch CUDA tensor's producer runs on (the current
+    stream of its device), as the int __cuda_array_interface__ v3 gives: 1
+    for the legacy default stream."""
+    torch = sys.modules["torch"]
+    handle = torch.cuda.current_stream(tensor.device).cuda_stream
+    return handle or 1
+
+
+def _pin_torch(tensor, what, writable):
+    device = tensor.device.type
+    if tensor.layout is not sys.modules["torch"].strided:
+        raise InvalidArgumentError(
+            f"{what} is a {tensor.layout} tensor; rdist takes dense (strided) tensors only"
+        )
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(
+            f"{what} must be contiguous, but this tensor (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()}) is not; pass {what}.contiguous() (and copy the "
+            "result back with .copy_() if the call writes to it)"
+        )
+    dtype = torch_dtypes().get(tensor.dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    if device == "cpu":
+        return Pinned(tensor, tensor.data_ptr(), nbytes, dtype, f"tensor {tensor.dtype}")
+    if device == "cuda":
+        return Pinned(
+            tensor, tensor.data_ptr(), nbytes, dtype, f"cuda tensor {tensor.dtype}",
+            stream=torch_stream(tensor),
+        )
+    raise InvalidArgumentError(
+        f"{what} is a tensor on {tensor.device}; rdist takes CPU and CUDA tensors"
+    )
+
+
+# ---------------------------------------------------------------------------
+# DLPack (__dlpack__): JAX, CuPy, TensorFlow, ... host arrays
+# ---------------------------------------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.argtypes = [py_object, ctypes.c_char_p]
+_PyCapsule_GetPointer.restype = c_void_p
+
+_DL_CPU, _DL_CUDA_HOST = 1, 3  # kDLCPU, kDLCUDAHost
+# (type code, bits) -> DType: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6.
+_DLPACK_DTYPES = {
+    (0, 8): DType.INT8, (0, 16): DType.INT16, (0, 32): DType.INT32, (0, 64): DType.INT64,
+    (1, 8): DType.UINT8, (1, 16): DType.UINT16, (1, 32): DType.UINT32, (1, 64): DType.UINT64,
+    (2, 16): DType.FLOAT16, (2, 32): DType.FLOAT32, (2, 64): DType.FLOAT64,
+    (4, 16): DType.BFLOAT16, (6, 8): DType.BOOL,
+}
+
+
+def _pin_dlpack(obj, what, writable):
+    """A host array through ``__dlpack__``. The capsule is kept (not
+    consumed), so the producer's memory stays alive while rdist uses it.
+    DLPack has no read-only flag before 1.0's versioned capsules: the
+    producer promises a writable view when the call writes."""
+    capsule = obj.__dlpack__()
+    address = _PyCapsule_GetPointer(capsule, b"dltensor")
+    tensor = _DLTensor.from_address(address)
+    if tensor.device.device_type not in (_DL_CPU, _DL_CUDA_HOST):
+        raise InvalidArgumentError(
+            f"{what} is a DLPack array on device type {tensor.device.device_type}; only host "
+            "arrays go through DLPack (device arrays need __cuda_array_interface__ or torch)"
+        )
+    shape = [tensor.shape[i] for i in range(tensor.ndim)]
+    itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8
+    count = 1
+    for extent in shape:
+        count *= extent
+    if tensor.strides and count:
+        expected, step = [], 1
+        for extent in reversed(shape):
+            expected.append(step)
+            step *= extent
+        expected.reverse()
+        got = [tensor.strides[i] for i in range(tensor.ndim)]
+        if any(g != e for g, e, n in zip(got, expected, shape) if n != 1):
+            raise InvalidArgumentError(
+                f"{what} must be C-contiguous, but this DLPack array (shape {tuple(shape)}, "
+                f"strides {tuple(got)} elements) is not; make a contiguous copy first"
+            )
+    dtype = None
+    if tensor.dtype.lanes == 1:
+        dtype = _DLPACK_DTYPES.get((tensor.dtype.code, tensor.dtype.bits))
+    return Pinned(
+        (obj, capsule), (tensor.data or 0) + tensor.byte_offset, count * itemsize, dtype,
+        f"DLPack array of {type(obj).__name__}",
+    )
+
+
+def fast_buffer(obj):
+    """(address, nbytes, DType) of a writable, C-contiguous host numpy array
+    or CPU torch tensor whose dtype the library knows, else None (the
+    general path then pins it, or says what is wrong)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(obj) is numpy.ndarray:
+        flags = obj.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return None
+        dtype = _numpy_dtype(obj.dtype)
+        if dtype is None or (dtype in NEW_IN_0_2 and not HAS_0_2):
+            return None
+        return obj.__array_interface__["data"][0], obj.nbytes, dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and type(obj) is torch.Tensor:
+        if obj.device.type != "cpu" or obj.layout is not torch.strided or not obj.is_contiguous():
+            return None
+        dtype = torch_dtypes().get(obj.dtype)
+        if dtype is None or (dtype in NEW_IN_0_2 and not HAS_0_2):
+            return None
+        return obj.data_ptr(), obj.numel() * obj.element_size(), dtype
+    return None
+
+
 def pin(obj, what, writable):
     """Pins ``obj`` for a C call; ``what`` names the argument in messages."""
-    # hasattr on the object, not its type: a CPU torch.Tensor's property
-    # raises AttributeError, and it is then a host buffer.
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _pin_cuda(obj, what, writable)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _pin_torch(obj, what, writable)
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return _pin_numpy(obj, what, writable)
+    # hasattr on the object, not its type: some exporters' property raises
+    # AttributeError for host memory, which is then a host buffer.
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _pin_cuda(obj, what, writable)
+    if not isinstance(obj, (bytes, bytearray, memoryview)) and hasattr(obj, "__dlpack__"):
+        try:
+            memoryview(obj).release()
+        except TypeError:
+            return _pin_dlpack(obj, what, writable)
     return _pin_buffer(obj, what, writable)
 
 
@@ -339,7 +573,7 @@ def common_dtype(pins, dtype):
     one all pinned buffers infer (they must agree). ``pins`` maps argument
     names to Pinned (or None for an absent buffer)."""
     if dtype is not None:
-        return resolve_dtype(dtype)
+        return check_dtype(resolve_dtype(dtype))
     inferred = None
     first = None
     for what, pinned in pins.items():
@@ -359,4 +593,4 @@ def common_dtype(pins, dtype):
             )
     if inferred is None:
         raise InvalidArgumentError("no buffer to infer the dtype from; pass dtype=")
-    return inferred
+    return check_dtype(inferred)

@@ -5,7 +5,7 @@ import enum
 import operator
 import threading
 
-from ._buffers import common_dtype, element_count, pin, resolve_op
+from ._buffers import DType, common_dtype, element_count, fast_buffer, pin, resolve_op
 from ._errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -354,6 +354,21 @@ def wait_all(requests):
 # ---------------------------------------------------------------------------
 
 
+# (name, non-blocking) -> the C function, looked up once.
+_FUNCTIONS = {
+    (base, nonblocking): getattr(lib, ("rdist_i" if nonblocking else "rdist_") + base)
+    for base in (
+        "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
+        "scatter", "alltoall", "barrier", "send", "recv",
+    )
+    for nonblocking in (False, True)
+}
+
+
+_ALLREDUCE = lib.rdist_allreduce
+_ITEMSIZES = {d: d.itemsize for d in DType}
+
+
 def _stream_of(pinned):
     """The CUDA stream a blocking call runs on: the one a device array's
     ``__cuda_array_interface__`` names (its data is valid there), else NULL
@@ -535,15 +550,18 @@ class Comm:
         handed to the request / the enclosing group."""
         pinned = list(pins.values())
         try:
-            handle = self._live_handle(base)
+            handle = self._handle
+            if handle is None:
+                self._live_handle(base)
+            function = _FUNCTIONS[base, nonblocking]
             if nonblocking:
                 order_after(pinned)
                 request = RequestHandle()
-                function = getattr(lib, "rdist_i" + base)
-                check(function(*args, handle, ctypes.byref(request)))
+                code = function(*args, handle, ctypes.byref(request))
             else:
-                function = getattr(lib, "rdist_" + base)
-                check(function(*args, handle, _stream_of(pinned)) if args else function(handle))
+                code = function(*args, handle, _stream_of(pinned)) if args else function(handle)
+            if code:
+                check(code)
         except BaseException:
             _release_all(pinned)
             raise
@@ -577,6 +595,17 @@ class Comm:
     def allreduce(self, buf, op="sum", out=None, *, dtype=None):
         """Element-wise ``op`` over every rank's ``buf``, into ``out`` or, when
         ``out`` is None, in place into ``buf``. Returns the result buffer."""
+        if out is None and dtype is None:
+            # The hot path (in place, inferred dtype, outside a group): no
+            # pinning objects, for the smallest per-call overhead.
+            found = fast_buffer(buf)
+            if found is not None and self._handle is not None and not getattr(_thread_group, "depth", 0):
+                address, nbytes, dtype = found
+                code = _ALLREDUCE(address, address, nbytes // _ITEMSIZES[dtype], dtype,
+                                  resolve_op(op), self._handle, None)
+                if code:
+                    check(code)
+                return buf
         return self._allreduce(buf, op, out, dtype, False)
 
     def iallreduce(self, buf, op="sum", out=None, *, dtype=None):

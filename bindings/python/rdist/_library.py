@@ -31,7 +31,7 @@ from ctypes import (
 )
 from pathlib import Path
 
-__all__ = ["LibraryNotFoundError", "lib", "library_path"]
+__all__ = ["LibraryNotFoundError", "has", "lib", "library_path"]
 
 #: Bytes in an rdist_unique_id_t.
 UNIQUE_ID_BYTES = 128
@@ -156,7 +156,8 @@ OptionsHandle = POINTER(OptionsStruct)
 
 
 class Status(Structure):
-    """rdist_status_t: who sent a received message, its tag, its count."""
+    """rdist_status_t (since 0.2): who sent a received message, its tag and
+    its element count."""
 
     _fields_ = [("source", c_int), ("tag", c_int), ("count", c_size_t)]
 
@@ -174,6 +175,8 @@ _op = c_int
 _backend = c_int
 _buf = c_void_p  # buffer addresses, as Python ints or None
 _stream = c_void_p
+
+_sizes = POINTER(c_size_t)
 
 # Every function of include/rdist.h: name -> (restype, argtypes).
 # tests/test_library.py checks this table against the header.
@@ -238,6 +241,7 @@ SIGNATURES = {
         _result,
         [_buf, c_size_t, _dtype, c_int, CommHandle, POINTER(RequestHandle)],
     ),
+    # Since 0.2 (optional: see OPTIONAL below).
     "rdist_send_tagged": (_result, [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, _stream]),
     "rdist_recv_tagged": (
         _result,
@@ -250,6 +254,22 @@ SIGNATURES = {
     "rdist_irecv_tagged": (
         _result,
         [_buf, c_size_t, _dtype, c_int, c_int, CommHandle, POINTER(RequestHandle)],
+    ),
+    "rdist_allgatherv": (
+        _result,
+        [_buf, c_size_t, _buf, _sizes, _sizes, _dtype, CommHandle, _stream],
+    ),
+    "rdist_iallgatherv": (
+        _result,
+        [_buf, c_size_t, _buf, _sizes, _sizes, _dtype, CommHandle, POINTER(RequestHandle)],
+    ),
+    "rdist_alltoallv": (
+        _result,
+        [_buf, _sizes, _sizes, _buf, _sizes, _sizes, _dtype, CommHandle, _stream],
+    ),
+    "rdist_ialltoallv": (
+        _result,
+        [_buf, _sizes, _sizes, _buf, _sizes, _sizes, _dtype, CommHandle, POINTER(RequestHandle)],
     ),
     "rdist_group_start": (_result, []),
     "rdist_group_end": (_result, []),
@@ -284,14 +304,33 @@ SIGNATURES = {
 }
 
 
+#: Functions added in 0.2 (docs/api.md, "since 0.2"): a 0.1 library lacks
+#: them, and the binding then raises UnavailableError when one is needed
+#: (see :func:`has`).
+OPTIONAL = frozenset({
+    "rdist_send_tagged", "rdist_recv_tagged", "rdist_isend_tagged", "rdist_irecv_tagged",
+    "rdist_allgatherv", "rdist_iallgatherv", "rdist_alltoallv", "rdist_ialltoallv",
+    "rdist_request_status",
+})
+
+_present = set()
+
+
+def has(name):
+    """Whether the loaded library exports ``name`` (e.g. "rdist_alltoallv")."""
+    return name in _present
+
+
 def _declare(cdll, path):
     missing = []
     for name, (restype, argtypes) in SIGNATURES.items():
         try:
             function = getattr(cdll, name)
         except AttributeError:
-            missing.append(name)
+            if name not in OPTIONAL:
+                missing.append(name)
             continue
+        _present.add(name)
         function.restype = restype
         function.argtypes = argtypes
     if missing:

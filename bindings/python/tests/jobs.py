@@ -88,11 +88,12 @@ def describe_all(ranks):
     return "\n".join(r.describe() for r in ranks)
 
 
-def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None):
+def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None, python=None):
     """Spawns `python ARGS...` once per rank with env:// variables on a free
     port and waits for all of them (killing every one after `timeout` s).
     Returns a Rank per rank; outputs go through files, so a chatty rank can
-    never block on a full pipe."""
+    never block on a full pipe. `python` is the interpreter (default: this
+    one)."""
     port = free_port()
     procs = []
     with tempfile.TemporaryDirectory(prefix="rdist-ranks-") as scratch:
@@ -107,7 +108,7 @@ def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None):
                 out = open(Path(scratch, f"{rank}.out"), "w+")
                 err = open(Path(scratch, f"{rank}.err"), "w+")
                 proc = subprocess.Popen(
-                    [sys.executable, *map(str, args)], env=rank_env, stdout=out,
+                    [python or sys.executable, *map(str, args)], env=rank_env, stdout=out,
                     stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
                 )
                 procs.append((proc, out, err))

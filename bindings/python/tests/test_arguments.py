@@ -51,11 +51,8 @@ def test_dtype_is_inferred_from_numpy_and_buffer_formats(make, dtype):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: np.zeros(3, np.int16),
-        lambda: np.zeros(3, bool),
         lambda: np.zeros(3, np.complex64),
         lambda: np.zeros(3, ">f4"),  # foreign byte order
-        lambda: array.array("h", [1]),
     ],
 )
 def test_types_without_an_rdist_dtype_ask_for_dtype(solo, make):
@@ -231,3 +228,38 @@ def test_bound_on_rendezvous_raises_the_timeout_error():
         rdist.init(f"tcp://127.0.0.1:{free_port()}", 0, 2, timeout_ms=300)
     assert "rank 1" in str(caught.value), caught.value
     assert isinstance(caught.value, TimeoutError)
+
+
+# The 0.2 element types: inferred from numpy, the buffer protocol and torch.
+NEW_TYPES = [
+    (lambda: np.array([1, 0, 1], bool), "bool"),
+    (lambda: np.array([1, -2, 3], np.int16), "int16"),
+    (lambda: np.array([1, 2, 65535], np.uint16), "uint16"),
+    (lambda: array.array("h", [1, -1]), "int16"),
+    (lambda: array.array("H", [1, 2]), "uint16"),
+]
+
+
+@pytest.mark.parametrize("make, name", NEW_TYPES)
+def test_0_2_types_are_inferred(make, name):
+    pinned = rdist._buffers.pin(make(), "buf", True)
+    try:
+        assert str(pinned.dtype) == name
+    finally:
+        pinned.release()
+
+
+@pytest.mark.skipif(rdist.library_version() >= (0, 2, 0), reason="the library has the 0.2 types")
+@pytest.mark.parametrize("make, name", NEW_TYPES)
+def test_0_2_types_on_an_older_library_say_so(solo, make, name):
+    with pytest.raises(rdist.UnavailableError, match=f"{name} element type needs librdist 0.2"):
+        solo.allreduce(make())
+
+
+@pytest.mark.needs_0_2
+@pytest.mark.parametrize("make, name", NEW_TYPES)
+def test_0_2_types_reduce(solo, make, name):
+    buf = make()
+    before = bytes(memoryview(buf))
+    solo.allreduce(buf, op="max")  # one rank: the identity
+    assert bytes(memoryview(buf)) == before

@@ -34,7 +34,10 @@ def header_enum(prefix):
 def test_every_header_function_is_declared_with_its_arity():
     functions = header_functions()
     assert len(functions) >= 40, sorted(functions)
-    assert set(functions) == set(_library.SIGNATURES)
+    # The 0.2 functions are declared before the header has them (see
+    # test_header_has_the_0_2_functions); everything else matches exactly.
+    assert set(functions) - _library.OPTIONAL == set(_library.SIGNATURES) - _library.OPTIONAL
+    assert set(functions) <= set(_library.SIGNATURES)
     for name, arity in functions.items():
         function = getattr(rdist._lib, name)
         assert function.argtypes is not None and len(function.argtypes) == arity, name
@@ -43,19 +46,39 @@ def test_every_header_function_is_declared_with_its_arity():
 def test_enums_and_constants_equal_the_header():
     results = header_enum("RDIST_SUCCESS|RDIST_ERR_")
     assert {f"RDIST_{'ERR_' if r else ''}{r.name}": int(r) for r in rdist.Result} == results
-    assert {f"RDIST_{d.name}": int(d) for d in rdist.DType} == {
+    # The 0.2 members may be missing from a 0.1 header (test_header_has_the_0_2_enums).
+    new = {"BOOL", "INT16", "UINT16", "BAND", "BOR", "BXOR"}
+    assert {f"RDIST_{d.name}": int(d) for d in rdist.DType if d.name not in new} == {
         k: v for k, v in header_enum("RDIST_").items()
-        if k[6:] in rdist.DType.__members__
+        if k[6:] in rdist.DType.__members__ and k[6:] not in new
     }
-    assert {f"RDIST_{o.name}": int(o) for o in rdist.Op} == {
-        k: v for k, v in header_enum("RDIST_").items() if k[6:] in rdist.Op.__members__
+    assert {f"RDIST_{o.name}": int(o) for o in rdist.Op if o.name not in new} == {
+        k: v for k, v in header_enum("RDIST_").items()
+        if k[6:] in rdist.Op.__members__ and k[6:] not in new
     }
+    found = header_enum("RDIST_")
+    for member in list(rdist.DType) + list(rdist.Op):
+        name = f"RDIST_{member.name}"
+        if name in found:
+            assert found[name] == int(member), name
     assert {f"RDIST_BACKEND_{b.name}": int(b) for b in rdist.Backend} == header_enum("RDIST_BACKEND_")
     assert f"#define RDIST_UNIQUE_ID_BYTES {_library.UNIQUE_ID_BYTES}" in HEADER
     assert f"#define RDIST_SPLIT_NOCOLOR {rdist.SPLIT_NOCOLOR}" in HEADER
     version = tuple(int(re.search(rf"#define RDIST_VERSION_{part} (\d+)", HEADER).group(1))
                     for part in ("MAJOR", "MINOR", "PATCH"))
     assert rdist.library_version() == version
+
+
+@pytest.mark.needs_0_2
+def test_header_has_the_0_2_functions_and_enums():
+    functions = header_functions()
+    assert _library.OPTIONAL <= set(functions)
+    for name in _library.OPTIONAL:
+        assert len(getattr(rdist._lib, name).argtypes) == functions[name], name
+    found = header_enum("RDIST_")
+    for member in (rdist.DType.BOOL, rdist.DType.INT16, rdist.DType.UINT16,
+                   rdist.Op.BAND, rdist.Op.BOR, rdist.Op.BXOR):
+        assert found[f"RDIST_{member.name}"] == int(member)
 
 
 def test_every_result_code_has_its_own_exception_class():

@@ -1,0 +1,249 @@
+"""rdist inside PyTorch: the "rdist" torch.distributed backend (rdist.torch)
+on real multi-process jobs, each call against an independent reference and
+against gloo in the same job (workers/torch_ops.py), DDP and
+ZeroRedundancyOptimizer bitwise equal to gloo's (workers/torch_train.py),
+async Work, torchrun running an unchanged script, and torch tensors in the
+plain binding.
+
+The ranks run with the torch venv's Python: $RDIST_TORCH_PYTHON
+(scripts/test-python.sh sets it from scripts/torch-env.sh), else this
+Python if it has torch. Without one every test here is skipped, saying so.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jobs import REPO, WORKERS, child_env, describe_all, expect_success, free_port, run_ranks
+
+
+def _torch_python():
+    if "RDIST_TORCH_PYTHON" in os.environ:  # set empty: skip the torch tests
+        return os.environ["RDIST_TORCH_PYTHON"] or None
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable
+    return None
+
+
+TORCH_PYTHON = _torch_python()
+pytestmark = pytest.mark.skipif(
+    TORCH_PYTHON is None,
+    reason="skipped: no Python with torch (set RDIST_TORCH_PYTHON, or run scripts/test-python.sh, "
+    "which installs one with scripts/torch-env.sh)",
+)
+
+_jobs = {}
+
+
+def job(worker, size, timeout=150):
+    """Runs a worker once per session per size; returns the ranks' reports."""
+    key = (worker, size)
+    if key not in _jobs:
+        ranks = run_ranks([WORKERS / worker], size, timeout=timeout, python=TORCH_PYTHON,
+                          env={"OMP_NUM_THREADS": 1})
+        reports = expect_success(ranks)
+        assert len(reports) == size, describe_all(ranks)
+        _jobs[key] = reports
+    return _jobs[key]
+
+
+def _failures(report, ids):
+    return {k: v for k, v in report["failures"].items() if k in ids}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_call_matches_the_reference_and_gloo(size):
+    for report in job("torch_ops.py", size):
+        assert len(report["cases"]) >= 60, report["cases"]
+        failed = _failures(report, set(report["cases"]))
+        assert not failed, f"rank {report['rank']} of {size}:\n" + "\n".join(
+            f"--- {case}\n{why}" for case, why in failed.items()
+        )
+
+
+@pytest.mark.needs_0_2
+@pytest.mark.parametrize("size", [2, 3])
+def test_calls_on_the_0_2_api_match_the_reference(size):
+    """Bitwise reductions, bool/int16/uint16 reductions, uneven all_to_all,
+    tagged send/recv and recv from any source."""
+    for report in job("torch_ops.py", size):
+        assert len(report["cases_0_2"]) >= 20
+        assert not report["unavailable"], report["unavailable"]
+        failed = _failures(report, set(report["cases_0_2"]))
+        assert not failed, f"rank {report['rank']} of {size}:\n" + "\n".join(
+            f"--- {case}\n{why}" for case, why in failed.items()
+        )
+
+
+def _train_case(case_id):
+    reports = job("torch_train.py", 2)
+    for report in reports:
+        assert case_id in report["cases"]
+        assert case_id not in report["failures"], report["failures"][case_id]
+    return reports
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    ["ddp/default", "ddp/small_buckets", "ddp/small_buckets/grad_views", "ddp/static_graph"],
+)
+def test_ddp_weights_equal_gloos_bitwise(case_id):
+    reports = _train_case(case_id)
+    if "small_buckets" in case_id:
+        assert all(r["buckets"][case_id] >= 2 for r in reports), [r["buckets"] for r in reports]
+
+
+def test_zero_redundancy_optimizer_equals_gloos():
+    _train_case("zero/adam")
+
+
+def test_async_work_completes_from_rdist_while_the_rank_computes():
+    _train_case("async/overlap")
+
+
+def _fake_install(directory):
+    """What an installed rdist adds for torch: its entry point (so that an
+    unchanged script finds the backend). The package itself comes from
+    PYTHONPATH, i.e. this checkout."""
+    info = Path(directory, "rdist-0.0.0.dist-info")
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rdist\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[torch.distributed.backends]\nrdist = rdist.torch:register\n"
+    )
+
+
+def _cuda_devices():
+    done = subprocess.run([TORCH_PYTHON, "-c", "import torch; print(torch.cuda.device_count())"],
+                          capture_output=True, text=True, timeout=60)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+@pytest.mark.parametrize("backend", ["rdist", "cpu:rdist,cuda:gloo", "cpu:rdist,cuda:nccl"])
+def test_torchrun_runs_an_unchanged_script(backend):
+    torchrun = Path(TORCH_PYTHON).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
+    if "nccl" in backend and _cuda_devices() == 0:
+        pytest.skip("skipped: torch's NCCL backend needs a CUDA device")
+    with tempfile.TemporaryDirectory(prefix="rdist-torchrun-") as scratch:
+        _fake_install(scratch)
+        env = child_env(BACKEND=backend, OMP_NUM_THREADS=1, RESULT_DIR=scratch)
+        env["PYTHONPATH"] = os.pathsep.join([scratch, env["PYTHONPATH"]])
+        command = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                   "--master-port", str(free_port()), str(WORKERS / "torchrun_script.py")]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120,
+                                  cwd=scratch, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"torchrun did not finish in 120 s\n{expired.stdout}\n{expired.stderr}")
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        reports = [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["sum"] == [3.0, 3.0, 3.0]
+        assert report["gathered"] == [0.0, 1.0]
+        assert report["cpu_backend"] == "rdist"
+
+
+# -- the plain binding with torch tensors, the default communicator, init_from_store
+
+
+def _run_snippet(code, size, timeout=90):
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False, dir=tempfile.gettempdir()) as f:
+        f.write(textwrap.dedent(code))
+    try:
+        ranks = run_ranks([f.name], size, timeout=timeout, python=TORCH_PYTHON,
+                          env={"OMP_NUM_THREADS": 1})
+    finally:
+        os.unlink(f.name)
+    return expect_success(ranks)
+
+
+def test_tensors_default_communicator_new_group_and_init_from_store():
+    reports = _run_snippet(
+        """
+        import os
+        from datetime import timedelta
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        import rdist
+        from _worker import report
+
+        checks = {}
+        comm = rdist.init_process_group(timeout_ms=60000)
+        rank, size = rdist.get_rank(), rdist.get_world_size()
+        checks["initialized"] = rdist.is_initialized() and comm is rdist.get_default_comm()
+
+        # torch tensors go by data pointer: in place, no copy.
+        t = torch.full((5,), float(rank + 1))
+        ptr = t.data_ptr()
+        rdist.all_reduce(t)
+        checks["cpu_tensor_in_place"] = t.data_ptr() == ptr and t.tolist() == [3.0] * 5
+        for dtype in (torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+                      torch.int64, torch.float64, torch.uint32, torch.uint64):
+            x = torch.full((3,), rank + 1, dtype=dtype)
+            comm.allreduce(x, op="max")
+            checks[f"dtype_{dtype}"] = x.tolist() == [2] * 3
+        # bool and int16 move (broadcast) on any library, as their bytes.
+        b = torch.tensor([True, False, rank == 0])
+        comm.broadcast(b, root=0, dtype="uint8")
+        checks["bool_bytes"] = b.tolist() == [True, False, True]
+        # Non-contiguous: a clear error, nothing written.
+        m = torch.zeros(4, 4)
+        try:
+            comm.allreduce(m.t()[0])
+            checks["non_contiguous"] = False
+        except rdist.InvalidArgumentError as error:
+            checks["non_contiguous"] = "contiguous" in str(error)
+        # DLPack producers without the buffer protocol.
+        class Producer:
+            def __init__(self, t):
+                self.t = t
+            def __dlpack__(self, stream=None):
+                return self.t.__dlpack__()
+            def __dlpack_device__(self):
+                return self.t.__dlpack_device__()
+        d = torch.full((4,), float(rank))
+        comm.allreduce(Producer(d))
+        checks["dlpack"] = d.tolist() == [1.0] * 4
+        # async, module level
+        a = torch.ones(3)
+        req = rdist.all_reduce(a, async_op=True)
+        req.wait()
+        checks["async"] = a.tolist() == [2.0] * 3
+
+        # new_group on rdist_comm_split: non-members get NON_GROUP_MEMBER.
+        g = rdist.new_group([1])
+        if rank == 1:
+            checks["group_member"] = rdist.get_world_size(g) == 1 and rdist.get_rank(g) == 0
+            rdist.all_reduce(torch.ones(1), group=g)
+        else:
+            checks["group_nonmember"] = g is rdist.NON_GROUP_MEMBER and rdist.get_rank(g) == -1
+            checks["nonmember_noop"] = rdist.all_reduce(torch.ones(1), group=g) is None
+
+        # init_from_store, twice in one process (distinct keys), from torch's store.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
+                              size, rank == 0, timeout=timedelta(seconds=60))
+        for i in range(2):
+            c = rdist.init_from_store(store, rank, size, timeout_ms=60000)
+            v = np.array([rank + i], np.int64)
+            c.allreduce(v)
+            checks[f"from_store_{i}"] = int(v[0]) == 1 + 2 * i
+            c.destroy()
+        rdist.destroy_process_group()
+        checks["destroyed"] = not rdist.is_initialized()
+        report(rank=rank, checks=checks)
+        """,
+        2,
+    )
+    for report in reports:
+        failed = [k for k, ok in report["checks"].items() if not ok]
+        assert not failed, f"rank {report['rank']}: {failed}"
