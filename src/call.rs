@@ -196,6 +196,12 @@ impl Call {
         rank: usize,
         size: usize,
     ) -> Result<Call> {
+        if matches!(
+            kind,
+            OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
+        ) {
+            op.check(data.dtype)?;
+        }
         let one = |name: &str, p: *const u8| buffer(name, p, data, 1);
         let all = |name: &str, p: *const u8| buffer(name, p, data, size);
         let root_rank = || check_rank("root", root, size);
@@ -296,6 +302,17 @@ impl Call {
             data,
             peer: check_rank("peer", peer, size)?,
         })
+    }
+
+    /// Whether NCCL can run this call (reductions NCCL lacks run on the
+    /// sockets, device buffers staged).
+    pub fn nccl_can(&self) -> bool {
+        match *self {
+            Call::AllReduce { data, op, .. }
+            | Call::Reduce { data, op, .. }
+            | Call::ReduceScatter { data, op, .. } => op.nccl_can(data.dtype),
+            _ => true,
+        }
     }
 
     pub fn is_p2p(&self) -> bool {

@@ -31,11 +31,18 @@ pub enum DType {
     Float64 = 8,
     /// Brain floating point, f32 with a 7-bit mantissa (`half::bf16`).
     Bfloat16 = 9,
+    /// One byte: 0 is false, anything else true (since 0.2; rdist's own
+    /// values start at 64, clear of the types NCCL adds).
+    Bool = 64,
+    /// Signed 16-bit integer (since 0.2).
+    Int16 = 65,
+    /// Unsigned 16-bit integer (since 0.2).
+    Uint16 = 66,
 }
 
 impl DType {
     /// Every dtype, in C value order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 13] = [
         DType::Int8,
         DType::Uint8,
         DType::Int32,
@@ -46,13 +53,16 @@ impl DType {
         DType::Float32,
         DType::Float64,
         DType::Bfloat16,
+        DType::Bool,
+        DType::Int16,
+        DType::Uint16,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::Int8 | DType::Uint8 => 1,
-            DType::Float16 | DType::Bfloat16 => 2,
+            DType::Int8 | DType::Uint8 | DType::Bool => 1,
+            DType::Float16 | DType::Bfloat16 | DType::Int16 | DType::Uint16 => 2,
             DType::Int32 | DType::Uint32 | DType::Float32 => 4,
             DType::Int64 | DType::Uint64 | DType::Float64 => 8,
         }
@@ -71,6 +81,9 @@ impl DType {
             DType::Float32 => "float32",
             DType::Float64 => "float64",
             DType::Bfloat16 => "bfloat16",
+            DType::Bool => "bool",
+            DType::Int16 => "int16",
+            DType::Uint16 => "uint16",
         }
     }
 
@@ -104,8 +117,7 @@ impl TryFrom<i32> for DType {
             .find(|d| *d as i32 == value)
             .ok_or_else(|| {
                 Error::invalid_argument(format!(
-                    "unknown dtype {value} (rdist_dtype_t is 0..{})",
-                    DType::ALL.len() - 1
+                    "unknown dtype {value} (rdist_dtype_t is 0..9 or 64..66)"
                 ))
             })
     }
@@ -125,8 +137,10 @@ mod sealed {
 
 /// Rust element types that map to a DType (used by the typed safe API).
 ///
-/// Sealed: implemented exactly for `i8, u8, i32, u32, i64, u64, f16, f32,
-/// f64, bf16`, all plain old data (no padding, every bit pattern valid).
+/// Sealed: implemented exactly for `i8, u8, i16, u16, i32, u32, i64, u64,
+/// f16, f32, f64, bf16`, all plain old data (no padding, every bit pattern
+/// valid). Bool has no Rust element type (not every byte is a valid
+/// `bool`): use u8 buffers with `DType::Bool` through the raw API.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// The dtype of this Rust type.
     const DTYPE: DType;
@@ -142,7 +156,7 @@ macro_rules! element {
 }
 
 element! {
-    i8 => Int8, u8 => Uint8, i32 => Int32, u32 => Uint32, i64 => Int64,
+    i8 => Int8, u8 => Uint8, i16 => Int16, u16 => Uint16, i32 => Int32, u32 => Uint32, i64 => Int64,
     u64 => Uint64, f16 => Float16, f32 => Float32, f64 => Float64, bf16 => Bfloat16,
 }
 
@@ -197,20 +211,21 @@ mod tests {
 
     #[test]
     fn try_from_accepts_every_c_value() {
-        for (i, d) in DType::ALL.iter().enumerate() {
-            assert_eq!(DType::try_from(i as i32).unwrap(), *d);
-            assert_eq!(*d as i32, i as i32);
+        let values = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65, 66];
+        for (v, d) in values.iter().zip(DType::ALL.iter()) {
+            assert_eq!(DType::try_from(*v).unwrap(), *d);
+            assert_eq!(*d as i32, *v);
         }
     }
 
     #[test]
     fn try_from_rejects_unknown_values() {
-        for v in [-1, 10, 99, i32::MAX, i32::MIN] {
+        for v in [-1, 10, 11, 63, 67, 99, i32::MAX, i32::MIN] {
             let e = DType::try_from(v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument);
             assert_eq!(
                 e.message(),
-                format!("unknown dtype {v} (rdist_dtype_t is 0..9)")
+                format!("unknown dtype {v} (rdist_dtype_t is 0..9 or 64..66)")
             );
         }
     }
@@ -228,6 +243,9 @@ mod tests {
             (4, "float32", true),
             (8, "float64", true),
             (2, "bfloat16", true),
+            (1, "bool", false),
+            (2, "int16", false),
+            (2, "uint16", false),
         ];
         for (d, (size, name, float)) in DType::ALL.iter().zip(expect) {
             assert_eq!((d.size(), d.name(), d.is_float()), (size, name, float));

@@ -33,17 +33,51 @@ pub enum ReduceOp {
     Min = 3,
     /// Sum divided by the group size (integers truncate).
     Avg = 4,
+    /// Bitwise and, integer and bool types only (since 0.2; rdist's own
+    /// values start at 64, clear of the ops NCCL adds and creates).
+    Band = 64,
+    /// Bitwise or (since 0.2).
+    Bor = 65,
+    /// Bitwise exclusive or (since 0.2).
+    Bxor = 66,
 }
 
 impl ReduceOp {
     /// Every op, in C value order.
-    pub const ALL: [ReduceOp; 5] = [
+    pub const ALL: [ReduceOp; 8] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Max,
         ReduceOp::Min,
         ReduceOp::Avg,
+        ReduceOp::Band,
+        ReduceOp::Bor,
+        ReduceOp::Bxor,
     ];
+
+    /// Whether this op applies to `dtype`: bitwise ops need an integer or
+    /// bool type, and bool has no average.
+    pub fn check(self, dtype: DType) -> Result<()> {
+        let bitwise = matches!(self, ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor);
+        if bitwise && dtype.is_float() {
+            return Err(Error::invalid_argument(format!(
+                "op {self} needs an integer or bool dtype, not {dtype}"
+            )));
+        }
+        if self == ReduceOp::Avg && dtype == DType::Bool {
+            return Err(Error::invalid_argument(
+                "op avg has no meaning for bool (use max for any, min for all)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether NCCL has this op for this dtype (else the call runs on the
+    /// sockets, device buffers staged through host memory).
+    pub fn nccl_can(self, dtype: DType) -> bool {
+        !matches!(self, ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor)
+            && !matches!(dtype, DType::Bool | DType::Int16 | DType::Uint16)
+    }
 
     /// Lowercase name ("sum").
     pub fn name(self) -> &'static str {
@@ -53,6 +87,9 @@ impl ReduceOp {
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
             ReduceOp::Avg => "avg",
+            ReduceOp::Band => "band",
+            ReduceOp::Bor => "bor",
+            ReduceOp::Bxor => "bxor",
         }
     }
 }
@@ -68,8 +105,7 @@ impl TryFrom<i32> for ReduceOp {
             .find(|op| *op as i32 == value)
             .ok_or_else(|| {
                 Error::invalid_argument(format!(
-                    "unknown reduction op {value} (rdist_op_t is 0..{})",
-                    ReduceOp::ALL.len() - 1
+                    "unknown reduction op {value} (rdist_op_t is 0..4 or 64..66)"
                 ))
             })
     }
@@ -94,6 +130,9 @@ pub fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
         ReduceOp::Prod => into_dtype::<Prod>(dst, src, dtype),
         ReduceOp::Max => into_dtype::<Max>(dst, src, dtype),
         ReduceOp::Min => into_dtype::<Min>(dst, src, dtype),
+        ReduceOp::Band => into_dtype::<Band>(dst, src, dtype),
+        ReduceOp::Bor => into_dtype::<Bor>(dst, src, dtype),
+        ReduceOp::Bxor => into_dtype::<Bxor>(dst, src, dtype),
     }
 }
 
@@ -109,6 +148,9 @@ pub fn reduce_to(out: &mut [u8], a: &[u8], b: &[u8], dtype: DType, op: ReduceOp)
         ReduceOp::Prod => to_dtype::<Prod>(out, a, b, dtype),
         ReduceOp::Max => to_dtype::<Max>(out, a, b, dtype),
         ReduceOp::Min => to_dtype::<Min>(out, a, b, dtype),
+        ReduceOp::Band => to_dtype::<Band>(out, a, b, dtype),
+        ReduceOp::Bor => to_dtype::<Bor>(out, a, b, dtype),
+        ReduceOp::Bxor => to_dtype::<Bxor>(out, a, b, dtype),
     }
 }
 
@@ -123,6 +165,10 @@ pub fn divide(buf: &mut [u8], dtype: DType, n: usize) {
     match dtype {
         DType::Int8 => native_map::<i8>(buf, |s| i8::divide(s, n)),
         DType::Uint8 => native_map::<u8>(buf, |s| u8::divide(s, n)),
+        DType::Int16 => native_map::<i16>(buf, |s| i16::divide(s, n)),
+        DType::Uint16 => native_map::<u16>(buf, |s| u16::divide(s, n)),
+        // No average for bool (refused when the call is made).
+        DType::Bool => {}
         DType::Int32 => native_map::<i32>(buf, |s| i32::divide(s, n)),
         DType::Uint32 => native_map::<u32>(buf, |s| u32::divide(s, n)),
         DType::Int64 => native_map::<i64>(buf, |s| i64::divide(s, n)),
@@ -151,6 +197,11 @@ trait Arith: Element + Default {
     fn mul(self, other: Self) -> Self;
     fn max(self, other: Self) -> Self;
     fn min(self, other: Self) -> Self;
+    /// Bitwise and, or, xor (floats: of their bit patterns; never asked
+    /// for, since calls refuse bitwise ops on floats).
+    fn band(self, other: Self) -> Self;
+    fn bor(self, other: Self) -> Self;
+    fn bxor(self, other: Self) -> Self;
     /// s[i] /= n.
     fn divide(s: &mut [Self], n: usize);
 }
@@ -168,6 +219,12 @@ macro_rules! int_arith {
             fn max(self, other: Self) -> Self { Ord::max(self, other) }
             #[inline(always)]
             fn min(self, other: Self) -> Self { Ord::min(self, other) }
+            #[inline(always)]
+            fn band(self, other: Self) -> Self { self & other }
+            #[inline(always)]
+            fn bor(self, other: Self) -> Self { self | other }
+            #[inline(always)]
+            fn bxor(self, other: Self) -> Self { self ^ other }
             fn divide(s: &mut [Self], n: usize) {
                 if <$t>::BITS <= 32 {
                     // Through f64, which vectorises where integer division
@@ -192,7 +249,7 @@ macro_rules! int_arith {
     )*};
 }
 
-int_arith!(i8, u8, i32, u32, i64, u64);
+int_arith!(i8, u8, i16, u16, i32, u32, i64, u64);
 
 macro_rules! float_arith {
     ($($t:ty),*) => {$(
@@ -205,6 +262,12 @@ macro_rules! float_arith {
             fn max(self, other: Self) -> Self { <$t>::max(self, other) }
             #[inline(always)]
             fn min(self, other: Self) -> Self { <$t>::min(self, other) }
+            #[inline(always)]
+            fn band(self, other: Self) -> Self { <$t>::from_bits(self.to_bits() & other.to_bits()) }
+            #[inline(always)]
+            fn bor(self, other: Self) -> Self { <$t>::from_bits(self.to_bits() | other.to_bits()) }
+            #[inline(always)]
+            fn bxor(self, other: Self) -> Self { <$t>::from_bits(self.to_bits() ^ other.to_bits()) }
             fn divide(s: &mut [Self], n: usize) {
                 let d = n as $t;
                 s.iter_mut().for_each(|x| *x /= d);
@@ -235,6 +298,18 @@ impl Arith for bf16 {
     fn min(self, other: Self) -> Self {
         bf16::from_f32(self.to_f32().min(other.to_f32()))
     }
+    #[inline(always)]
+    fn band(self, other: Self) -> Self {
+        bf16::from_bits(self.to_bits() & other.to_bits())
+    }
+    #[inline(always)]
+    fn bor(self, other: Self) -> Self {
+        bf16::from_bits(self.to_bits() | other.to_bits())
+    }
+    #[inline(always)]
+    fn bxor(self, other: Self) -> Self {
+        bf16::from_bits(self.to_bits() ^ other.to_bits())
+    }
     fn divide(s: &mut [Self], n: usize) {
         let d = n as f32;
         s.iter_mut()
@@ -245,14 +320,76 @@ impl Arith for bf16 {
 /// A binary reduction, monomorphised per element type.
 trait Op {
     fn apply<T: Arith>(a: T, b: T) -> T;
+    /// What it is on bool: or (sum, max, bor), and (prod, min, band), xor.
+    const LOGIC: Logic;
+}
+
+#[derive(Clone, Copy)]
+enum Logic {
+    Or,
+    And,
+    Xor,
 }
 
 struct Sum;
 struct Prod;
 struct Max;
 struct Min;
+struct Band;
+struct Bor;
+struct Bxor;
+
+impl Op for Band {
+    const LOGIC: Logic = Logic::And;
+    #[inline(always)]
+    fn apply<T: Arith>(a: T, b: T) -> T {
+        a.band(b)
+    }
+}
+
+impl Op for Bor {
+    const LOGIC: Logic = Logic::Or;
+    #[inline(always)]
+    fn apply<T: Arith>(a: T, b: T) -> T {
+        a.bor(b)
+    }
+}
+
+impl Op for Bxor {
+    const LOGIC: Logic = Logic::Xor;
+    #[inline(always)]
+    fn apply<T: Arith>(a: T, b: T) -> T {
+        a.bxor(b)
+    }
+}
+
+/// d[i] = (d[i] != 0) logic (s[i] != 0), as 0 or 1: bool's kernel (bytes
+/// need no alignment, and the loop vectorises).
+fn bool_into(d: &mut [u8], s: &[u8], logic: Logic) {
+    match logic {
+        Logic::Or => d
+            .iter_mut()
+            .zip(s)
+            .for_each(|(x, &y)| *x = u8::from(*x != 0 || y != 0)),
+        Logic::And => d
+            .iter_mut()
+            .zip(s)
+            .for_each(|(x, &y)| *x = u8::from(*x != 0 && y != 0)),
+        Logic::Xor => d
+            .iter_mut()
+            .zip(s)
+            .for_each(|(x, &y)| *x = u8::from((*x != 0) != (y != 0))),
+    }
+}
+
+/// o[i] = (a[i] != 0) logic (b[i] != 0), as 0 or 1.
+fn bool_to(o: &mut [u8], a: &[u8], b: &[u8], logic: Logic) {
+    o.copy_from_slice(a);
+    bool_into(o, b, logic);
+}
 
 impl Op for Sum {
+    const LOGIC: Logic = Logic::Or;
     #[inline(always)]
     fn apply<T: Arith>(a: T, b: T) -> T {
         a.add(b)
@@ -260,6 +397,7 @@ impl Op for Sum {
 }
 
 impl Op for Prod {
+    const LOGIC: Logic = Logic::And;
     #[inline(always)]
     fn apply<T: Arith>(a: T, b: T) -> T {
         a.mul(b)
@@ -267,6 +405,7 @@ impl Op for Prod {
 }
 
 impl Op for Max {
+    const LOGIC: Logic = Logic::Or;
     #[inline(always)]
     fn apply<T: Arith>(a: T, b: T) -> T {
         a.max(b)
@@ -274,6 +413,7 @@ impl Op for Max {
 }
 
 impl Op for Min {
+    const LOGIC: Logic = Logic::And;
     #[inline(always)]
     fn apply<T: Arith>(a: T, b: T) -> T {
         a.min(b)
@@ -314,6 +454,9 @@ fn into_dtype<O: Op>(dst: &mut [u8], src: &[u8], dtype: DType) {
         DType::Float64 => native_into::<f64, O>(dst, src),
         DType::Bfloat16 => native_into::<bf16, O>(dst, src),
         DType::Float16 => f16_to::<O>(dst, None, src),
+        DType::Int16 => native_into::<i16, O>(dst, src),
+        DType::Uint16 => native_into::<u16, O>(dst, src),
+        DType::Bool => bool_into(dst, src, O::LOGIC),
     }
 }
 
@@ -329,6 +472,9 @@ fn to_dtype<O: Op>(out: &mut [u8], a: &[u8], b: &[u8], dtype: DType) {
         DType::Float64 => native_to::<f64, O>(out, a, b),
         DType::Bfloat16 => native_to::<bf16, O>(out, a, b),
         DType::Float16 => f16_to::<O>(out, Some(a), b),
+        DType::Int16 => native_to::<i16, O>(out, a, b),
+        DType::Uint16 => native_to::<u16, O>(out, a, b),
+        DType::Bool => bool_to(out, a, b, O::LOGIC),
     }
 }
 
@@ -502,6 +648,9 @@ mod tests {
                         ReduceOp::Prod => a.wrapping_mul(b),
                         ReduceOp::Max => Ord::max(a, b),
                         ReduceOp::Min => Ord::min(a, b),
+                        ReduceOp::Band => a & b,
+                        ReduceOp::Bor => a | b,
+                        ReduceOp::Bxor => a ^ b,
                     }
                 }
                 fn ref_divide(a: Self, n: usize) -> Self {
@@ -514,7 +663,7 @@ mod tests {
         )*};
     }
 
-    int_sample!(i8, u8, i32, u32, i64, u64);
+    int_sample!(i8, u8, i16, u16, i32, u32, i64, u64);
 
     /// A float in -125.0..=125.0 in steps of 1/8: exact in every float type,
     /// and products stay below float16's maximum.
@@ -528,6 +677,7 @@ mod tests {
             ReduceOp::Prod => a * b,
             ReduceOp::Max => a.max(b),
             ReduceOp::Min => a.min(b),
+            ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => unreachable!("refused for floats"),
         }
     }
 
@@ -556,6 +706,9 @@ mod tests {
                 ReduceOp::Prod => a * b,
                 ReduceOp::Max => a.max(b),
                 ReduceOp::Min => a.min(b),
+                ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => {
+                    unreachable!("refused for floats")
+                }
             }
         }
         fn ref_divide(a: Self, n: usize) -> Self {
@@ -677,7 +830,13 @@ mod tests {
     fn every_dtype_and_op_matches_reference() {
         for dtype in DType::ALL {
             for op in ReduceOp::ALL {
+                if op.check(dtype).is_err() {
+                    continue; // refused when the call is made (tested below)
+                }
                 match dtype {
+                    DType::Int16 => check::<i16>(op),
+                    DType::Uint16 => check::<u16>(op),
+                    DType::Bool => check_bool(op),
                     DType::Int8 => check::<i8>(op),
                     DType::Uint8 => check::<u8>(op),
                     DType::Int32 => check::<i32>(op),
@@ -691,6 +850,53 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Bool against a reference on plain Rust bools: any nonzero byte is
+    /// true, results are 0 or 1, at every alignment.
+    fn check_bool(op: ReduceOp) {
+        let logic = |a: bool, b: bool| match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::Bor => a || b,
+            ReduceOp::Prod | ReduceOp::Min | ReduceOp::Band => a && b,
+            ReduceOp::Bxor => a != b,
+            ReduceOp::Avg => unreachable!("refused for bool"),
+        };
+        for len in [0usize, 1, 7, 64, 1000] {
+            let a: Vec<u8> = (0..len).map(|i| [0u8, 1, 2, 255, 0, 7][i % 6]).collect();
+            let b: Vec<u8> = (0..len)
+                .map(|i| [0u8, 0, 9, 0, 1, 128][(i * 7 + 3) % 6])
+                .collect();
+            let want: Vec<u8> = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| u8::from(logic(x != 0, y != 0)))
+                .collect();
+            let mut into = a.clone();
+            reduce_into(&mut into, &b, DType::Bool, op);
+            assert_eq!(into, want, "{op} into, {len}");
+            let mut out = vec![5u8; len];
+            reduce_to(&mut out, &a, &b, DType::Bool, op);
+            assert_eq!(out, want, "{op} to, {len}");
+        }
+    }
+
+    #[test]
+    fn bitwise_ops_refuse_floats_and_bool_refuses_avg() {
+        for dtype in DType::ALL {
+            for op in [ReduceOp::Band, ReduceOp::Bor, ReduceOp::Bxor] {
+                let r = op.check(dtype);
+                assert_eq!(r.is_err(), dtype.is_float(), "{op} on {dtype}");
+                if let Err(e) = r {
+                    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+                    assert!(e.message().contains(dtype.name()), "{e}");
+                }
+            }
+        }
+        assert!(ReduceOp::Avg.check(DType::Bool).is_err());
+        assert!(ReduceOp::Avg.check(DType::Int16).is_ok());
+        assert_eq!(ReduceOp::try_from(64).unwrap(), ReduceOp::Band);
+        assert_eq!(DType::try_from(66).unwrap(), DType::Uint16);
+        assert!(ReduceOp::try_from(5).is_err() && DType::try_from(10).is_err());
     }
 
     fn combine<T: Sample>(a: &[T], b: &[T], op: ReduceOp) -> Vec<T> {
@@ -848,32 +1054,32 @@ mod tests {
 
     #[test]
     fn try_from_accepts_every_c_value() {
-        for (i, op) in ReduceOp::ALL.iter().enumerate() {
-            assert_eq!(ReduceOp::try_from(i as i32).unwrap(), *op);
-            assert_eq!(*op as i32, i as i32);
+        let values = [0, 1, 2, 3, 4, 64, 65, 66];
+        for (v, op) in values.iter().zip(ReduceOp::ALL.iter()) {
+            assert_eq!(ReduceOp::try_from(*v).unwrap(), *op);
+            assert_eq!(*op as i32, *v);
         }
     }
 
     #[test]
     fn try_from_rejects_unknown_values() {
-        for v in [-1, 5, 7, 10, 99, i32::MAX, i32::MIN] {
+        for v in [-1, 5, 7, 10, 63, 67, 99, i32::MAX, i32::MIN] {
             let e = ReduceOp::try_from(v).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument);
             assert_eq!(
                 e.message(),
-                format!("unknown reduction op {v} (rdist_op_t is 0..4)")
+                format!("unknown reduction op {v} (rdist_op_t is 0..4 or 64..66)")
             );
         }
-        assert_eq!(
-            ReduceOp::try_from(7).unwrap_err().message(),
-            "unknown reduction op 7 (rdist_op_t is 0..4)"
-        );
     }
 
     #[test]
     fn names() {
         let names: Vec<String> = ReduceOp::ALL.iter().map(|op| op.to_string()).collect();
-        assert_eq!(names, ["sum", "prod", "max", "min", "avg"]);
+        assert_eq!(
+            names,
+            ["sum", "prod", "max", "min", "avg", "band", "bor", "bxor"]
+        );
         for op in ReduceOp::ALL {
             assert_eq!(op.name(), op.to_string());
         }

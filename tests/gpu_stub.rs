@@ -252,6 +252,12 @@ fn encode(dtype: DType, v: i64) -> Vec<u8> {
         // bfloat16: the top half of the float32 (exact for small ints).
         DType::Bfloat16 => (((v as f32).to_bits() >> 16) as u16).to_le_bytes().to_vec(),
         DType::Float16 => f16_bits(v).to_le_bytes().to_vec(),
+        DType::Int16 => (v as i16).to_le_bytes().to_vec(),
+        DType::Uint16 => (v as u16).to_le_bytes().to_vec(),
+        // Every input is nonzero (true), so sums (or) and the rest are 1:
+        // the check then covers the bytes moved and the reductions staged
+        // off NCCL (which has no bool).
+        DType::Bool => vec![u8::from(v != 0)],
     }
 }
 
@@ -1000,7 +1006,7 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
         .expect("CALLS line")
         .parse()
         .unwrap();
-    assert_eq!(calls, 12 * 10 * 3);
+    assert_eq!(calls, 12 * DType::ALL.len() * 3);
     // Device buffers went to NCCL, on non-blocking communicators (the
     // Rust API's and the C ABI's).
     let inits = nccl_lines(&log, "init");

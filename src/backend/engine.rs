@@ -261,7 +261,16 @@ impl Engine {
         let route = match (&self.nccl, calls) {
             // A barrier alone has no buffers to say where it goes.
             (Some(_), [Call::Barrier]) => Route::Device,
-            _ => match route::route(cuda, calls, streams, self.nccl.as_ref().map(|n| n.place())) {
+            _ => match route::route(
+                cuda,
+                calls,
+                streams,
+                // What NCCL cannot do goes to the sockets, staged.
+                self.nccl
+                    .as_ref()
+                    .filter(|_| calls.iter().all(Call::nccl_can))
+                    .map(|n| n.place()),
+            ) {
                 Ok(r) => r,
                 Err(e) => return Some(Err(e)),
             },

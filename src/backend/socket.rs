@@ -7,6 +7,7 @@ use crate::algorithms::{
 };
 use crate::call::{Call, Data, RawBuf};
 use crate::descriptor::{Desc, OpKind};
+use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
 use crate::transport::mesh::{self, MeshSpec};
@@ -265,6 +266,25 @@ impl SocketBackend {
         if call.is_p2p() {
             return self.run_p2p(&[(call, seq)]);
         }
+        self.run_call(call, seq)?;
+        // Bool results are 0 or 1 whatever bytes came in (a world of one,
+        // or a reduction that only copied, passes them through otherwise).
+        match *call {
+            Call::AllReduce { recv, data, .. }
+            | Call::Reduce { recv, data, .. }
+            | Call::ReduceScatter { recv, data, .. }
+                if data.dtype == DType::Bool =>
+            {
+                recv.bytes_mut()
+                    .iter_mut()
+                    .for_each(|b| *b = u8::from(*b != 0));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    unsafe fn run_call(&mut self, call: &Call, seq: u64) -> Result<()> {
         let desc = |kind: OpKind, data: Data| Desc::new(kind, seq).data(data.count, data.dtype);
         match *call {
             Call::AllReduce {

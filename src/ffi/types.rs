@@ -71,6 +71,14 @@ pub enum rdist_dtype_t {
     RDIST_FLOAT32 = 7,
     RDIST_FLOAT64 = 8,
     RDIST_BFLOAT16 = 9,
+    /// One byte: 0 is false, anything else true; results are 0 or 1. Since
+    /// 0.2. rdist's own types start at 64, so that the types NCCL adds
+    /// (counting up from 9; 10 and 11 are its float8 types) never collide.
+    RDIST_BOOL = 64,
+    /// Since 0.2.
+    RDIST_INT16 = 65,
+    /// Since 0.2.
+    RDIST_UINT16 = 66,
 }
 
 /// Reductions. Values equal NCCL's ncclRedOp_t. AVG is SUM divided by the
@@ -83,6 +91,19 @@ pub enum rdist_op_t {
     RDIST_MAX = 2,
     RDIST_MIN = 3,
     RDIST_AVG = 4,
+    /// Bitwise and, on integer and bool types (a floating-point dtype is
+    /// RDIST_ERR_INVALID_ARGUMENT). Since 0.2. rdist's own ops start at 64:
+    /// NCCL's built-in ops count up from 0, and the ops it creates at run
+    /// time (ncclRedOpCreatePreMulSum) count up from ncclNumOps. On
+    /// RDIST_BOOL, SUM and MAX are logical or, PROD and MIN logical and;
+    /// AVG is RDIST_ERR_INVALID_ARGUMENT. On an NCCL communicator these
+    /// reductions (and any on BOOL, INT16, UINT16) run on the sockets,
+    /// device buffers staged through host memory.
+    RDIST_BAND = 64,
+    /// Bitwise or. Since 0.2.
+    RDIST_BOR = 65,
+    /// Bitwise exclusive or. Since 0.2.
+    RDIST_BXOR = 66,
 }
 
 /// Backends.

@@ -154,6 +154,11 @@ pub(super) fn dtype(d: DType) -> ncclDataType_t {
         DType::Float32 => T::ncclFloat32,
         DType::Float64 => T::ncclFloat64,
         DType::Bfloat16 => T::ncclBfloat16,
+        // NCCL has no such types: calls that only move bytes pass them as
+        // a type of the same size; reductions on them never come here
+        // (`ReduceOp::nccl_can` sends them to the sockets).
+        DType::Bool => T::ncclUint8,
+        DType::Int16 | DType::Uint16 => T::ncclFloat16,
     }
 }
 
@@ -164,5 +169,7 @@ pub(super) fn op(o: ReduceOp) -> ncclRedOp_t {
         ReduceOp::Max => ncclRedOp_t::ncclMax,
         ReduceOp::Min => ncclRedOp_t::ncclMin,
         ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        // Never sent to NCCL (`ReduceOp::nccl_can`); a defined value anyway.
+        ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => ncclRedOp_t::ncclSum,
     }
 }
