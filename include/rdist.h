@@ -59,7 +59,7 @@
 /**
  * Minor version of this header.
  */
-#define RDIST_VERSION_MINOR 1
+#define RDIST_VERSION_MINOR 2
 
 /**
  * Patch version of this header.
@@ -577,6 +577,68 @@ rdist_result_t rdist_barrier(rdist_comm_t *comm);
  * Non-blocking barrier: the request completes when every rank entered it.
  */
 rdist_result_t rdist_ibarrier(rdist_comm_t *comm, rdist_request_t **req);
+
+/**
+ * Allgather with a count per rank (as MPI_Allgatherv): rank i's sendcount
+ * elements land at recvbuf + displs[i] elements; recvcounts[i] must equal
+ * rank i's sendcount. recvcounts and displs hold one entry per rank, the
+ * same on every rank, and are read during the call only. sendbuf ==
+ * recvbuf + displs[rank] elements is in place. Ranks whose counts
+ * disagree both fail with RDIST_ERR_MISMATCH. Since 0.2.
+ */
+rdist_result_t rdist_allgatherv(const void *sendbuf,
+                                size_t sendcount,
+                                void *recvbuf,
+                                const size_t *recvcounts,
+                                const size_t *displs,
+                                rdist_dtype_t dtype,
+                                rdist_comm_t *comm,
+                                void *stream);
+
+/**
+ * Non-blocking rdist_allgatherv (the arrays are copied). Since 0.2.
+ */
+rdist_result_t rdist_iallgatherv(const void *sendbuf,
+                                 size_t sendcount,
+                                 void *recvbuf,
+                                 const size_t *recvcounts,
+                                 const size_t *displs,
+                                 rdist_dtype_t dtype,
+                                 rdist_comm_t *comm,
+                                 rdist_request_t **req);
+
+/**
+ * Alltoall with counts and displacements per rank (as MPI_Alltoallv):
+ * sendcounts[j] elements at sendbuf + sdispls[j] go to rank j;
+ * recvcounts[i] elements from rank i land at recvbuf + rdispls[i].
+ * sendcounts[j] on rank i must equal recvcounts[i] on rank j, or both
+ * fail with RDIST_ERR_MISMATCH. The arrays hold one entry per rank and
+ * are read during the call only. sendbuf == recvbuf is in place: then
+ * recvcounts/rdispls describe both (sendcounts and sdispls are ignored).
+ * Since 0.2.
+ */
+rdist_result_t rdist_alltoallv(const void *sendbuf,
+                               const size_t *sendcounts,
+                               const size_t *sdispls,
+                               void *recvbuf,
+                               const size_t *recvcounts,
+                               const size_t *rdispls,
+                               rdist_dtype_t dtype,
+                               rdist_comm_t *comm,
+                               void *stream);
+
+/**
+ * Non-blocking rdist_alltoallv (the arrays are copied). Since 0.2.
+ */
+rdist_result_t rdist_ialltoallv(const void *sendbuf,
+                                const size_t *sendcounts,
+                                const size_t *sdispls,
+                                void *recvbuf,
+                                const size_t *recvcounts,
+                                const size_t *rdispls,
+                                rdist_dtype_t dtype,
+                                rdist_comm_t *comm,
+                                rdist_request_t **req);
 
 /**
  * Sends count elements to `peer`; returns when buf may be reused.

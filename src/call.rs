@@ -78,6 +78,60 @@ impl RawBuf {
     }
 }
 
+/// Per-rank element counts and displacements of an uneven collective:
+/// `size` counts, then `size` displacements, in an array that whoever made
+/// the call keeps alive until it completes (the caller's for a blocking
+/// call; the request's for a non-blocking one).
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    ptr: *const usize,
+    size: usize,
+}
+
+// SAFETY: as RawBuf: only read while the call that owns it runs.
+unsafe impl Send for Layout {}
+
+impl Layout {
+    /// # Safety
+    /// `counts_and_displs` (2 * size entries) outlives every use.
+    pub unsafe fn new(counts_and_displs: &[usize]) -> Layout {
+        Layout {
+            ptr: counts_and_displs.as_ptr(),
+            size: counts_and_displs.len() / 2,
+        }
+    }
+
+    fn all(&self) -> &[usize] {
+        // SAFETY: the maker keeps the array alive until the call completes.
+        unsafe { std::slice::from_raw_parts(self.ptr, 2 * self.size) }
+    }
+
+    pub fn count(&self, rank: usize) -> usize {
+        self.all()[rank]
+    }
+
+    pub fn displ(&self, rank: usize) -> usize {
+        self.all()[self.size + rank]
+    }
+
+    /// Checks counts and displacements and returns the elements the
+    /// buffer must hold (the furthest end of a block).
+    pub fn extent(&self, what: &str) -> Result<usize> {
+        let mut end = 0usize;
+        for r in 0..self.size {
+            let e = self.displ(r).checked_add(self.count(r)).ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "{what}: displacement {} + count {} of rank {r} overflows size_t",
+                    self.displ(r),
+                    self.count(r)
+                ))
+            })?;
+            end = end.max(e);
+        }
+        Ok(end)
+    }
+}
+
 /// Element count and type of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Data {
@@ -133,6 +187,24 @@ pub enum Call {
         send: RawBuf,
         recv: RawBuf,
         data: Data,
+    },
+    /// Rank i's `send` lands at `layout.displ(i)`, `layout.count(i)`
+    /// elements (the same layout on every rank).
+    AllGatherV {
+        send: RawBuf,
+        recv: RawBuf,
+        dtype: DType,
+        layout: Layout,
+    },
+    /// `send_layout` block j goes to rank j; `recv_layout` block i comes
+    /// from rank i. With `send == recv` (in place) the receive layout
+    /// describes both.
+    AllToAllV {
+        send: RawBuf,
+        recv: RawBuf,
+        dtype: DType,
+        send_layout: Layout,
+        recv_layout: Layout,
     },
     Barrier,
     Send {
@@ -292,7 +364,77 @@ impl Call {
                 peer: check_rank("peer", root, size)?,
             },
             OpKind::Split => return Err(Error::internal("comm_split is not a data call")),
+            OpKind::AllGatherV | OpKind::AllToAllV => {
+                return Err(Error::internal(
+                    "uneven collectives are made with Call::uneven",
+                ))
+            }
         })
+    }
+
+    /// An uneven collective (`OpKind::AllGatherV` or `AllToAllV`) from raw
+    /// arguments: `send_layout` is ignored for allgatherv (its count is
+    /// `send_count`) and for in-place alltoallv. Counts, displacements and
+    /// buffer extents are checked here.
+    ///
+    /// # Safety
+    /// The layouts' arrays outlive the call.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn uneven(
+        kind: OpKind,
+        send: *const u8,
+        send_count: usize,
+        send_layout: Layout,
+        recv: *mut u8,
+        recv_layout: Layout,
+        dtype: DType,
+        rank: usize,
+    ) -> Result<Call> {
+        let buf = |name: &str, p: *const u8, elems: usize| {
+            buffer(
+                name,
+                p,
+                Data {
+                    count: elems,
+                    dtype,
+                },
+                1,
+            )
+        };
+        let recv_buf = buf("recvbuf", recv, recv_layout.extent("recvcounts/rdispls")?)?;
+        match kind {
+            OpKind::AllGatherV => {
+                let own = recv_layout.count(rank);
+                if send_count != own {
+                    return Err(Error::invalid_argument(format!(
+                        "sendcount {send_count} differs from recvcounts[{rank}] = {own} (this rank's own block)"
+                    )));
+                }
+                Ok(Call::AllGatherV {
+                    send: buf("sendbuf", send, send_count)?,
+                    recv: recv_buf,
+                    dtype,
+                    layout: recv_layout,
+                })
+            }
+            OpKind::AllToAllV => {
+                let in_place = std::ptr::eq(send, recv);
+                let send_layout = if in_place { recv_layout } else { send_layout };
+                let send_buf = if in_place {
+                    recv_buf
+                } else {
+                    buf("sendbuf", send, send_layout.extent("sendcounts/sdispls")?)?
+                };
+                Ok(Call::AllToAllV {
+                    send: send_buf,
+                    recv: recv_buf,
+                    dtype,
+                    send_layout,
+                    recv_layout,
+                })
+            }
+            _ => Err(Error::internal("not an uneven collective")),
+        }
     }
 
     /// A receive (the one call whose single buffer is written).
@@ -311,6 +453,8 @@ impl Call {
             Call::AllReduce { data, op, .. }
             | Call::Reduce { data, op, .. }
             | Call::ReduceScatter { data, op, .. } => op.nccl_can(data.dtype),
+            // Not on NCCL yet: device buffers are staged to the sockets.
+            Call::AllGatherV { .. } | Call::AllToAllV { .. } => false,
             _ => true,
         }
     }
@@ -327,7 +471,9 @@ impl Call {
             | Call::AllGather { send, .. }
             | Call::ReduceScatter { send, .. }
             | Call::Gather { send, .. }
-            | Call::AllToAll { send, .. } => send.len(),
+            | Call::AllToAll { send, .. }
+            | Call::AllGatherV { send, .. }
+            | Call::AllToAllV { send, .. } => send.len(),
             Call::Broadcast { recv, .. } | Call::Scatter { recv, .. } => recv.len(),
             Call::Barrier => 0,
             Call::Send { buf, .. } | Call::Recv { buf, .. } => buf.len(),
@@ -345,7 +491,9 @@ impl Call {
             | Call::ReduceScatter { send, recv, .. }
             | Call::Gather { send, recv, .. }
             | Call::Scatter { send, recv, .. }
-            | Call::AllToAll { send, recv, .. } => [(send, true), (recv, false)],
+            | Call::AllToAll { send, recv, .. }
+            | Call::AllGatherV { send, recv, .. }
+            | Call::AllToAllV { send, recv, .. } => [(send, true), (recv, false)],
             Call::Barrier => [(RawBuf::EMPTY, true), (RawBuf::EMPTY, false)],
             Call::Send { buf, .. } => [(buf, true), (RawBuf::EMPTY, false)],
             Call::Recv { buf, .. } => [(RawBuf::EMPTY, true), (buf, false)],
@@ -364,7 +512,9 @@ impl Call {
             | Call::ReduceScatter { send, recv, .. }
             | Call::Gather { send, recv, .. }
             | Call::Scatter { send, recv, .. }
-            | Call::AllToAll { send, recv, .. } => {
+            | Call::AllToAll { send, recv, .. }
+            | Call::AllGatherV { send, recv, .. }
+            | Call::AllToAllV { send, recv, .. } => {
                 *send = f(*send, true);
                 *recv = f(*recv, false);
             }
@@ -386,6 +536,8 @@ impl Call {
             Call::Gather { .. } => "gather",
             Call::Scatter { .. } => "scatter",
             Call::AllToAll { .. } => "alltoall",
+            Call::AllGatherV { .. } => "allgatherv",
+            Call::AllToAllV { .. } => "alltoallv",
             Call::Barrier => "barrier",
             Call::Send { .. } => "send",
             Call::Recv { .. } => "recv",

@@ -21,6 +21,8 @@ pub enum OpKind {
     Barrier = 9,
     Send = 10,
     Split = 11,
+    AllGatherV = 12,
+    AllToAllV = 13,
 }
 
 impl OpKind {
@@ -37,6 +39,8 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::Send => "send/recv",
             OpKind::Split => "comm_split",
+            OpKind::AllGatherV => "allgatherv",
+            OpKind::AllToAllV => "alltoallv",
         }
     }
 
@@ -54,6 +58,8 @@ impl OpKind {
             Barrier,
             Send,
             Split,
+            AllGatherV,
+            AllToAllV,
         ]
         .into_iter()
         .find(|k| *k as u8 == v)
@@ -130,6 +136,17 @@ impl fmt::Display for Desc {
             ),
             OpKind::Barrier => write!(f, "barrier #{}", self.seq),
             OpKind::Split => write!(f, "comm_split #{}", self.seq),
+            // One transfer of an uneven collective: its count, and the
+            // count its sender expects back (see algorithms::direct).
+            OpKind::AllGatherV | OpKind::AllToAllV => write!(
+                f,
+                "{} #{} ({} x {} one way between the two ranks, {} the other way)",
+                self.kind.name(),
+                self.seq,
+                self.count,
+                self.dtype,
+                self.root as u32
+            ),
             kind => {
                 write!(
                     f,

@@ -54,7 +54,7 @@ pub(crate) mod transport;
 pub mod internals {
     pub use crate::backend::cuda::{self, Stream};
     pub use crate::backend::nccl;
-    pub use crate::call::{Call, Data, RawBuf};
+    pub use crate::call::{Call, Data, Layout, RawBuf};
     pub use crate::comm::group;
     pub use crate::descriptor::OpKind;
     pub use crate::rendezvous::method;
@@ -72,6 +72,6 @@ pub use reduce::ReduceOp;
 /// cbindgen:ignore
 pub const VERSION_MAJOR: u32 = 0;
 /// cbindgen:ignore
-pub const VERSION_MINOR: u32 = 1;
+pub const VERSION_MINOR: u32 = 2;
 /// cbindgen:ignore
 pub const VERSION_PATCH: u32 = 0;

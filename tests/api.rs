@@ -212,7 +212,7 @@ fn file_rendezvous_meets_and_cleans_up() {
 
 #[test]
 fn bad_arguments_through_the_c_abi_are_precise_and_harmless() {
-    assert_eq!(rdist_version(), 100);
+    assert_eq!(rdist_version(), 200);
     let msg =
         |p: *const std::ffi::c_char| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
     assert_eq!(

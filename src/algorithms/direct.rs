@@ -3,6 +3,7 @@
 
 use super::Link;
 use crate::error::Result;
+use crate::transport::Xfer;
 
 /// The first `n` blocks of `block_bytes` of `buf` (zero-length ones too).
 fn blocks_mut(buf: &mut [u8], n: usize, block_bytes: usize) -> Vec<&mut [u8]> {
@@ -36,6 +37,44 @@ pub fn scatter_from_root(link: &mut Link<'_>, buf: &[u8], block_bytes: usize) ->
         .filter(|i| *i != r)
         .map(|i| link.send_xfer(i, &buf[i * block_bytes..(i + 1) * block_bytes]))
         .collect();
+    link.exchange(&mut xfers)
+}
+
+/// Uneven exchange (alltoallv, allgatherv): `send[j]` goes to rank j,
+/// `recv[i]` comes from rank i, all at once; this rank's own block is
+/// copied (None: it is already in place). Each transfer is labelled with
+/// its own element count, so ranks whose counts disagree both fail,
+/// naming both counts.
+pub fn exchange_v(
+    link: &mut Link<'_>,
+    send: &[&[u8]],
+    recv: Vec<Option<&mut [u8]>>,
+    dtype_size: usize,
+) -> Result<()> {
+    let r = link.rank();
+    let desc = link.desc();
+    let es = dtype_size.max(1);
+    // A transfer's label carries its count and (in `root`, low 32 bits)
+    // the count its sender expects back from the receiver, so a mismatch
+    // in either direction is seen by both ranks.
+    let label = |count: usize, back: usize| {
+        let mut d = desc.data(count, desc.dtype);
+        d.root = back as u32 as i32;
+        d
+    };
+    let mut xfers = Vec::with_capacity(2 * recv.len());
+    for (i, into) in recv.into_iter().enumerate() {
+        match into {
+            Some(into) if i == r => crate::copy::copy(into, send[r]),
+            None if i == r => {}
+            Some(into) => {
+                let (out, back) = (send[i].len() / es, into.len() / es);
+                xfers.push(Xfer::send(i, send[i], label(out, back)));
+                xfers.push(Xfer::recv(i, into, label(back, out)));
+            }
+            None => unreachable!("only this rank's block may be in place"),
+        }
+    }
     link.exchange(&mut xfers)
 }
 

@@ -184,6 +184,12 @@ impl<'t> Link<'t> {
         self.transport.size()
     }
 
+    /// What this call's frames carry (the uneven collectives label each
+    /// transfer with its own count).
+    pub fn desc(&self) -> Desc {
+        self.desc
+    }
+
     pub fn send_xfer<'a>(&self, peer: usize, data: &'a [u8]) -> Xfer<'a> {
         Xfer::send(peer, data, self.desc)
     }

@@ -85,6 +85,38 @@ type P2pStart = (
     Option<shm::P2pChannels>,
 );
 
+/// The receive blocks of an uneven collective, as disjoint slices of
+/// `buf` (blocks may come in any order; overlapping ones are refused).
+fn split_blocks<'a>(
+    buf: &'a mut [u8],
+    layout: &crate::call::Layout,
+    es: usize,
+    size: usize,
+) -> Result<Vec<&'a mut [u8]>> {
+    let mut order: Vec<usize> = (0..size).collect();
+    order.sort_by_key(|r| layout.displ(*r));
+    let mut out: Vec<Option<&'a mut [u8]>> = (0..size).map(|_| None).collect();
+    let mut rest = buf;
+    let mut at = 0usize;
+    for r in order {
+        let (start, len) = (layout.displ(r) * es, layout.count(r) * es);
+        if start < at && len > 0 {
+            return Err(Error::invalid_argument(format!(
+                "the receive block of rank {r} overlaps another one (displacement {})",
+                layout.displ(r)
+            )));
+        }
+        let skip = start.saturating_sub(at);
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(skip.min(tail.len()));
+        let (block, tail) = tail.split_at_mut(len);
+        out[r] = Some(block);
+        rest = tail;
+        at = at.max(start + len);
+    }
+    Ok(out.into_iter().map(|b| b.expect("every rank")).collect())
+}
+
 /// Copies `len` bytes between possibly overlapping caller buffers.
 ///
 /// # Safety
@@ -423,6 +455,69 @@ impl SocketBackend {
                 } else {
                     link.recv(root, recv.bytes_mut())
                 }
+            }
+            Call::AllGatherV {
+                send,
+                recv,
+                dtype,
+                layout,
+            } => {
+                let d = Desc::new(OpKind::AllGatherV, seq).data(0, dtype);
+                let (desc, _) = self.label(d, recv.len());
+                let es = dtype.size();
+                let rank = self.rank;
+                // This rank's block goes to every rank: into its own place
+                // in recvbuf first (unless sendbuf is that place), and from
+                // there to the others.
+                let own_at = layout.displ(rank) * es;
+                move_bytes(&send, recv.addr() + own_at, send.len());
+                let mut blocks: Vec<Option<&mut [u8]>> =
+                    split_blocks(recv.bytes_mut(), &layout, es, self.size)?
+                        .into_iter()
+                        .map(Some)
+                        .collect();
+                let own: &[u8] = blocks[rank].take().expect("own block");
+                let sends: Vec<&[u8]> = vec![own; self.size];
+                direct::exchange_v(
+                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+                    &sends,
+                    blocks,
+                    es,
+                )
+            }
+            Call::AllToAllV {
+                send,
+                recv,
+                dtype,
+                send_layout,
+                recv_layout,
+            } => {
+                let d = Desc::new(OpKind::AllToAllV, seq).data(0, dtype);
+                let (desc, _) = self.label(d, recv.len());
+                let es = dtype.size();
+                // In place: the send side is copied out first.
+                let copy;
+                let input: &[u8] = if send.overlaps(&recv) {
+                    copy = send.bytes().to_vec();
+                    &copy
+                } else {
+                    send.bytes()
+                };
+                let mut sends = Vec::with_capacity(self.size);
+                for r in 0..self.size {
+                    let at = send_layout.displ(r) * es;
+                    sends.push(&input[at..at + send_layout.count(r) * es]);
+                }
+                let blocks = split_blocks(recv.bytes_mut(), &recv_layout, es, self.size)?
+                    .into_iter()
+                    .map(Some)
+                    .collect();
+                direct::exchange_v(
+                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+                    &sends,
+                    blocks,
+                    es,
+                )
             }
             Call::AllToAll { send, recv, data } => {
                 let d = desc(OpKind::AllToAll, data);

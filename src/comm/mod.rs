@@ -317,6 +317,29 @@ impl Comm {
         Ok(Some(Call::Recv { buf, data, peer }))
     }
 
+    /// Runs an uneven collective (`Call::uneven`) now.
+    ///
+    /// # Safety
+    /// The call's buffers and layout arrays valid until this returns.
+    pub unsafe fn run_uneven(&self, call: Call, stream: Stream) -> Result<()> {
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "rdist_allgatherv/rdist_alltoallv cannot be queued in a group (call them outside it)",
+            ));
+        }
+        self.runner.run_one(call, stream)
+    }
+
+    /// Starts an uneven collective whose layout arrays live in `arrays`
+    /// (kept with the request).
+    ///
+    /// # Safety
+    /// The call's buffers valid until the request completes; the call's
+    /// layouts point into `arrays`.
+    pub unsafe fn submit_uneven(&self, call: Call, arrays: Box<[usize]>) -> Result<Request> {
+        Ok(self.submit(call)?.keeping(arrays))
+    }
+
     /// Collective: ranks with equal `color` form a new communicator ordered
     /// by (key, rank); a negative color (RDIST_SPLIT_NOCOLOR) yields None.
     pub fn split(&self, color: i32, key: i32) -> Result<Option<Comm>> {

@@ -96,7 +96,7 @@ impl Completion {
 }
 
 /// A non-blocking call in flight.
-pub struct Request(Kind);
+pub struct Request(Kind, Option<Box<[usize]>>);
 
 enum Kind {
     /// A collective, or a device send/receive, on the worker.
@@ -110,7 +110,7 @@ enum Kind {
 
 impl Request {
     fn p2p(mailbox: Arc<Mailbox>, ticket: Ticket) -> Request {
-        Request(Kind::P2p { mailbox, ticket })
+        Request(Kind::P2p { mailbox, ticket }, None)
     }
 
     /// Blocks until the call completes and returns its result (bounded by
@@ -135,6 +135,13 @@ impl Request {
                 mailbox, ticket, ..
             } => mailbox.test(ticket).map(|r| r.map(|_| ())),
         }
+    }
+
+    /// Keeps `arrays` (the counts an uneven collective reads) alive with
+    /// the request, until it is freed after completing.
+    pub(crate) fn keeping(mut self, arrays: Box<[usize]>) -> Request {
+        self.1 = Some(arrays);
+        self
     }
 
     /// Who sent what, once a point-to-point call completed (None for
@@ -425,12 +432,15 @@ impl Runner {
     }
 
     fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
-        Request(Kind::Queued(Queued {
-            done,
-            timeout: self.timeout,
-            owner: held.then(|| self.clone()),
-            comm: Arc::downgrade(self),
-        }))
+        Request(
+            Kind::Queued(Queued {
+                done,
+                timeout: self.timeout,
+                owner: held.then(|| self.clone()),
+                comm: Arc::downgrade(self),
+            }),
+            None,
+        )
     }
 
     /// A collective's timeout names the sends/receives pending here too

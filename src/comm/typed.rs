@@ -4,11 +4,25 @@
 use super::group;
 use super::Comm;
 use crate::backend::p2p::Status;
-use crate::call::{Call, Data, RawBuf};
+use crate::call::{Call, Data, Layout, RawBuf};
 use crate::descriptor::OpKind;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
+
+/// Counts, then the displacements of blocks packed in rank order.
+fn packed_layout(counts: &[usize], size: usize, what: &str) -> Result<Vec<usize>> {
+    need(what, counts.len(), size)?;
+    let mut v = counts.to_vec();
+    let mut at = 0usize;
+    for c in counts {
+        v.push(at);
+        at = at
+            .checked_add(*c)
+            .ok_or_else(|| Error::invalid_argument(format!("{what} overflow size_t")))?;
+    }
+    Ok(v)
+}
 
 fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have != want {
@@ -182,6 +196,68 @@ impl Comm {
         )?;
         // SAFETY: `buf` outlives this blocking call.
         unsafe { self.run(call) }
+    }
+
+    /// Allgather with a count per rank: rank i's `send` lands in `recv`
+    /// at the sum of the counts before i (`counts[i]` must equal rank i's
+    /// `send.len()`); `recv` holds the sum of all counts.
+    pub fn allgatherv<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        let layout = packed_layout(counts, self.size(), "counts")?;
+        need("recv", recv.len(), counts.iter().sum())?;
+        self.typed_p2p_allowed()?;
+        let (s, r) = (as_bytes(send).as_ptr(), as_bytes_mut(recv).as_mut_ptr());
+        // SAFETY: the slices and `layout` outlive this blocking call.
+        unsafe {
+            let l = Layout::new(&layout);
+            let call = Call::uneven(
+                OpKind::AllGatherV,
+                s,
+                send.len(),
+                l,
+                r,
+                l,
+                T::DTYPE,
+                self.rank(),
+            )?;
+            self.run_uneven(call, crate::backend::cuda::Stream::DEFAULT)
+        }
+    }
+
+    /// Alltoall with a count per rank: `send_counts[j]` elements of `send`
+    /// (packed in rank order) go to rank j; `recv_counts[i]` elements from
+    /// rank i land in `recv` (packed in rank order).
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let sl = packed_layout(send_counts, self.size(), "send_counts")?;
+        let rl = packed_layout(recv_counts, self.size(), "recv_counts")?;
+        need("send", send.len(), send_counts.iter().sum())?;
+        need("recv", recv.len(), recv_counts.iter().sum())?;
+        self.typed_p2p_allowed()?;
+        let (s, r) = (as_bytes(send).as_ptr(), as_bytes_mut(recv).as_mut_ptr());
+        // SAFETY: the slices and layouts outlive this blocking call.
+        unsafe {
+            let call = Call::uneven(
+                OpKind::AllToAllV,
+                s,
+                0,
+                Layout::new(&sl),
+                r,
+                Layout::new(&rl),
+                T::DTYPE,
+                self.rank(),
+            )?;
+            self.run_uneven(call, crate::backend::cuda::Stream::DEFAULT)
+        }
     }
 
     /// Sends `buf` to `peer` with `tag` (>= 0), in the point-to-point

@@ -8,11 +8,11 @@ use super::comm::rank_of;
 use super::types::*;
 use super::{boundary, check_out, handle, write_out};
 use crate::backend::cuda::Stream;
-use crate::call::{Call, Data};
+use crate::call::{Call, Data, Layout};
 use crate::comm::Comm;
 use crate::descriptor::OpKind;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use std::ffi::{c_int, c_void};
 
@@ -539,5 +539,236 @@ pub extern "C" fn rdist_ibarrier(
         Some(req),
         std::ptr::null_mut(),
         |_| Ok(Call::Barrier),
+    )
+}
+
+/// Copies `n` counts and `n` displacements from C arrays (checked for
+/// NULL) into one array: counts, then displacements.
+fn counts_and_displs(
+    counts: *const usize,
+    displs: *const usize,
+    n: usize,
+    names: (&str, &str),
+) -> Result<Vec<usize>> {
+    if counts.is_null() || displs.is_null() {
+        return Err(Error::invalid_argument(format!(
+            "{} or {} is NULL (each holds one entry per rank)",
+            names.0, names.1
+        )));
+    }
+    let mut v = Vec::with_capacity(2 * n);
+    // SAFETY: the C contract: each array holds `size` entries.
+    unsafe {
+        v.extend_from_slice(std::slice::from_raw_parts(counts, n));
+        v.extend_from_slice(std::slice::from_raw_parts(displs, n));
+    }
+    Ok(v)
+}
+
+/// Builds an uneven collective; the returned array holds the layouts the
+/// call points into (keep it until the call completes).
+#[allow(clippy::too_many_arguments)]
+fn uneven_call(
+    c: &Comm,
+    kind: OpKind,
+    sendbuf: *const c_void,
+    sendcount: usize,
+    send_arrays: Option<(*const usize, *const usize)>,
+    recvbuf: *mut c_void,
+    recv_arrays: (*const usize, *const usize),
+    dtype: RawDType,
+) -> Result<(Call, Box<[usize]>)> {
+    let dtype = DType::try_from(dtype)?;
+    let n = c.size();
+    let (names_r, names_s) = match kind {
+        OpKind::AllGatherV => (("recvcounts", "displs"), ("", "")),
+        _ => (("recvcounts", "rdispls"), ("sendcounts", "sdispls")),
+    };
+    let mut arrays = counts_and_displs(recv_arrays.0, recv_arrays.1, n, names_r)?;
+    let in_place = std::ptr::eq(sendbuf, recvbuf);
+    match send_arrays {
+        Some((sc, sd)) if !in_place => {
+            arrays.extend(counts_and_displs(sc, sd, n, names_s)?);
+        }
+        _ => arrays.extend_from_within(..2 * n),
+    }
+    let arrays = arrays.into_boxed_slice();
+    // SAFETY: the layouts point into `arrays`, which the caller keeps
+    // until the call completes (returned with it).
+    let call = unsafe {
+        let recv_layout = Layout::new(&arrays[..2 * n]);
+        let send_layout = Layout::new(&arrays[2 * n..]);
+        Call::uneven(
+            kind,
+            sendbuf.cast(),
+            sendcount,
+            send_layout,
+            recvbuf.cast(),
+            recv_layout,
+            dtype,
+            c.rank(),
+        )?
+    };
+    Ok((call, arrays))
+}
+
+fn run_or_submit_uneven(
+    func: &str,
+    comm: *mut rdist_comm_t,
+    req: Option<*mut *mut rdist_request_t>,
+    stream: *mut c_void,
+    build: impl FnOnce(&Comm) -> Result<(Call, Box<[usize]>)>,
+) -> rdist_result_t {
+    boundary(func, rank_of(comm), || {
+        let c = &handle(comm, "comm")?.comm;
+        if let Some(r) = req {
+            check_out(r, "req")?;
+        }
+        let (call, arrays) = build(c)?;
+        match req {
+            // SAFETY: the C contract: buffers valid until the call returns;
+            // `arrays` lives until then.
+            None => unsafe { c.run_uneven(call, Stream::from_ptr(stream)) },
+            Some(r) => {
+                // SAFETY: buffers valid until the request completes; the
+                // request keeps `arrays`.
+                let request = unsafe { c.submit_uneven(call, arrays) }?;
+                write_out(
+                    r,
+                    "req",
+                    Box::into_raw(Box::new(rdist_request_t { req: request })),
+                )
+            }
+        }
+    })
+}
+
+/// Allgather with a count per rank (as MPI_Allgatherv): rank i's sendcount
+/// elements land at recvbuf + displs[i] elements; recvcounts[i] must equal
+/// rank i's sendcount. recvcounts and displs hold one entry per rank, the
+/// same on every rank, and are read during the call only. sendbuf ==
+/// recvbuf + displs[rank] elements is in place. Ranks whose counts
+/// disagree both fail with RDIST_ERR_MISMATCH. Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_allgatherv(
+    sendbuf: *const c_void,
+    sendcount: usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    displs: *const usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    run_or_submit_uneven("rdist_allgatherv", comm, None, stream, |c| {
+        uneven_call(
+            c,
+            OpKind::AllGatherV,
+            sendbuf,
+            sendcount,
+            None,
+            recvbuf,
+            (recvcounts, displs),
+            dtype,
+        )
+    })
+}
+
+/// Non-blocking rdist_allgatherv (the arrays are copied). Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_iallgatherv(
+    sendbuf: *const c_void,
+    sendcount: usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    displs: *const usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    run_or_submit_uneven(
+        "rdist_iallgatherv",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            uneven_call(
+                c,
+                OpKind::AllGatherV,
+                sendbuf,
+                sendcount,
+                None,
+                recvbuf,
+                (recvcounts, displs),
+                dtype,
+            )
+        },
+    )
+}
+
+/// Alltoall with counts and displacements per rank (as MPI_Alltoallv):
+/// sendcounts[j] elements at sendbuf + sdispls[j] go to rank j;
+/// recvcounts[i] elements from rank i land at recvbuf + rdispls[i].
+/// sendcounts[j] on rank i must equal recvcounts[i] on rank j, or both
+/// fail with RDIST_ERR_MISMATCH. The arrays hold one entry per rank and
+/// are read during the call only. sendbuf == recvbuf is in place: then
+/// recvcounts/rdispls describe both (sendcounts and sdispls are ignored).
+/// Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_alltoallv(
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    sdispls: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    rdispls: *const usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    stream: *mut c_void,
+) -> rdist_result_t {
+    run_or_submit_uneven("rdist_alltoallv", comm, None, stream, |c| {
+        uneven_call(
+            c,
+            OpKind::AllToAllV,
+            sendbuf,
+            0,
+            Some((sendcounts, sdispls)),
+            recvbuf,
+            (recvcounts, rdispls),
+            dtype,
+        )
+    })
+}
+
+/// Non-blocking rdist_alltoallv (the arrays are copied). Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_ialltoallv(
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    sdispls: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    rdispls: *const usize,
+    dtype: RawDType,
+    comm: *mut rdist_comm_t,
+    req: *mut *mut rdist_request_t,
+) -> rdist_result_t {
+    run_or_submit_uneven(
+        "rdist_ialltoallv",
+        comm,
+        Some(req),
+        std::ptr::null_mut(),
+        |c| {
+            uneven_call(
+                c,
+                OpKind::AllToAllV,
+                sendbuf,
+                0,
+                Some((sendcounts, sdispls)),
+                recvbuf,
+                (recvcounts, rdispls),
+                dtype,
+            )
+        },
     )
 }

@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, CStr};
 /// Major version of this header.
 pub const RDIST_VERSION_MAJOR: c_int = 0;
 /// Minor version of this header.
-pub const RDIST_VERSION_MINOR: c_int = 1;
+pub const RDIST_VERSION_MINOR: c_int = 2;
 /// Patch version of this header.
 pub const RDIST_VERSION_PATCH: c_int = 0;
 

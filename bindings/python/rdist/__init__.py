@@ -74,7 +74,7 @@ from ._default import (
 )
 
 #: Version of this Python package.
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def library_version():

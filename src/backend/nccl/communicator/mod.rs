@@ -253,6 +253,10 @@ impl NcclComm {
         let s = stream.as_cu().cast();
         let run = |what: &str, rc: RawResult| held.settle(what, rc, deadline);
         match *call {
+            // Never routed here (`Call::nccl_can`).
+            Call::AllGatherV { .. } | Call::AllToAllV { .. } => {
+                Err(Error::internal("uneven collectives do not run on NCCL"))
+            }
             Call::AllReduce {
                 send,
                 recv,
