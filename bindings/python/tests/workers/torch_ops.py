@@ -299,7 +299,9 @@ def alltoall_list_uneven(group):
     return torch.cat(out), torch.cat([data(r, splits(r)[RANK] + 1, salt=RANK) for r in range(SIZE)])
 
 
-case("all_to_all/list/uneven", alltoall_list_uneven, new=True)
+# gloo refuses uneven list all_to_all ("invalid tensor size"): the
+# reference alone judges it.
+case("all_to_all/list/uneven", alltoall_list_uneven, gloo=False, new=True)
 
 # -- point to point ----------------------------------------------------------------
 
