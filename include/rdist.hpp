@@ -225,6 +225,14 @@ template <>
 struct dtype_of<double> : std::integral_constant<rdist_dtype_t, RDIST_FLOAT64> {};
 template <>
 struct dtype_of<bfloat16> : std::integral_constant<rdist_dtype_t, RDIST_BFLOAT16> {};
+template <>
+struct dtype_of<std::int16_t> : std::integral_constant<rdist_dtype_t, RDIST_INT16> {};
+template <>
+struct dtype_of<std::uint16_t> : std::integral_constant<rdist_dtype_t, RDIST_UINT16> {};
+// bool is one byte on every platform rdist supports (checked below).
+template <>
+struct dtype_of<bool> : std::integral_constant<rdist_dtype_t, RDIST_BOOL> {};
+static_assert(sizeof(bool) == 1, "rdist::dtype_v<bool> needs a one-byte bool");
 /// \endcond
 
 /// The rdist_dtype_t of element type T, e.g. dtype_v<float> == RDIST_FLOAT32.

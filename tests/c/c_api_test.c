@@ -38,8 +38,8 @@ static int rank = -1, size = -1;
 
 static size_t dtype_size(rdist_dtype_t t) {
   switch (t) {
-    case RDIST_INT8: case RDIST_UINT8: return 1;
-    case RDIST_FLOAT16: case RDIST_BFLOAT16: return 2;
+    case RDIST_INT8: case RDIST_UINT8: case RDIST_BOOL: return 1;
+    case RDIST_FLOAT16: case RDIST_BFLOAT16: case RDIST_INT16: case RDIST_UINT16: return 2;
     case RDIST_INT32: case RDIST_UINT32: case RDIST_FLOAT32: return 4;
     default: return 8;
   }
@@ -75,6 +75,9 @@ static void put(void* buf, rdist_dtype_t t, size_t i, double v) {
     case RDIST_FLOAT32: ((float*)buf)[i] = (float)v; break;
     case RDIST_FLOAT64: ((double*)buf)[i] = v; break;
     case RDIST_BFLOAT16: ((uint16_t*)buf)[i] = (uint16_t)(float_bits((float)v) >> 16); break;
+    case RDIST_INT16: ((int16_t*)buf)[i] = (int16_t)v; break;
+    case RDIST_UINT16: ((uint16_t*)buf)[i] = (uint16_t)v; break;
+    case RDIST_BOOL: ((uint8_t*)buf)[i] = v != 0 ? 5 : 0; break; /* any nonzero byte is true */
   }
 }
 
@@ -90,6 +93,9 @@ static double get(const void* buf, rdist_dtype_t t, size_t i) {
     case RDIST_FLOAT32: return ((const float*)buf)[i];
     case RDIST_FLOAT64: return ((const double*)buf)[i];
     case RDIST_BFLOAT16: return bits_float((uint32_t)((const uint16_t*)buf)[i] << 16);
+    case RDIST_INT16: return ((const int16_t*)buf)[i];
+    case RDIST_UINT16: return ((const uint16_t*)buf)[i];
+    case RDIST_BOOL: return ((const uint8_t*)buf)[i];
   }
   return -1;
 }
@@ -107,6 +113,74 @@ static double sum_of_ranks(size_t i) {
   double s = 0;
   for (int r = 0; r < size; r++) s += val(r, i);
   return s;
+}
+
+/* The 0.2 types and bitwise reductions against references computed here. */
+static void test_new_types_and_bitwise_ops(rdist_comm_t* comm) {
+  enum { N = 100 };
+  int16_t a[N], want16[N];
+  uint8_t b[N], any[N], all[N];
+  for (int i = 0; i < N; i++) {
+    a[i] = (int16_t)((rank + 1) * (i + 1) * 37);
+    b[i] = (uint8_t)((rank + i) % 3 == 0 ? 0 : 200); /* 200: true */
+  }
+  /* int16 sum, and bor on the same values */
+  for (int i = 0; i < N; i++) {
+    int s = 0;
+    for (int r = 0; r < size; r++) s += (r + 1) * (i + 1) * 37;
+    want16[i] = (int16_t)s;
+  }
+  int16_t got16[N];
+  CHECK(rdist_allreduce(a, got16, N, RDIST_INT16, RDIST_SUM, comm, NULL));
+  for (int i = 0; i < N; i++) EXPECT(got16[i] == want16[i], "int16 sum [%d] = %d", i, got16[i]);
+  CHECK(rdist_allreduce(a, got16, N, RDIST_INT16, RDIST_BOR, comm, NULL));
+  for (int i = 0; i < N; i++) {
+    int o = 0;
+    for (int r = 0; r < size; r++) o |= (int16_t)((r + 1) * (i + 1) * 37);
+    EXPECT(got16[i] == (int16_t)o, "int16 bor [%d]", i);
+  }
+  /* bool: max is any, min is all; results are 0 or 1 */
+  CHECK(rdist_allreduce(b, any, N, RDIST_BOOL, RDIST_MAX, comm, NULL));
+  CHECK(rdist_allreduce(b, all, N, RDIST_BOOL, RDIST_MIN, comm, NULL));
+  for (int i = 0; i < N; i++) {
+    int t_any = 0, t_all = 1;
+    for (int r = 0; r < size; r++) {
+      int t = (r + i) % 3 != 0;
+      t_any |= t;
+      t_all &= t;
+    }
+    EXPECT(any[i] == t_any && all[i] == t_all, "bool [%d]: any %d all %d", i, any[i], all[i]);
+  }
+  /* refused: bitwise on floats, avg on bool */
+  float f = 1;
+  EXPECT(rdist_allreduce(&f, &f, 1, RDIST_FLOAT32, RDIST_BXOR, comm, NULL) == RDIST_ERR_INVALID_ARGUMENT,
+         "bxor on float32");
+  EXPECT(strstr(rdist_last_error(), "float32") != NULL, "message: %s", rdist_last_error());
+  EXPECT(rdist_allreduce(b, b, N, RDIST_BOOL, RDIST_AVG, comm, NULL) == RDIST_ERR_INVALID_ARGUMENT,
+         "avg on bool");
+}
+
+/* alltoallv: rank i sends (i + j) % 3 elements to rank j. */
+static void test_alltoallv(rdist_comm_t* comm) {
+  size_t sc[32], sd[32], rc[32], rd[32], at = 0, rt = 0;
+  EXPECT(size <= 32, "size %d", size);
+  for (int j = 0; j < size; j++) {
+    sc[j] = (size_t)((rank + j) % 3);
+    sd[j] = at;
+    at += sc[j];
+    rc[j] = (size_t)((j + rank) % 3);
+    rd[j] = rt;
+    rt += rc[j];
+  }
+  int64_t send[96], recv[96];
+  for (int j = 0; j < size; j++)
+    for (size_t k = 0; k < sc[j]; k++) send[sd[j] + k] = rank * 1000 + j * 10 + (int64_t)k;
+  CHECK(rdist_alltoallv(send, sc, sd, recv, rc, rd, RDIST_INT64, comm, NULL));
+  for (int i = 0; i < size; i++)
+    for (size_t k = 0; k < rc[i]; k++)
+      EXPECT(recv[rd[i] + k] == i * 1000 + rank * 10 + (int64_t)k, "alltoallv from %d [%zu]", i, k);
+  EXPECT(rdist_alltoallv(send, NULL, sd, recv, rc, rd, RDIST_INT64, comm, NULL) == RDIST_ERR_INVALID_ARGUMENT,
+         "NULL sendcounts");
 }
 
 static void test_allreduce(rdist_comm_t* comm) {
@@ -392,6 +466,8 @@ int main(void) {
          local, (int)backend);
 
   test_allreduce(comm);
+  test_new_types_and_bitwise_ops(comm);
+  test_alltoallv(comm);
   test_rooted(comm);
   test_all_to_all(comm);
   test_p2p(comm);
