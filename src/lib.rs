@@ -60,6 +60,14 @@ pub mod internals {
     pub use crate::rendezvous::method;
 }
 
+/// The rendezvous key-value store: a server and a client speaking
+/// PyTorch's TCPStore protocol (each interoperates with torch's), and a
+/// store in a shared directory.
+/// cbindgen:ignore
+pub mod store {
+    pub use crate::rendezvous::store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
+}
+
 pub use backend::p2p::Status;
 pub use comm::{AbortHandle, Comm, Request};
 pub use dtype::{DType, Element};

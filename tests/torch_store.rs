@@ -141,7 +141,7 @@ fn tcp_init_on_a_port_where_torch_hosts_its_store_joins_that_store() {
 
 #[test]
 fn something_that_is_no_store_is_named_as_such() {
-    // A listener that answers with garbage: neither rdist's store nor torch's.
+    // A listener that answers with garbage: not a TCPStore (rdist's or torch's).
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     std::thread::spawn(move || {
@@ -157,8 +157,7 @@ fn something_that_is_no_store_is_named_as_such() {
     };
     let m = e.message();
     assert!(
-        m.contains(&port.to_string())
-            && m.contains("neither rdist's store protocol nor PyTorch's TCPStore protocol"),
+        m.contains(&port.to_string()) && m.contains("is not a rendezvous store"),
         "{e}"
     );
 }

@@ -15,9 +15,7 @@ use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use store::{
-    answers_as_torch_store, FileStore, Store, TcpStoreClient, TcpStoreServer, TorchStoreClient,
-};
+use store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
 use unique_id::UniqueId;
 
 /// How ranks meet.
@@ -120,7 +118,7 @@ fn join_hosting(
     ) = match meeting {
         Meeting::Method(Method::TorchStore { host, port, prefix }) => {
             let master = iface::resolve(host, *port)?;
-            let client = TorchStoreClient::connect(master, prefix, rank, deadline)?;
+            let client = TcpStoreClient::join(&format!("{host}:{port}"), prefix, rank, deadline)?;
             (
                 Arc::new(client),
                 Some(master),
@@ -128,50 +126,26 @@ fn join_hosting(
                 format!("torchrun's store at {host}:{port}"),
             )
         }
-        Meeting::Method(Method::Tcp { host, port })
-            if answers_as_torch_store(iface::resolve(host, *port)?, Duration::from_secs(1)) =>
-        {
-            // A PyTorch TCPStore already listens there (one a program or
-            // launcher made): every rank joins it rather than rdist's own.
-            let master = iface::resolve(host, *port)?;
-            let client = TorchStoreClient::connect(master, "rdist/tcp/", rank, deadline)?;
-            (
-                Arc::new(client),
-                Some(master),
-                None,
-                format!("the PyTorch store at {host}:{port}"),
-            )
-        }
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
-            let mut hosted = Ok(());
+            let mut place = format!("the store at {host}:{port}");
             if rank == 0 {
                 match TcpStoreServer::bind(wildcard(master.ip(), *port)) {
                     Ok(s) => *server = Some(s),
-                    Err(e) => hosted = Err(e),
+                    // A store already listens there (a PyTorch TCPStore a
+                    // launcher or the program made, or another
+                    // communicator's): every rank joins it, under keys of
+                    // this meeting's own. Whatever else holds the port
+                    // fails the handshake, and the error names it.
+                    Err(e) if e.message().ends_with("address already in use") => {
+                        place = format!("the store already listening at {host}:{port}");
+                    }
+                    Err(e) => return Err(e),
                 }
             }
-            let client: Result<Arc<dyn Store>> = hosted.and_then(|_| {
-                TcpStoreClient::connect(&format!("{host}:{port}"), deadline)
-                    .map(|c| Arc::new(c) as Arc<dyn Store>)
-            });
-            let store = match client {
-                Ok(c) => c,
-                // The port is taken, or its store does not speak rdist's
-                // protocol: a PyTorch TCPStore there (a launcher's, or one
-                // the program made) is joined instead.
-                Err(e) if answers_as_torch_store(master, Duration::from_secs(2)) => Arc::new(
-                    TorchStoreClient::connect(master, "rdist/tcp/", rank, deadline)
-                        .map_err(|t| t.context(format!("(after: {e})")))?,
-                ),
-                Err(e) => return Err(e),
-            };
-            (
-                store,
-                Some(master),
-                None,
-                format!("the store at {host}:{port}"),
-            )
+            let client =
+                TcpStoreClient::join(&format!("{host}:{port}"), "rdist/tcp/", rank, deadline)?;
+            (Arc::new(client), Some(master), None, place)
         }
         Meeting::Method(Method::File(path)) => {
             let f = Arc::new(FileStore::new(path)?);

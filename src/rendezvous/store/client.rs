@@ -1,46 +1,50 @@
-//! The store client every rank uses: connecting (with retries until the
-//! server is up), one request and reply at a time, and errors that say
-//! what went wrong with the server.
+//! The store client every rank uses, speaking PyTorch's TCPStore protocol
+//! (see `protocol`) to rdist's store server or to one torch hosts
+//! (torchrun's agent store, a program's `TCPStore`): connecting with
+//! retries until the server is up, one query and reply at a time, waits
+//! bounded on the client side (withdrawn with cancel_wait), and errors
+//! that say what went wrong with the server.
+//!
+//! Keys go on the wire behind "/", as torch's own clients put them, then
+//! the client's prefix: a Python `store.get("rdist/...")` sees rdist's keys.
 
-use std::io::{self, BufReader, Write};
+use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Request, Response, WireError};
+use super::protocol::{
+    encode_query, Query, MAGIC, MAX_KEY, MAX_VALUE, READY, STOP_WAITING, WAIT_CANCELED,
+};
 use super::{key_timeout_error, lock, seconds, Store, OPERATION_TIMEOUT};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 
-/// Extra time a client gives the server beyond a server-side wait, so a slow
-/// reply is not mistaken for a dead server.
-const REPLY_MARGIN: Duration = Duration::from_secs(2);
-
-/// Whole milliseconds for the wire, saturating.
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
+/// The most a handshake may take once connected.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The connection of a client, and whether it can still be used.
-struct ClientConnection {
-    reader: BufReader<TcpStream>,
-    /// Set once a request failed half-way: the byte stream is then out of
-    /// step, so every later request fails with the same error.
+struct Connection {
+    stream: TcpStream,
+    /// Set once a query failed half-way: the byte stream is then out of
+    /// step, so every later query fails with the same error.
     broken: Option<Error>,
 }
 
-/// A connection to the rendezvous store server. Requests from several
+/// A connection to a TCPStore (rdist's or torch's). Queries from several
 /// threads are serialised.
 pub struct TcpStoreClient {
     addr: String,
-    connection: Mutex<ClientConnection>,
+    /// Put before every key (after torch's "/").
+    prefix: String,
+    connection: Mutex<Connection>,
 }
 
 /// Why one connection attempt failed.
 enum AttemptError {
     /// Worth retrying (server not up yet, name not resolvable yet...).
     Retry(String),
-    /// Retrying cannot help (the server rejected us).
+    /// Retrying cannot help (something else answers there).
     Fatal(Error),
 }
 
@@ -48,13 +52,23 @@ impl TcpStoreClient {
     /// Connects to "host:port" (host may be a name, IPv4 or [IPv6]),
     /// retrying refused/failed connects with backoff (10 ms growing to
     /// 200 ms) until `deadline`, so ranks may start before the server.
+    /// Keys are used as given.
     pub fn connect(addr: &str, deadline: Instant) -> Result<TcpStoreClient> {
         check_address(addr)?;
         let patience = deadline.saturating_duration_since(Instant::now());
         let mut backoff = Duration::from_millis(10);
         loop {
             let last_error = match connect_once(addr, deadline) {
-                Ok(stream) => return Ok(TcpStoreClient::from_stream(addr, stream)),
+                Ok(stream) => {
+                    return Ok(TcpStoreClient {
+                        addr: addr.to_string(),
+                        prefix: String::new(),
+                        connection: Mutex::new(Connection {
+                            stream,
+                            broken: None,
+                        }),
+                    })
+                }
                 Err(AttemptError::Fatal(err)) => return Err(err),
                 Err(AttemptError::Retry(reason)) => reason,
             };
@@ -74,97 +88,221 @@ impl TcpStoreClient {
         }
     }
 
-    fn from_stream(addr: &str, stream: TcpStream) -> TcpStoreClient {
-        TcpStoreClient {
-            addr: addr.to_string(),
-            connection: Mutex::new(ClientConnection {
-                reader: BufReader::new(stream),
-                broken: None,
-            }),
-        }
+    /// Connects for one meeting of `rank`: keys go under `base` and the
+    /// meeting's number. Each rank counts its meetings in the store itself,
+    /// so the n-th communicator every rank creates on one store gets keys
+    /// of its own, and creating communicators again and again on one store
+    /// (or beside torch's keys) never meets an earlier one's keys.
+    pub fn join(addr: &str, base: &str, rank: usize, deadline: Instant) -> Result<TcpStoreClient> {
+        let mut client = TcpStoreClient::connect(addr, deadline)?;
+        client.prefix = base.to_string();
+        let meeting = client.add(&format!("meetings/{rank}"), 1)?;
+        client.prefix = format!("{base}{meeting}/");
+        Ok(client)
     }
 
-    /// Sends one request and reads its reply, both bounded by `bound`.
-    fn request(&self, request: &Request, bound: Duration) -> Result<Response> {
-        let bytes = wire::encode_request(request).map_err(|msg| {
-            Error::invalid_argument(format!("cannot send to the rendezvous store: {msg}"))
-        })?;
-        let mut connection = lock(&self.connection);
-        if let Some(err) = &connection.broken {
+    /// The address this client was given.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn key(&self, key: &str) -> Result<Vec<u8>> {
+        let full = format!("/{}{key}", self.prefix).into_bytes();
+        if full.len() > MAX_KEY {
+            return Err(Error::invalid_argument(format!(
+                "the store key '{key}' is longer than the store's limit of {} KiB",
+                MAX_KEY >> 10
+            )));
+        }
+        Ok(full)
+    }
+
+    /// Sends `bytes` and reads the reply with `read`, both bounded by `bound`.
+    fn exchange<T>(
+        &self,
+        bytes: &[u8],
+        bound: Duration,
+        read: impl FnOnce(&mut TcpStream) -> io::Result<T>,
+    ) -> Result<T> {
+        let mut c = lock(&self.connection);
+        if let Some(err) = &c.broken {
             return Err(err.clone());
         }
-        match exchange(&mut connection.reader, &bytes, bound) {
-            Ok(response) => Ok(response),
-            Err(err) => {
-                let err = self.connection_error(err, bound);
-                connection.broken = Some(err.clone());
-                Err(err)
-            }
-        }
+        let outcome = (|| {
+            let bound = bound.max(Duration::from_millis(1));
+            c.stream.set_read_timeout(Some(bound))?;
+            c.stream.set_write_timeout(Some(bound))?;
+            c.stream.write_all(bytes)?;
+            read(&mut c.stream)
+        })();
+        outcome.map_err(|e| {
+            let err = self.connection_error(&e, bound);
+            c.broken = Some(err.clone());
+            err
+        })
     }
 
-    fn connection_error(&self, err: WireError, bound: Duration) -> Error {
+    fn connection_error(&self, err: &io::Error, bound: Duration) -> Error {
         let addr = &self.addr;
-        match err {
-            WireError::Io(err)
-                if matches!(
-                    err.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "the rendezvous store at {addr} did not answer within {}",
-                        seconds(bound)
-                    ),
-                )
-            }
-            WireError::Io(err) => Error::new(
+        match err.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the rendezvous store at {addr} did not answer within {}",
+                    seconds(bound)
+                ),
+            ),
+            io::ErrorKind::InvalidData => Error::new(
+                ErrorKind::System,
+                format!("the rendezvous store at {addr} broke the TCPStore protocol: {err}"),
+            ),
+            _ => Error::new(
                 ErrorKind::PeerLost,
                 format!(
                     "lost the connection to the rendezvous store at {addr} ({})",
-                    describe_io(&err)
+                    describe_io(err)
                 ),
-            ),
-            WireError::Protocol(msg) => Error::new(
-                ErrorKind::System,
-                format!("the rendezvous store at {addr} broke the store protocol: {msg}"),
             ),
         }
     }
 
-    /// The error for a reply that is not the success `operation` expects.
-    fn reply_error(&self, operation: &str, response: Response, timeout: Duration) -> Error {
-        match response {
-            Response::Failed { kind, message } => Error::new(
-                ErrorKind::from_code(kind).unwrap_or(ErrorKind::Internal),
-                message,
-            ),
-            Response::TimedOut(missing) => key_timeout_error(timeout, &missing),
-            other => Error::new(
-                ErrorKind::System,
-                format!(
-                    "the rendezvous store at {} answered {operation} with an unexpected reply \
-                     ({other:?})",
-                    self.addr
-                ),
-            ),
+    /// Checks a value's length before it is sent.
+    fn value<'v>(&self, key: &str, value: &'v [u8]) -> Result<&'v [u8]> {
+        if value.len() > MAX_VALUE {
+            return Err(Error::invalid_argument(format!(
+                "the value for store key '{key}' is {} bytes, more than the store's limit of {} MiB",
+                value.len(),
+                MAX_VALUE >> 20
+            )));
         }
+        Ok(value)
+    }
+
+    /// A query with no reply, followed by a ping so that its arrival is
+    /// confirmed (and a store that dropped it is noticed here).
+    fn without_reply(&self, query: &Query<'_>) -> Result<()> {
+        let mut bytes = Vec::new();
+        encode_query(query, &mut bytes);
+        let nonce = 0x7365_7421u32;
+        encode_query(&Query::Ping(nonce), &mut bytes);
+        self.exchange(&bytes, OPERATION_TIMEOUT, |s| expect_nonce(s, nonce))
+    }
+
+    fn with_reply<T>(
+        &self,
+        query: &Query<'_>,
+        read: impl FnOnce(&mut TcpStream) -> io::Result<T>,
+    ) -> Result<T> {
+        let mut bytes = Vec::new();
+        encode_query(query, &mut bytes);
+        self.exchange(&bytes, OPERATION_TIMEOUT, read)
+    }
+
+    /// Sets `key` to `desired` if it holds `expected` (or is missing and
+    /// `expected` is empty); returns the value it holds afterwards.
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let k = self.key(key)?;
+        let query = Query::CompareSet(&k, self.value(key, expected)?, self.value(key, desired)?);
+        self.with_reply(&query, read_value)
+    }
+
+    /// How many keys the store holds (all of them, not only this client's).
+    pub fn num_keys(&self) -> Result<i64> {
+        self.with_reply(&Query::NumKeys, read_i64)
+    }
+
+    /// Deletes `key`; true when it existed.
+    pub fn delete_key(&self, key: &str) -> Result<bool> {
+        let k = self.key(key)?;
+        Ok(self.with_reply(&Query::DeleteKey(&k), read_i64)? == 1)
+    }
+
+    /// Appends `more` to the value of `key` (or sets it).
+    pub fn append(&self, key: &str, more: &[u8]) -> Result<()> {
+        let k = self.key(key)?;
+        self.without_reply(&Query::Append(&k, self.value(key, more)?))
+    }
+
+    /// Waits for all `keys` (up to `timeout`), then returns their values.
+    pub fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.wait(keys, timeout)?;
+        let full = keys
+            .iter()
+            .map(|k| self.key(k))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&[u8]> = full.iter().map(Vec::as_slice).collect();
+        self.with_reply(&Query::MultiGet(refs), |s| {
+            (0..keys.len()).map(|_| read_value(s)).collect()
+        })
+    }
+
+    /// Sets every key to its value, in one query.
+    pub fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        let full = pairs
+            .iter()
+            .map(|(k, v)| Ok((self.key(k)?, self.value(k, v)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<(&[u8], &[u8])> = full.iter().map(|(k, v)| (k.as_slice(), *v)).collect();
+        self.without_reply(&Query::MultiSet(refs))
+    }
+
+    /// Every key in the store, as stored (torch's keys start with "/").
+    pub fn list_keys(&self) -> Result<Vec<Vec<u8>>> {
+        self.with_reply(&Query::ListKeys, |s| {
+            let n = read_i64(s)?;
+            if !(0..=1 << 24).contains(&n) {
+                return Err(invalid(format!("list_keys answered {n} keys")));
+            }
+            (0..n).map(|_| read_value(s)).collect()
+        })
+    }
+
+    /// One round trip; the time it took.
+    pub fn ping(&self) -> Result<Duration> {
+        let start = Instant::now();
+        let nonce = std::process::id() ^ 0x5244_4953;
+        self.with_reply(&Query::Ping(nonce), |s| expect_nonce(s, nonce))?;
+        Ok(start.elapsed())
     }
 }
 
-/// Writes a request and reads the reply, with socket timeouts of `bound`.
-fn exchange(
-    reader: &mut BufReader<TcpStream>,
-    request: &[u8],
-    bound: Duration,
-) -> wire::WireResult<Response> {
-    let stream = reader.get_mut();
-    stream.set_read_timeout(Some(bound))?;
-    stream.set_write_timeout(Some(bound))?;
-    stream.write_all(request)?;
-    wire::decode_response(reader)
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+fn read_u8(s: &mut TcpStream) -> io::Result<u8> {
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b)?;
+    Ok(b[0])
+}
+
+fn read_i64(s: &mut TcpStream) -> io::Result<i64> {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    Ok(i64::from_le_bytes(b))
+}
+
+fn read_value(s: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let len = read_i64(s)? as u64;
+    if len > MAX_VALUE as u64 {
+        return Err(invalid(format!("a value of {len} bytes")));
+    }
+    // Read through `take`: memory grows with the bytes that arrive.
+    let mut value = Vec::new();
+    s.take(len).read_to_end(&mut value)?;
+    if value.len() as u64 != len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(value)
+}
+
+fn expect_nonce(s: &mut TcpStream, nonce: u32) -> io::Result<()> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    match u32::from_le_bytes(b) {
+        n if n == nonce => Ok(()),
+        n => Err(invalid(format!("ping {nonce:#x} came back as {n:#x}"))),
+    }
 }
 
 /// Rejects addresses that are not "host:port" before any retrying.
@@ -195,199 +333,153 @@ fn connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStream,
     let mut last_error = String::from("the name resolved to no address");
     for socket_addr in resolved {
         match TcpStream::connect_timeout(&socket_addr, attempt_timeout) {
-            Ok(stream) => return handshake(addr, stream, attempt_timeout),
+            Ok(stream) => return handshake(addr, stream),
             Err(err) => last_error = describe_io(&err),
         }
     }
     Err(AttemptError::Retry(last_error))
 }
 
-fn handshake(
-    addr: &str,
-    mut stream: TcpStream,
-    timeout: Duration,
-) -> std::result::Result<TcpStream, AttemptError> {
+/// Validates (torch's magic number) and pings: a TCPStore echoes the nonce.
+fn handshake(addr: &str, mut stream: TcpStream) -> std::result::Result<TcpStream, AttemptError> {
     let io_failure = |err: &io::Error| AttemptError::Retry(describe_io(err));
     stream.set_nodelay(true).map_err(|e| io_failure(&e))?;
     stream
-        .set_read_timeout(Some(timeout))
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(|e| io_failure(&e))?;
     stream
-        .set_write_timeout(Some(timeout))
+        .set_write_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(|e| io_failure(&e))?;
-    stream
-        .write_all(&wire::encode_handshake())
-        .map_err(|e| io_failure(&e))?;
-    match wire::decode_response(&mut stream) {
-        Ok(Response::Done) => Ok(stream),
-        Ok(Response::Failed { message, .. }) => Err(AttemptError::Fatal(Error::new(
+    let nonce = std::process::id() ^ 0x5244_4953;
+    let mut hello = Vec::new();
+    encode_query(&Query::Validate(MAGIC), &mut hello);
+    encode_query(&Query::Ping(nonce), &mut hello);
+    stream.write_all(&hello).map_err(|e| io_failure(&e))?;
+    let not_a_store = |what: String| {
+        AttemptError::Fatal(Error::new(
             ErrorKind::System,
-            format!("the rendezvous store at {addr} rejected this client: {message}"),
+            format!(
+                "the server at {addr} is not a rendezvous store: it {what} to the TCPStore \
+                 handshake, which rdist's store and PyTorch's both speak; is something else \
+                 listening on that port?"
+            ),
+        ))
+    };
+    let mut echo = [0u8; 4];
+    match stream.read_exact(&mut echo) {
+        Ok(()) if u32::from_le_bytes(echo) == nonce => Ok(stream),
+        Ok(()) => Err(not_a_store(format!(
+            "answered {:?}",
+            String::from_utf8_lossy(&echo)
         ))),
-        Ok(other) => Err(AttemptError::Fatal(Error::new(
-            ErrorKind::System,
-            format!("the rendezvous store at {addr} answered the handshake with {other:?}"),
-        ))),
-        Err(WireError::Io(err)) => Err(io_failure(&err)),
-        Err(WireError::Protocol(msg)) => Err(AttemptError::Fatal(Error::new(
-            ErrorKind::System,
-            format!("the server at {addr} speaks neither rdist's store protocol nor PyTorch's TCPStore protocol ({msg}): is something else listening on that port?"),
-        ))),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            Err(not_a_store(format!(
+                "gave no answer within {}",
+                seconds(HANDSHAKE_TIMEOUT)
+            )))
+        }
+        // Closed or reset: perhaps a store shutting down or one full for
+        // now; worth another try.
+        Err(e) => Err(io_failure(&e)),
     }
-}
-
-fn owned_keys(keys: &[&str]) -> Vec<String> {
-    keys.iter().map(|k| k.to_string()).collect()
 }
 
 impl Store for TcpStoreClient {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let request = Request::Set {
-            key: key.to_string(),
-            value: value.to_vec(),
-        };
-        match self.request(&request, OPERATION_TIMEOUT)? {
-            Response::Done => Ok(()),
-            other => Err(self.reply_error("set", other, OPERATION_TIMEOUT)),
-        }
+        let k = self.key(key)?;
+        self.without_reply(&Query::Set(&k, self.value(key, value)?))
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let request = Request::Get {
-            key: key.to_string(),
-            timeout_ms: millis(timeout),
-        };
-        match self.request(&request, timeout.saturating_add(REPLY_MARGIN))? {
-            Response::Value(value) => Ok(value),
-            other => Err(self.reply_error("get", other, timeout)),
-        }
+        self.wait(&[key], timeout)?;
+        let k = self.key(key)?;
+        self.with_reply(&Query::Get(&k), read_value)
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let request = Request::Add {
-            key: key.to_string(),
-            delta,
-        };
-        match self.request(&request, OPERATION_TIMEOUT)? {
-            Response::Integer(sum) => Ok(sum),
-            other => Err(self.reply_error("add", other, OPERATION_TIMEOUT)),
-        }
+        let k = self.key(key)?;
+        self.with_reply(&Query::Add(&k, delta), read_i64)
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {
-        let request = Request::Check {
-            keys: owned_keys(keys),
-        };
-        match self.request(&request, OPERATION_TIMEOUT)? {
-            Response::Flag(all_exist) => Ok(all_exist),
-            other => Err(self.reply_error("check", other, OPERATION_TIMEOUT)),
-        }
+        let full = keys
+            .iter()
+            .map(|k| self.key(k))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&[u8]> = full.iter().map(Vec::as_slice).collect();
+        Ok(self.with_reply(&Query::Check(refs), read_u8)? == READY)
     }
 
+    /// Waits on the server; when `timeout` passes first, withdraws the wait
+    /// (cancel_wait) and names the keys still missing.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let request = Request::Wait {
-            keys: owned_keys(keys),
-            timeout_ms: millis(timeout),
-        };
-        match self.request(&request, timeout.saturating_add(REPLY_MARGIN))? {
-            Response::Done => Ok(()),
-            other => Err(self.reply_error("wait", other, timeout)),
+        let full = keys
+            .iter()
+            .map(|k| self.key(k))
+            .collect::<Result<Vec<_>>>()?;
+        let mut bytes = Vec::new();
+        encode_query(
+            &Query::Wait(full.iter().map(Vec::as_slice).collect()),
+            &mut bytes,
+        );
+        let mut c = lock(&self.connection);
+        if let Some(err) = &c.broken {
+            return Err(err.clone());
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::tests::{assert_in_range, connect, start_server, PATIENCE};
-    use super::super::TcpStoreServer;
-    use super::*;
-    use std::net::{SocketAddr, TcpListener};
-
-    /// An address on which, most likely, nothing listens: the OS just gave
-    /// the port out and got it back.
-    fn unused_addr() -> SocketAddr {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.local_addr().expect("local address")
-    }
-
-    #[test]
-    fn client_retries_until_the_server_starts() {
-        let addr = unused_addr();
-        let starter = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(300));
-            TcpStoreServer::bind(addr)
-        });
-        let start = Instant::now();
-        let client = TcpStoreClient::connect(&addr.to_string(), Instant::now() + PATIENCE).unwrap();
-        assert_in_range(start.elapsed(), 250, 3000);
-        let _server = starter.join().unwrap().unwrap();
-        client.set("k", b"v").unwrap();
-        assert_eq!(client.get("k", PATIENCE).unwrap(), b"v");
-    }
-
-    #[test]
-    fn connect_times_out_naming_the_address() {
-        let addr = unused_addr().to_string();
-        let start = Instant::now();
-        let err = match TcpStoreClient::connect(&addr, Instant::now() + Duration::from_millis(300))
-        {
-            Ok(_) => panic!("connected to {addr} although nothing listens there"),
-            Err(err) => err,
-        };
-        assert_in_range(start.elapsed(), 250, 2000);
-        assert_eq!(err.kind(), ErrorKind::Timeout);
-        assert_eq!(
-            err.message(),
-            format!(
-                "could not reach the rendezvous store at {addr} within 0.3 s (last error: \
-                 connection refused); is rank 0 (the master) running?"
-            )
-        );
-    }
-
-    #[test]
-    fn connect_accepts_names_and_ipv6_addresses() {
-        let server = start_server();
-        let by_name = format!("localhost:{}", server.local_addr().port());
-        let client = TcpStoreClient::connect(&by_name, Instant::now() + PATIENCE).unwrap();
-        client.set("k", b"v").unwrap();
-        // Hosts without IPv6 cannot run the second half.
-        let Ok(v6_server) = TcpStoreServer::bind("[::1]:0".parse().expect("literal address"))
-        else {
-            return;
-        };
-        let v6_addr = format!("[::1]:{}", v6_server.local_addr().port());
-        let client = TcpStoreClient::connect(&v6_addr, Instant::now() + PATIENCE).unwrap();
-        client.set("k", b"v6").unwrap();
-        assert_eq!(client.get("k", PATIENCE).unwrap(), b"v6");
-    }
-
-    #[test]
-    fn connect_rejects_malformed_addresses() {
-        for addr in ["localhost", "::1:29500", ":29500", "host:port", "[::1]"] {
-            let err = TcpStoreClient::connect(addr, Instant::now()).err();
-            assert_eq!(
-                err.map(|e| e.kind()),
-                Some(ErrorKind::InvalidArgument),
-                "{addr}"
-            );
+        let outcome: io::Result<bool> = (|| {
+            c.stream
+                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+            c.stream.set_write_timeout(Some(OPERATION_TIMEOUT))?;
+            c.stream.write_all(&bytes)?;
+            match read_u8(&mut c.stream) {
+                Ok(STOP_WAITING) => Ok(true),
+                Ok(other) => Err(invalid(format!("wait answered {other}"))),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    // Withdraw the wait; the store answers WAIT_CANCELED
+                    // (after STOP_WAITING if the keys came just now).
+                    c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
+                    let mut cancel = Vec::new();
+                    encode_query(&Query::CancelWait, &mut cancel);
+                    c.stream.write_all(&cancel)?;
+                    let mut stopped = false;
+                    loop {
+                        match read_u8(&mut c.stream)? {
+                            WAIT_CANCELED => return Ok(stopped),
+                            STOP_WAITING => stopped = true,
+                            other => return Err(invalid(format!("cancel_wait answered {other}"))),
+                        }
+                    }
+                }
+                Err(e) => Err(e),
+            }
+        })();
+        match outcome {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                drop(c);
+                let mut missing = Vec::new();
+                for key in keys {
+                    if !self.check(&[key])? {
+                        missing.push(key.to_string());
+                    }
+                }
+                Err(key_timeout_error(timeout, &missing))
+            }
+            Err(e) => {
+                let err = self.connection_error(&e, timeout);
+                c.broken = Some(err.clone());
+                Err(err)
+            }
         }
-    }
-
-    #[test]
-    fn requests_after_a_lost_connection_fail_fast() {
-        let server = start_server();
-        let client = connect(&server);
-        drop(server);
-        let start = Instant::now();
-        assert_eq!(
-            client.set("k", b"v").unwrap_err().kind(),
-            ErrorKind::PeerLost
-        );
-        assert_eq!(
-            client.check(&["k"]).unwrap_err().kind(),
-            ErrorKind::PeerLost
-        );
-        assert!(start.elapsed() < Duration::from_secs(1));
     }
 }

@@ -5,22 +5,18 @@
 //! the same job without a server. [`PrefixStore`] gives each user of a store its
 //! own key space.
 //!
-//! rdist's own TCP protocol (see the `wire` module): a handshake (magic
-//! number + protocol version), then length-prefixed requests and replies.
-//! [`TorchStoreClient`] speaks PyTorch's TCPStore protocol instead, to meet
-//! through a store torch hosts (torchrun's agent store, or one found on
-//! the port where rdist's was expected).
+//! Server and client speak PyTorch's TCPStore protocol (see the `protocol`
+//! module), so rdist meets through a store torch hosts (torchrun's agent
+//! store) and torch's clients use rdist's.
 
 mod client;
 mod file;
+mod protocol;
 mod server;
-mod torch;
-mod wire;
 
 pub use client::TcpStoreClient;
 pub use file::FileStore;
 pub use server::TcpStoreServer;
-pub use torch::{answers_as_torch_store, TorchStoreClient};
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

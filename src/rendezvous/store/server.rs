@@ -1,352 +1,874 @@
-//! The store server rank 0 hosts: keys and values in memory, one thread
-//! per client, and server-side waits for keys.
+//! The store server rank 0 hosts: keys and values in memory, served over
+//! PyTorch's TCPStore protocol by one thread that waits on epoll (no thread
+//! per client, so a thousand ranks or a flood of strangers cost a few
+//! bytes each, not a thread each).
+//!
+//! Bounded against clients that misbehave (see [`Limits`]): a client must
+//! validate within 5 s and send each query whole within 10 s of its first
+//! byte; connections are capped, and at the
+//! cap the oldest client that never validated makes room; keys and values
+//! held, and bytes of queries still arriving, are capped in total. A client
+//! that breaks a rule is disconnected (the protocol has no error reply)
+//! and the reason is logged; the others are served on.
 
-use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Request, Response, WireError};
-use super::{add_to_counter, deadline_after, lock};
-use crate::error::{Error, ErrorKind, Result};
+use super::protocol::{
+    self, decode_query, put_i64, put_value, Query, Undecodable, MAGIC, NOT_READY, READY,
+    STOP_WAITING, WAIT_CANCELED,
+};
+use crate::error::{Error, Result};
+use crate::log;
+use crate::options::LogLevel;
 
-/// How long the server waits for a new client's handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The keys and values, shared by all connection threads.
-struct ServerState {
-    data: Mutex<HashMap<String, Vec<u8>>>,
-    /// Notified on every set/add and when the server stops.
-    changed: Condvar,
-    stopping: AtomicBool,
+/// What the server allows its clients.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// How long a new client has to validate.
+    pub handshake: Duration,
+    /// How long a query may take to arrive once its first byte has.
+    pub query: Duration,
+    /// Most clients at once.
+    pub connections: usize,
+    /// Most clients that have not validated yet; more evict the oldest.
+    pub unvalidated: usize,
+    /// Most bytes of keys and values held (awaited keys included).
+    pub stored_bytes: usize,
+    /// Most bytes of queries still arriving, over all clients.
+    pub arriving_bytes: usize,
 }
 
-/// How a server-side wait ended.
-enum Waited<T> {
-    Ready(T),
-    /// Ran out of time; the keys still missing.
-    TimedOut(Vec<String>),
-    Stopping,
-}
-
-impl ServerState {
-    fn new() -> ServerState {
-        ServerState {
-            data: Mutex::new(HashMap::new()),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-        }
-    }
-
-    fn set(&self, key: String, value: Vec<u8>) {
-        lock(&self.data).insert(key, value);
-        self.changed.notify_all();
-    }
-
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let mut data = lock(&self.data);
-        let sum = add_to_counter(key, data.get(key).map(Vec::as_slice), delta)?;
-        data.insert(key.to_string(), sum.to_string().into_bytes());
-        drop(data);
-        self.changed.notify_all();
-        Ok(sum)
-    }
-
-    fn check(&self, keys: &[String]) -> bool {
-        let data = lock(&self.data);
-        keys.iter().all(|k| data.contains_key(k))
-    }
-
-    /// Waits until `probe` succeeds, the timeout passes or the server stops.
-    /// `probe` returns the keys it still misses when it fails.
-    fn wait_until<T>(
-        &self,
-        timeout: Duration,
-        mut probe: impl FnMut(&HashMap<String, Vec<u8>>) -> std::result::Result<T, Vec<String>>,
-    ) -> Waited<T> {
-        let deadline = deadline_after(timeout);
-        let mut data = lock(&self.data);
-        loop {
-            // Checked under the lock that stop() takes before notifying, so
-            // the wake-up cannot be missed.
-            if self.stopping.load(Ordering::SeqCst) {
-                return Waited::Stopping;
-            }
-            let missing = match probe(&data) {
-                Ok(found) => return Waited::Ready(found),
-                Err(missing) => missing,
-            };
-            let left = match deadline {
-                Some(deadline) => deadline.saturating_duration_since(Instant::now()),
-                None => Duration::from_secs(3600),
-            };
-            if left.is_zero() {
-                return Waited::TimedOut(missing);
-            }
-            data = match self.changed.wait_timeout(data, left) {
-                Ok((guard, _)) => guard,
-                Err(poisoned) => poisoned.into_inner().0,
-            };
-        }
-    }
-
-    /// Wakes every waiting connection thread and makes it give up.
-    fn stop(&self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        let _guard = lock(&self.data);
-        self.changed.notify_all();
-    }
-}
-
-/// Answers one request; `None` when the server is stopping (the connection
-/// is then closed without a reply, which the client reports as lost).
-fn handle_request(state: &ServerState, request: Request) -> Option<Response> {
-    let response = match request {
-        Request::Set { key, value } => {
-            state.set(key, value);
-            Response::Done
-        }
-        Request::Get { key, timeout_ms } => {
-            let waited = state.wait_until(Duration::from_millis(timeout_ms), |data| {
-                data.get(&key).cloned().ok_or_else(|| vec![key.clone()])
-            });
-            match waited {
-                Waited::Ready(value) => Response::Value(value),
-                Waited::TimedOut(missing) => Response::TimedOut(missing),
-                Waited::Stopping => return None,
-            }
-        }
-        Request::Add { key, delta } => match state.add(&key, delta) {
-            Ok(sum) => Response::Integer(sum),
-            Err(err) => failed(&err),
-        },
-        Request::Check { keys } => Response::Flag(state.check(&keys)),
-        Request::Wait { keys, timeout_ms } => {
-            let waited = state.wait_until(Duration::from_millis(timeout_ms), |data| {
-                let missing: Vec<String> = keys
-                    .iter()
-                    .filter(|k| !data.contains_key(*k))
-                    .cloned()
-                    .collect();
-                if missing.is_empty() {
-                    Ok(())
-                } else {
-                    Err(missing)
-                }
-            });
-            match waited {
-                Waited::Ready(()) => Response::Done,
-                Waited::TimedOut(missing) => Response::TimedOut(missing),
-                Waited::Stopping => return None,
-            }
-        }
-    };
-    Some(response)
-}
-
-/// A failure reply carrying an error.
-fn failed(err: &Error) -> Response {
-    Response::Failed {
-        kind: err.kind().code(),
-        message: err.message().to_string(),
-    }
-}
-
-fn send_response(mut stream: &TcpStream, response: &Response) -> io::Result<()> {
-    let bytes = wire::encode_response(response).or_else(|msg| {
-        wire::encode_response(&failed(&Error::internal(format!(
-            "the rendezvous store cannot send its reply: {msg}"
-        ))))
-    });
-    match bytes {
-        Ok(bytes) => stream.write_all(&bytes),
-        Err(msg) => Err(io::Error::new(io::ErrorKind::InvalidData, msg)),
-    }
-}
-
-/// Serves one client until it leaves, breaks the protocol or the server stops.
-fn serve_connection(stream: TcpStream, state: &ServerState) {
-    let mut reader = BufReader::new(&stream);
-    if accept_handshake(&mut reader, &stream).is_ok() {
-        serve_requests(&mut reader, &stream, state);
-    }
-    // Other handles to this socket exist (the acceptor keeps one to shut it
-    // down), so close it explicitly for the client to notice.
-    let _ = stream.shutdown(Shutdown::Both);
-}
-
-fn accept_handshake(reader: &mut impl Read, stream: &TcpStream) -> io::Result<()> {
-    // A client that never finishes its handshake must not hold a thread.
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    match wire::decode_handshake(reader) {
-        Ok(()) => {
-            send_response(stream, &Response::Done)?;
-            stream.set_read_timeout(None)
-        }
-        Err(WireError::Io(err)) => Err(err),
-        Err(WireError::Protocol(msg)) => {
-            let _ = send_response(stream, &failed(&Error::new(ErrorKind::System, &*msg)));
-            Err(io::Error::new(io::ErrorKind::InvalidData, msg))
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            handshake: Duration::from_secs(5),
+            query: Duration::from_secs(10),
+            connections: 8192,
+            unvalidated: 256,
+            stored_bytes: 256 << 20,
+            arriving_bytes: 256 << 20,
         }
     }
 }
+/// Replies waiting to be sent above which a client's further queries wait.
+const REPLY_BACKLOG: usize = 1 << 20;
+/// The listen backlog: wide jobs dial rank 0 all at once.
+const LISTEN_BACKLOG: libc::c_int = 4096;
 
-fn serve_requests(reader: &mut impl Read, stream: &TcpStream, state: &ServerState) {
-    loop {
-        let request = match wire::decode_request(reader) {
-            Ok(request) => request,
-            Err(WireError::Io(_)) => return,
-            Err(WireError::Protocol(msg)) => {
-                // The byte stream can no longer be trusted: say why, then drop.
-                let err = Error::new(ErrorKind::System, format!("store protocol error: {msg}"));
-                let _ = send_response(stream, &failed(&err));
-                return;
-            }
-        };
-        let Some(response) = handle_request(state, request) else {
-            return;
-        };
-        if send_response(stream, &response).is_err() {
-            return;
-        }
-    }
-}
+const LISTENER: u64 = 0;
+const WAKER: u64 = 1;
+const FIRST_CLIENT: u64 = 2;
 
-/// A client connection: a handle to shut its socket down, and its thread.
-struct Connection {
+/// One client.
+struct Client {
     stream: TcpStream,
-    thread: JoinHandle<()>,
+    peer: String,
+    /// Distinguishes successive clients in one slot.
+    serial: u64,
+    received: Vec<u8>,
+    replies: Vec<u8>,
+    sent: usize,
+    validated: bool,
+    accepted: Instant,
+    /// When the first byte of the query still arriving came.
+    partial_since: Option<Instant>,
+    /// The pending wait: its number, the keys it registered, and how
+    /// many of them are still missing (0: not waiting).
+    wait_serial: u64,
+    awaited: Vec<Vec<u8>>,
+    missing: usize,
+    writable_interest: bool,
 }
 
-/// The acceptor thread: accepts until woken through `waker`, then returns
-/// the live connections for the server's Drop to close and join.
-fn accept_loop(
+/// A client registered as waiting for a key.
+#[derive(Clone, Copy)]
+struct Waiter {
+    slot: usize,
+    serial: u64,
+    wait_serial: u64,
+    /// For a barrier: the count the key must reach (else: that it exists).
+    until: Option<i64>,
+}
+
+/// Everything the serving thread owns.
+struct Server {
+    limits: Limits,
+    epoll: RawFd,
     listener: TcpListener,
     waker: UnixStream,
-    state: Arc<ServerState>,
-) -> Vec<Connection> {
-    let mut connections = Vec::new();
-    while wait_for_clients(&listener, &waker) && !state.stopping.load(Ordering::SeqCst) {
-        accept_pending(&listener, &state, &mut connections);
-        join_finished(&mut connections);
-    }
-    connections
+    clients: Vec<Option<Client>>,
+    free_slots: Vec<usize>,
+    live: usize,
+    next_serial: u64,
+    data: HashMap<Vec<u8>, Vec<u8>>,
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    stored_bytes: usize,
+    arriving_bytes: usize,
+    waiters: HashMap<Vec<u8>, Vec<Waiter>>,
+    accept_paused_until: Option<Instant>,
+    /// Clients with a wait answered, to flush.
+    woken: Vec<usize>,
 }
 
-/// Sleeps until the listener has clients to accept (true) or the waker was
-/// shut down (false).
-fn wait_for_clients(listener: &TcpListener, waker: &UnixStream) -> bool {
-    let mut fds = [pollfd(listener.as_raw_fd()), pollfd(waker.as_raw_fd())];
-    // SAFETY: `fds` is a valid array of two pollfd for the whole call.
-    let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-    if ready < 0 {
-        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            // Should not happen; avoid spinning while the caller re-checks.
-            thread::sleep(Duration::from_millis(10));
-        }
-        return true;
+fn epoll_ctl(epoll: RawFd, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+    let mut event = libc::epoll_event { events, u64: token };
+    // SAFETY: `event` is valid for the call; epoll and fd are open descriptors.
+    if unsafe { libc::epoll_ctl(epoll, op, fd, &mut event) } < 0 {
+        return Err(io::Error::last_os_error());
     }
-    fds[1].revents == 0
+    Ok(())
 }
 
-fn pollfd(fd: RawFd) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    }
-}
+/// Why a client is disconnected.
+type Why = String;
 
-fn accept_pending(
-    listener: &TcpListener,
-    state: &Arc<ServerState>,
-    connections: &mut Vec<Connection>,
-) {
-    loop {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                if let Some(connection) = start_connection(stream, state) {
-                    connections.push(connection);
+impl Server {
+    fn run(mut self) {
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        let mut next_sweep = Instant::now();
+        loop {
+            let timeout_ms = if self.live > 0 || self.accept_paused_until.is_some() {
+                250
+            } else {
+                -1
+            };
+            // SAFETY: `events` has room for events.len() entries.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll,
+                    events.as_mut_ptr(),
+                    events.len() as libc::c_int,
+                    timeout_ms,
+                )
+            };
+            if n < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            for event in &events[..n as usize] {
+                let (token, flags) = (event.u64, event.events);
+                match token {
+                    WAKER => return,
+                    LISTENER => self.accept_all(),
+                    _ => self.client_ready((token - FIRST_CLIENT) as usize, flags),
                 }
             }
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => return,
-            Err(_) => {
-                // E.g. out of file descriptors: back off instead of spinning.
-                thread::sleep(Duration::from_millis(10));
+            let now = Instant::now();
+            if now >= next_sweep {
+                self.sweep(now);
+                next_sweep = now + Duration::from_millis(250);
+            }
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, peer)) => self.admit(stream, peer),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    // Out of descriptors: make room from strangers, or stop
+                    // accepting for a moment instead of spinning.
+                    if !self.evict_oldest_unvalidated("the process ran out of descriptors") {
+                        self.pause_accepting(&e);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn pause_accepting(&mut self, why: &io::Error) {
+        log::emit(
+            LogLevel::Warn,
+            None,
+            &format!("rendezvous store: not accepting clients for 100 ms ({why})"),
+        );
+        let _ = epoll_ctl(
+            self.epoll,
+            libc::EPOLL_CTL_DEL,
+            self.listener.as_raw_fd(),
+            0,
+            LISTENER,
+        );
+        self.accept_paused_until = Some(Instant::now() + Duration::from_millis(100));
+    }
+
+    fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
+        let unvalidated = self
+            .clients
+            .iter()
+            .flatten()
+            .filter(|c| !c.validated)
+            .count();
+        if unvalidated >= self.limits.unvalidated || self.live >= self.limits.connections {
+            let room = self.evict_oldest_unvalidated("more clients arrived than the store admits");
+            if !room && self.live >= self.limits.connections {
+                log::emit(
+                    LogLevel::Warn,
+                    None,
+                    &format!(
+                        "rendezvous store: refused {peer}: it serves {} clients already",
+                        self.live
+                    ),
+                );
                 return;
             }
         }
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        let _ = stream.set_nodelay(true);
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.clients.push(None);
+            self.clients.len() - 1
+        });
+        let token = slot as u64 + FIRST_CLIENT;
+        if epoll_ctl(
+            self.epoll,
+            libc::EPOLL_CTL_ADD,
+            stream.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            token,
+        )
+        .is_err()
+        {
+            self.free_slots.push(slot);
+            return;
+        }
+        self.next_serial += 1;
+        self.clients[slot] = Some(Client {
+            stream,
+            peer: peer.to_string(),
+            serial: self.next_serial,
+            received: Vec::new(),
+            replies: Vec::new(),
+            sent: 0,
+            validated: false,
+            accepted: Instant::now(),
+            partial_since: None,
+            wait_serial: 0,
+            awaited: Vec::new(),
+            missing: 0,
+            writable_interest: false,
+        });
+        self.live += 1;
+    }
+
+    /// Disconnects the longest-waiting client that never validated; false
+    /// when there is none.
+    fn evict_oldest_unvalidated(&mut self, why: &str) -> bool {
+        let oldest = self
+            .clients
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, c)| {
+                c.as_ref()
+                    .filter(|c| !c.validated)
+                    .map(|c| (c.accepted, slot))
+            })
+            .min();
+        match oldest {
+            Some((_, slot)) => {
+                self.disconnect(slot, format!("it had not validated when {why}"));
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn disconnect(&mut self, slot: usize, why: Why) {
+        let Some(client) = self.clients.get_mut(slot).and_then(Option::take) else {
+            return;
+        };
+        log::emit(
+            LogLevel::Info,
+            None,
+            &format!("rendezvous store: disconnected {}: {why}", client.peer),
+        );
+        let _ = epoll_ctl(
+            self.epoll,
+            libc::EPOLL_CTL_DEL,
+            client.stream.as_raw_fd(),
+            0,
+            0,
+        );
+        self.arriving_bytes -= client.received.len();
+        self.forget_wait(&client);
+        self.free_slots.push(slot);
+        self.live -= 1;
+    }
+
+    /// Removes a client's registrations as a waiter.
+    fn forget_wait(&mut self, client: &Client) {
+        for key in &client.awaited {
+            if let Some(list) = self.waiters.get_mut(key) {
+                list.retain(|w| w.serial != client.serial);
+                if list.is_empty() {
+                    self.waiters.remove(key);
+                }
+            }
+            self.stored_bytes -= key.len();
+        }
+    }
+
+    /// Cuts off clients past their deadlines; resumes accepting.
+    fn sweep(&mut self, now: Instant) {
+        if self.accept_paused_until.is_some_and(|t| now >= t) {
+            self.accept_paused_until = None;
+            let _ = epoll_ctl(
+                self.epoll,
+                libc::EPOLL_CTL_ADD,
+                self.listener.as_raw_fd(),
+                libc::EPOLLIN as u32,
+                LISTENER,
+            );
+        }
+        let mut late = Vec::new();
+        for (slot, client) in self.clients.iter().enumerate() {
+            let Some(c) = client else { continue };
+            let limits = &self.limits;
+            if !c.validated && now.duration_since(c.accepted) > limits.handshake {
+                late.push((
+                    slot,
+                    format!("it did not validate within {:?}", limits.handshake),
+                ));
+            } else if c
+                .partial_since
+                .is_some_and(|t| now.duration_since(t) > limits.query)
+            {
+                late.push((
+                    slot,
+                    format!("a query took longer than {:?} to arrive", limits.query),
+                ));
+            }
+        }
+        for (slot, why) in late {
+            self.disconnect(slot, why);
+        }
+    }
+
+    fn client_ready(&mut self, slot: usize, flags: u32) {
+        let mut outcome = Ok(false);
+        if flags & (libc::EPOLLOUT as u32) != 0 {
+            outcome = self.flush(slot).map(|()| false);
+        }
+        if outcome.is_ok()
+            && flags & ((libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR) as u32) != 0
+        {
+            outcome = self.receive(slot);
+        }
+        // Queries that came before the client hung up are still carried out.
+        let outcome = outcome.and_then(|closed| {
+            self.serve(slot)?;
+            self.flush(slot)?;
+            match closed {
+                true => Err("it closed the connection".to_string()),
+                false => Ok(()),
+            }
+        });
+        if let Err(why) = outcome {
+            self.disconnect(slot, why);
+        }
+        while let Some(woken) = self.woken.pop() {
+            if let Err(why) = self.flush(woken) {
+                self.disconnect(woken, why);
+            }
+        }
+    }
+
+    /// Reads what has arrived, within the caps; true when the client hung up.
+    fn receive(&mut self, slot: usize) -> std::result::Result<bool, Why> {
+        let mut chunk = [0u8; 64 << 10];
+        loop {
+            let Some(client) = self.clients.get_mut(slot).and_then(Option::as_mut) else {
+                return Ok(false);
+            };
+            match client.stream.read(&mut chunk) {
+                Ok(0) => return Ok(true),
+                Ok(n) => {
+                    if self.arriving_bytes + n > self.limits.arriving_bytes {
+                        return Err(format!(
+                            "queries still arriving would hold more than {} bytes",
+                            self.limits.arriving_bytes
+                        ));
+                    }
+                    if client.received.is_empty() {
+                        client.partial_since = Some(Instant::now());
+                    }
+                    client.received.extend_from_slice(&chunk[..n]);
+                    self.arriving_bytes += n;
+                    if n < chunk.len() {
+                        return Ok(false);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(format!("reading failed ({e})")),
+            }
+        }
+    }
+
+    /// Answers every whole query received, while the client reads replies.
+    fn serve(&mut self, slot: usize) -> std::result::Result<(), Why> {
+        let Some(client) = self.clients.get_mut(slot).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        let received = std::mem::take(&mut client.received);
+        let mut used = 0;
+        let mut outcome = Ok(());
+        loop {
+            let backlog = self.clients[slot]
+                .as_ref()
+                .map_or(0, |c| c.replies.len() - c.sent);
+            if backlog > REPLY_BACKLOG {
+                break;
+            }
+            match decode_query(&received[used..]) {
+                Ok((query, len)) => {
+                    used += len;
+                    if let Err(why) = self.answer(slot, query) {
+                        outcome = Err(why);
+                        break;
+                    }
+                }
+                Err(Undecodable::Incomplete) => break,
+                Err(Undecodable::Invalid(why)) => {
+                    outcome = Err(format!("it broke the TCPStore protocol: {why}"));
+                    break;
+                }
+            }
+        }
+        self.arriving_bytes -= used;
+        if let Some(client) = self.clients[slot].as_mut() {
+            client.received = received;
+            client.received.drain(..used);
+            if used > 0 {
+                client.partial_since = (!client.received.is_empty()).then(Instant::now);
+            }
+        }
+        outcome
+    }
+
+    fn client(&mut self, slot: usize) -> &mut Client {
+        self.clients[slot].as_mut().expect("a live client")
+    }
+
+    /// Carries out one query.
+    fn answer(&mut self, slot: usize, query: Query<'_>) -> std::result::Result<(), Why> {
+        if !self.client(slot).validated {
+            return match query {
+                Query::Validate(MAGIC) => {
+                    self.client(slot).validated = true;
+                    Ok(())
+                }
+                Query::Validate(other) => Err(format!("it validated with magic {other:#x}")),
+                _ => Err("it sent a query before validating".into()),
+            };
+        }
+        match query {
+            Query::Validate(_) => {}
+            Query::Set(key, value) => self.set(key, value.to_vec())?,
+            Query::CompareSet(key, expected, desired) => {
+                let now = match self.data.get(key) {
+                    None if !expected.is_empty() => expected.to_vec(),
+                    Some(current) if current.as_slice() != expected => current.clone(),
+                    _ => {
+                        self.set(key, desired.to_vec())?;
+                        desired.to_vec()
+                    }
+                };
+                put_value(&mut self.client(slot).replies, &now);
+            }
+            Query::Get(key) => {
+                // A missing key reads as empty, as from torch's libuv
+                // server (clients wait for the key first).
+                let value = self.data.get(key).map_or(&[][..], Vec::as_slice);
+                let mut reply = Vec::with_capacity(value.len() + 8);
+                put_value(&mut reply, value);
+                self.client(slot).replies.extend_from_slice(&reply);
+            }
+            Query::Add(key, delta) => {
+                let current = match self.data.get(key) {
+                    None => 0,
+                    Some(v) => std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i64>().ok())
+                        .ok_or_else(|| {
+                            format!(
+                                "it added to key '{}', whose value is not an integer",
+                                printable(key)
+                            )
+                        })?,
+                };
+                let sum = current.checked_add(delta).ok_or_else(|| {
+                    format!(
+                        "adding {delta} to key '{}' ({current}) overflows",
+                        printable(key)
+                    )
+                })?;
+                self.set(key, sum.to_string().into_bytes())?;
+                put_i64(&mut self.client(slot).replies, sum);
+            }
+            Query::Check(keys) => {
+                let all = keys.iter().all(|k| self.present(k));
+                self.client(slot)
+                    .replies
+                    .push(if all { READY } else { NOT_READY });
+            }
+            Query::Wait(keys) => self.wait(slot, &keys)?,
+            Query::NumKeys => {
+                let n = self.data.len() as i64;
+                put_i64(&mut self.client(slot).replies, n);
+            }
+            Query::DeleteKey(key) => {
+                let deleted = match self.data.remove(key) {
+                    Some(v) => {
+                        self.stored_bytes -= key.len() + v.len();
+                        1i64
+                    }
+                    None => 0,
+                };
+                put_i64(&mut self.client(slot).replies, deleted);
+            }
+            Query::Append(key, more) => {
+                let mut value = self.data.get(key).cloned().unwrap_or_default();
+                value.extend_from_slice(more);
+                if value.len() > protocol::MAX_VALUE {
+                    return Err(format!(
+                        "appending made key '{}' longer than {} MiB",
+                        printable(key),
+                        protocol::MAX_VALUE >> 20
+                    ));
+                }
+                self.set(key, value)?;
+            }
+            Query::MultiGet(keys) => {
+                let mut reply = Vec::new();
+                for key in keys {
+                    let value = self.data.get(key).map_or(&[][..], Vec::as_slice);
+                    if reply.len() + value.len() > self.limits.stored_bytes {
+                        return Err("it asked for more than the store holds in one query".into());
+                    }
+                    put_value(&mut reply, value);
+                }
+                self.client(slot).replies.extend_from_slice(&reply);
+            }
+            Query::MultiSet(pairs) => {
+                for (key, value) in pairs {
+                    self.set(key, value.to_vec())?;
+                }
+            }
+            Query::CancelWait => {
+                let client = self.clients[slot].take().expect("a live client");
+                self.forget_wait(&client);
+                let client = self.clients[slot].insert(client);
+                client.awaited.clear();
+                client.missing = 0;
+                client.replies.push(WAIT_CANCELED);
+            }
+            Query::Ping(nonce) => self
+                .client(slot)
+                .replies
+                .extend_from_slice(&nonce.to_le_bytes()),
+            Query::QueuePush(key, item) => {
+                let grown = self.stored_bytes + key.len() + item.len();
+                if grown > self.limits.stored_bytes {
+                    return Err(format!(
+                        "pushing to queue '{}' would make the store hold more than {} bytes",
+                        printable(key),
+                        self.limits.stored_bytes
+                    ));
+                }
+                self.stored_bytes = grown;
+                self.queues
+                    .entry(key.to_vec())
+                    .or_default()
+                    .push_back(item.to_vec());
+                self.wake(key);
+            }
+            Query::QueuePop(key) => {
+                let queue = self.queues.get_mut(key);
+                let len = queue.as_ref().map_or(0, |q| q.len());
+                let item = queue.and_then(VecDeque::pop_front);
+                if self.queues.get(key).is_some_and(VecDeque::is_empty) {
+                    self.queues.remove(key);
+                }
+                let replies = &mut self.clients[slot].as_mut().expect("a live client").replies;
+                put_i64(replies, len as i64);
+                if let Some(item) = item {
+                    put_value(replies, &item);
+                    self.stored_bytes -= key.len() + item.len();
+                }
+            }
+            Query::QueueLen(key) => {
+                let len = self.queues.get(key).map_or(0, VecDeque::len);
+                put_i64(&mut self.client(slot).replies, len as i64);
+            }
+            Query::ListKeys => {
+                let mut reply = Vec::new();
+                put_i64(&mut reply, self.data.len() as i64);
+                for key in self.data.keys() {
+                    put_value(&mut reply, key);
+                }
+                self.client(slot).replies.extend_from_slice(&reply);
+            }
+            Query::Barrier(key, world) => {
+                self.add_one(key)?;
+                if self.counter(key) >= world {
+                    self.client(slot).replies.push(STOP_WAITING);
+                } else {
+                    self.register_wait(slot, &[key], Some(world))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// True when `key` holds a value or a non-empty queue.
+    fn present(&self, key: &[u8]) -> bool {
+        self.data.contains_key(key) || self.queues.contains_key(key)
+    }
+
+    /// The integer under `key` (0 when missing or not an integer).
+    fn counter(&self, key: &[u8]) -> i64 {
+        self.data
+            .get(key)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn add_one(&mut self, key: &[u8]) -> std::result::Result<(), Why> {
+        let n = self.counter(key).saturating_add(1);
+        self.set(key, n.to_string().into_bytes())
+    }
+
+    /// Stores a value (within the cap) and wakes the clients waiting for its key.
+    fn set(&mut self, key: &[u8], value: Vec<u8>) -> std::result::Result<(), Why> {
+        let old = self.data.get(key).map_or(0, |v| key.len() + v.len());
+        let new = key.len() + value.len();
+        if self.stored_bytes - old + new > self.limits.stored_bytes {
+            return Err(format!(
+                "setting key '{}' would make the store hold more than {} bytes",
+                printable(key),
+                self.limits.stored_bytes
+            ));
+        }
+        self.stored_bytes = self.stored_bytes - old + new;
+        self.data.insert(key.to_vec(), value);
+        self.wake(key);
+        Ok(())
+    }
+
+    /// Tells the clients waiting for `key` that it is there (a barrier's
+    /// waiters: once its count is reached).
+    fn wake(&mut self, key: &[u8]) {
+        let count = self.counter(key);
+        if let Some(waiters) = self.waiters.remove(key) {
+            let (later, now): (Vec<Waiter>, Vec<Waiter>) = waiters
+                .into_iter()
+                .partition(|w| w.until.is_some_and(|n| count < n));
+            if !later.is_empty() {
+                self.waiters.insert(key.to_vec(), later);
+            }
+            for w in now {
+                let Some(Some(c)) = self.clients.get_mut(w.slot) else {
+                    continue;
+                };
+                if c.serial != w.serial || c.wait_serial != w.wait_serial || c.missing == 0 {
+                    continue;
+                }
+                c.missing -= 1;
+                if let Some(i) = c.awaited.iter().position(|k| k.as_slice() == key) {
+                    self.stored_bytes -= c.awaited.swap_remove(i).len();
+                }
+                if c.missing == 0 {
+                    c.replies.push(STOP_WAITING);
+                    // Answered from another client's query: sent once
+                    // that query is done.
+                    self.woken.push(w.slot);
+                }
+            }
+        }
+    }
+
+    /// Answers at once when every key exists, or registers the client.
+    fn wait(&mut self, slot: usize, keys: &[&[u8]]) -> std::result::Result<(), Why> {
+        let missing: Vec<&[u8]> = keys.iter().copied().filter(|k| !self.present(k)).collect();
+        if missing.is_empty() {
+            self.client(slot).replies.push(STOP_WAITING);
+            return Ok(());
+        }
+        self.register_wait(slot, &missing, None)
+    }
+
+    /// Registers the client as waiting for `missing` (for `until`, see [`Waiter`]).
+    fn register_wait(
+        &mut self,
+        slot: usize,
+        missing: &[&[u8]],
+        until: Option<i64>,
+    ) -> std::result::Result<(), Why> {
+        let held: usize = missing.iter().map(|k| k.len()).sum();
+        if self.stored_bytes + held > self.limits.stored_bytes {
+            return Err(format!(
+                "its wait would make the store hold more than {} bytes",
+                self.limits.stored_bytes
+            ));
+        }
+        self.stored_bytes += held;
+        let (serial, wait_serial) = {
+            let c = self.client(slot);
+            c.wait_serial += 1;
+            c.missing = missing.len();
+            c.awaited = missing.iter().map(|k| k.to_vec()).collect();
+            (c.serial, c.wait_serial)
+        };
+        for key in missing {
+            self.waiters.entry(key.to_vec()).or_default().push(Waiter {
+                slot,
+                serial,
+                wait_serial,
+                until,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends what replies the socket takes; asks to be told when it takes
+    /// more.
+    fn flush(&mut self, slot: usize) -> std::result::Result<(), Why> {
+        let epoll = self.epoll;
+        let Some(c) = self.clients.get_mut(slot).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        while c.sent < c.replies.len() {
+            match c.stream.write(&c.replies[c.sent..]) {
+                Ok(0) => return Err("it stopped taking replies".into()),
+                Ok(n) => c.sent += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("writing failed ({e})")),
+            }
+        }
+        let pending = c.sent < c.replies.len();
+        if !pending {
+            c.replies.clear();
+            c.sent = 0;
+        }
+        if pending != c.writable_interest {
+            c.writable_interest = pending;
+            let events = if pending {
+                (libc::EPOLLIN | libc::EPOLLOUT) as u32
+            } else {
+                libc::EPOLLIN as u32
+            };
+            epoll_ctl(
+                epoll,
+                libc::EPOLL_CTL_MOD,
+                c.stream.as_raw_fd(),
+                events,
+                slot as u64 + FIRST_CLIENT,
+            )
+            .map_err(|e| format!("epoll failed ({e})"))?;
+        }
+        Ok(())
     }
 }
 
-/// Starts the thread serving one client; `None` (dropping the client) when
-/// the socket or thread cannot be set up.
-fn start_connection(stream: TcpStream, state: &Arc<ServerState>) -> Option<Connection> {
-    // Some platforms let accepted sockets inherit the listener's non-blocking mode.
-    stream.set_nonblocking(false).ok()?;
-    stream.set_nodelay(true).ok()?;
-    let handle = stream.try_clone().ok()?;
-    let state = Arc::clone(state);
-    let thread = thread::Builder::new()
-        .name("rdist-store-conn".into())
-        .spawn(move || serve_connection(stream, &state))
-        .ok()?;
-    Some(Connection {
-        stream: handle,
-        thread,
-    })
+/// A key for a log line: text when it is text, bytes otherwise, shortened.
+fn printable(key: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&key[..key.len().min(80)]).into_owned();
+    if key.len() > 80 {
+        format!("{text}...")
+    } else {
+        text
+    }
 }
 
-/// Joins the threads of clients that left, so they do not pile up.
-fn join_finished(connections: &mut Vec<Connection>) {
-    let (finished, live): (Vec<_>, Vec<_>) =
-        connections.drain(..).partition(|c| c.thread.is_finished());
-    *connections = live;
-    for connection in finished {
-        let _ = connection.thread.join();
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: the epoll descriptor is ours and closed once.
+        unsafe { libc::close(self.epoll) };
     }
 }
 
 /// The rendezvous store server, hosted by rank 0. Serves until dropped.
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
-    state: Arc<ServerState>,
-    /// Shut down to wake the acceptor thread when stopping.
+    /// Shut down to stop the serving thread.
     waker: UnixStream,
-    acceptor: Option<JoinHandle<Vec<Connection>>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl TcpStoreServer {
-    /// Binds and starts serving in background threads.
+    /// Binds `addr` and serves in a background thread.
     pub fn bind(addr: SocketAddr) -> Result<TcpStoreServer> {
+        TcpStoreServer::bind_with(addr, Limits::default())
+    }
+
+    /// [`TcpStoreServer::bind`] with other limits.
+    pub fn bind_with(addr: SocketAddr, limits: Limits) -> Result<TcpStoreServer> {
         let cannot_host = |err: &io::Error| {
             Error::system(format!("cannot host the rendezvous store on {addr}"), err)
         };
         let listener = TcpListener::bind(addr).map_err(|e| cannot_host(&e))?;
+        // Listening again only widens the backlog (std uses 128).
+        // SAFETY: the descriptor is a listening socket we own.
+        unsafe { libc::listen(listener.as_raw_fd(), LISTEN_BACKLOG) };
         let local_addr = listener.local_addr().map_err(|e| cannot_host(&e))?;
-        // Non-blocking so that a readiness report that turns out stale
-        // cannot block the acceptor in accept().
         listener
             .set_nonblocking(true)
             .map_err(|e| cannot_host(&e))?;
         let (waker, wake_signal) = UnixStream::pair().map_err(|e| cannot_host(&e))?;
-        let state = Arc::new(ServerState::new());
-        let acceptor_state = Arc::clone(&state);
-        let acceptor = thread::Builder::new()
-            .name("rdist-store-accept".into())
-            .spawn(move || accept_loop(listener, wake_signal, acceptor_state))
+        // SAFETY: plain system call.
+        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epoll < 0 {
+            return Err(cannot_host(&io::Error::last_os_error()));
+        }
+        let server = Server {
+            limits,
+            epoll,
+            listener,
+            waker: wake_signal,
+            clients: Vec::new(),
+            free_slots: Vec::new(),
+            live: 0,
+            next_serial: 0,
+            data: HashMap::new(),
+            queues: HashMap::new(),
+            stored_bytes: 0,
+            arriving_bytes: 0,
+            waiters: HashMap::new(),
+            accept_paused_until: None,
+            woken: Vec::new(),
+        };
+        for (fd, token) in [
+            (server.listener.as_raw_fd(), LISTENER),
+            (server.waker.as_raw_fd(), WAKER),
+        ] {
+            epoll_ctl(epoll, libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32, token)
+                .map_err(|e| cannot_host(&e))?;
+        }
+        let thread = thread::Builder::new()
+            .name("rdist-store".into())
+            .spawn(move || server.run())
             .map_err(|e| cannot_host(&e))?;
         Ok(TcpStoreServer {
             local_addr,
-            state,
             waker,
-            acceptor: Some(acceptor),
+            thread: Some(thread),
         })
     }
 
@@ -357,22 +879,14 @@ impl TcpStoreServer {
 }
 
 impl Drop for TcpStoreServer {
-    /// Stops serving: wakes and joins the acceptor (so no new client can
-    /// arrive), then shuts down every client socket and joins its thread.
+    /// Stops serving; every client's connection is closed, so clients
+    /// blocked in a wait learn at once.
     fn drop(&mut self) {
-        self.state.stop();
         // Shutting down (rather than writing to) the socket cannot raise
         // SIGPIPE in a host process that does not ignore it.
-        let _ = self.waker.shutdown(Shutdown::Both);
-        let Some(acceptor) = self.acceptor.take() else {
-            return;
-        };
-        let connections = acceptor.join().unwrap_or_default();
-        for connection in &connections {
-            let _ = connection.stream.shutdown(Shutdown::Both);
-        }
-        for connection in connections {
-            let _ = connection.thread.join();
+        let _ = self.waker.shutdown(std::net::Shutdown::Both);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
         }
     }
 }
@@ -380,23 +894,40 @@ impl Drop for TcpStoreServer {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{assert_in_range, connect, start_server, PATIENCE};
-    use super::super::Store;
+    use super::super::{Store, TcpStoreClient};
     use super::*;
+    use crate::error::ErrorKind;
+    use std::net::TcpStream;
+
+    fn start_with(limits: Limits) -> TcpStoreServer {
+        TcpStoreServer::bind_with("127.0.0.1:0".parse().expect("literal"), limits).expect("bind")
+    }
 
     /// A raw connection, to speak the protocol (or not) by hand.
-    fn raw_connection(server: &TcpStoreServer) -> TcpStream {
+    fn raw(server: &TcpStoreServer) -> TcpStream {
         let stream = TcpStream::connect(server.local_addr()).expect("connect");
         stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
         stream
     }
 
-    /// Reads what the server sends until it closes the connection.
-    fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
-        let mut bytes = Vec::new();
+    fn validated(server: &TcpStoreServer) -> TcpStream {
+        let mut stream = raw(server);
+        let mut hello = Vec::new();
+        protocol::encode_query(&Query::Validate(MAGIC), &mut hello);
+        stream.write_all(&hello).unwrap();
         stream
-            .read_to_end(&mut bytes)
-            .expect("the server closes the connection");
-        bytes
+    }
+
+    /// True when the server closed `stream` (within PATIENCE).
+    fn closed_by_server(stream: &mut TcpStream) -> bool {
+        let mut rest = Vec::new();
+        match stream.read_to_end(&mut rest) {
+            Ok(_) => true,
+            Err(e) => !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+        }
     }
 
     #[test]
@@ -409,7 +940,6 @@ mod tests {
         assert_eq!(client.get("empty", PATIENCE).unwrap(), b"");
         client.set("answer", b"43").unwrap();
         assert_eq!(client.get("answer", PATIENCE).unwrap(), b"43");
-        // Another client sees the same data.
         assert_eq!(connect(&server).get("answer", PATIENCE).unwrap(), b"43");
     }
 
@@ -427,7 +957,7 @@ mod tests {
     }
 
     #[test]
-    fn get_times_out_naming_the_key() {
+    fn get_times_out_naming_the_key_and_the_connection_stays_usable() {
         let server = start_server();
         let client = connect(&server);
         let start = Instant::now();
@@ -440,7 +970,6 @@ mod tests {
             err.message(),
             "timed out after 0.3 s waiting for key 'peer/3' in the rendezvous store"
         );
-        // The connection stays usable after a timeout.
         client.set("peer/3", b"x").unwrap();
         assert_eq!(client.get("peer/3", PATIENCE).unwrap(), b"x");
     }
@@ -468,23 +997,6 @@ mod tests {
     }
 
     #[test]
-    fn add_rejects_values_that_are_not_integers() {
-        let server = start_server();
-        let client = connect(&server);
-        client.set("name", b"alice").unwrap();
-        let err = client.add("name", 1).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-        assert!(err.message().contains("'name'"), "{err}");
-        client.set("big", i64::MAX.to_string().as_bytes()).unwrap();
-        assert_eq!(
-            client.add("big", 1).unwrap_err().kind(),
-            ErrorKind::InvalidArgument
-        );
-        // The connection is still in step.
-        assert_eq!(client.add("n", 2).unwrap(), 2);
-    }
-
-    #[test]
     fn check_and_wait() {
         let server = start_server();
         let client = connect(&server);
@@ -492,7 +1004,6 @@ mod tests {
         assert!(client.check(&["a"]).unwrap());
         assert!(client.check(&[]).unwrap());
         assert!(!client.check(&["a", "b"]).unwrap());
-
         let start = Instant::now();
         let err = client
             .wait(&["a", "b", "c"], Duration::from_millis(300))
@@ -503,16 +1014,53 @@ mod tests {
             err.message(),
             "timed out after 0.3 s waiting for keys 'b', 'c' in the rendezvous store"
         );
-
         let writer = connect(&server);
         let setter = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
             writer.set("b", b"2").unwrap();
-            writer.set("c", b"3").unwrap();
+            writer.multi_set(&[("c", b"3")]).unwrap();
         });
         client.wait(&["a", "b", "c"], PATIENCE).unwrap();
         setter.join().unwrap();
         assert!(client.check(&["a", "b", "c"]).unwrap());
+    }
+
+    #[test]
+    fn every_other_command() {
+        let server = start_server();
+        let client = connect(&server);
+        // compare_set: missing key with empty expected sets; with another
+        // expected, nothing is stored and `expected` comes back (as torch).
+        assert_eq!(client.compare_set("cs", b"", b"first").unwrap(), b"first");
+        assert_eq!(client.compare_set("cs", b"wrong", b"x").unwrap(), b"first");
+        assert_eq!(
+            client.compare_set("cs", b"first", b"second").unwrap(),
+            b"second"
+        );
+        assert_eq!(client.compare_set("none", b"old", b"x").unwrap(), b"old");
+        assert!(!client.check(&["none"]).unwrap());
+        client.append("log", b"ab").unwrap();
+        client.append("log", b"cd").unwrap();
+        assert_eq!(client.get("log", PATIENCE).unwrap(), b"abcd");
+        client
+            .multi_set(&[("m1", b"one"), ("m2", b""), ("m3", b"three")])
+            .unwrap();
+        assert_eq!(
+            client.multi_get(&["m3", "m1", "m2"], PATIENCE).unwrap(),
+            [b"three".to_vec(), b"one".to_vec(), vec![]]
+        );
+        assert_eq!(client.num_keys().unwrap(), 5);
+        let mut keys = client.list_keys().unwrap();
+        keys.sort();
+        let expected: Vec<Vec<u8>> = ["/cs", "/log", "/m1", "/m2", "/m3"]
+            .iter()
+            .map(|k| k.as_bytes().to_vec())
+            .collect();
+        assert_eq!(keys, expected);
+        assert!(client.delete_key("m1").unwrap());
+        assert!(!client.delete_key("m1").unwrap());
+        assert_eq!(client.num_keys().unwrap(), 4);
+        assert!(client.ping().unwrap() < PATIENCE);
     }
 
     #[test]
@@ -542,7 +1090,7 @@ mod tests {
         let drop_time = start.elapsed();
         let (result, failed_at) = getter.join().unwrap();
         assert!(
-            drop_time < Duration::from_millis(100),
+            drop_time < Duration::from_millis(300),
             "drop took {drop_time:?}"
         );
         assert!(failed_at.duration_since(start) < Duration::from_secs(1));
@@ -556,55 +1104,108 @@ mod tests {
     }
 
     #[test]
-    fn garbage_instead_of_a_handshake_drops_only_that_client() {
+    fn garbage_wrong_magic_and_absurd_lengths_drop_only_that_client() {
         let server = start_server();
-        let mut stranger = raw_connection(&server);
-        stranger.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
-        let reply = read_until_closed(&mut stranger);
-        match wire::decode_response(&mut reply.as_slice()) {
-            Ok(Response::Failed { kind, message }) => {
-                assert_eq!(kind, ErrorKind::System.code());
-                assert!(message.contains("handshake"), "{message}");
-            }
-            other => panic!("unexpected reply {other:?}"),
-        }
+        let mut http = raw(&server);
+        http.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        assert!(closed_by_server(&mut http));
+        let mut wrong = raw(&server);
+        wrong.write_all(&[0, 1, 2, 3, 4]).unwrap();
+        assert!(closed_by_server(&mut wrong));
+        let mut rogue = validated(&server);
+        let mut huge_set = vec![1u8, 1, 0, 0, 0, 0, 0, 0, 0, b'k'];
+        huge_set.extend_from_slice(&u64::MAX.to_le_bytes());
+        rogue.write_all(&huge_set).unwrap();
+        assert!(closed_by_server(&mut rogue));
         let client = connect(&server);
         client.set("still", b"serving").unwrap();
         assert_eq!(client.get("still", PATIENCE).unwrap(), b"serving");
     }
 
     #[test]
-    fn a_wrong_protocol_version_is_rejected() {
-        let server = start_server();
-        let mut old = raw_connection(&server);
-        let mut hello = wire::MAGIC.to_le_bytes().to_vec();
-        hello.extend_from_slice(&99u32.to_le_bytes());
-        old.write_all(&hello).unwrap();
-        let reply = read_until_closed(&mut old);
-        match wire::decode_response(&mut reply.as_slice()) {
-            Ok(Response::Failed { message, .. }) => assert!(message.contains("version 99")),
-            other => panic!("unexpected reply {other:?}"),
+    fn silent_and_slow_clients_are_cut_off() {
+        let server = start_with(Limits {
+            handshake: Duration::from_millis(300),
+            query: Duration::from_millis(600),
+            ..Limits::default()
+        });
+        let start = Instant::now();
+        let mut silent = raw(&server);
+        assert!(closed_by_server(&mut silent));
+        assert_in_range(start.elapsed(), 250, 2000);
+        // Validated, then a set one byte at a time, slower than the limit.
+        let mut slow = validated(&server);
+        let start = Instant::now();
+        let mut cut = false;
+        for _ in 0..40 {
+            if slow.write_all(&[1]).is_err() {
+                cut = true;
+                break;
+            }
+            thread::sleep(Duration::from_millis(100));
         }
+        assert!(
+            cut || closed_by_server(&mut slow),
+            "a slow client was never cut off"
+        );
+        assert!(start.elapsed() < Duration::from_secs(4));
+        // An idle client that validated is kept, and served.
+        let client = connect(&server);
+        thread::sleep(Duration::from_millis(800));
+        client.set("k", b"v").unwrap();
     }
 
     #[test]
-    fn an_absurd_length_drops_the_client() {
-        let server = start_server();
-        let mut rogue = raw_connection(&server);
-        rogue.write_all(&wire::encode_handshake()).unwrap();
-        let mut set_with_huge_key = vec![1u8];
-        set_with_huge_key.extend_from_slice(&u32::MAX.to_le_bytes());
-        rogue.write_all(&set_with_huge_key).unwrap();
-        let reply = read_until_closed(&mut rogue);
-        let mut bytes = reply.as_slice();
-        assert_eq!(wire::decode_response(&mut bytes).ok(), Some(Response::Done));
-        match wire::decode_response(&mut bytes) {
-            Ok(Response::Failed { message, .. }) => {
-                assert!(message.contains("64 MiB"), "{message}")
-            }
-            other => panic!("unexpected reply {other:?}"),
-        }
-        let client = connect(&server);
+    fn a_flood_of_silent_connections_never_keeps_a_real_client_out() {
+        let server = start_with(Limits {
+            unvalidated: 32,
+            ..Limits::default()
+        });
+        let mut silent: Vec<TcpStream> = (0..200).map(|_| raw(&server)).collect();
+        let start = Instant::now();
+        let client =
+            TcpStoreClient::connect(&server.local_addr().to_string(), Instant::now() + PATIENCE)
+                .expect("a real client gets in");
         client.set("k", b"v").unwrap();
+        assert!(start.elapsed() < Duration::from_secs(2));
+        // The oldest silent ones made room: closed by the server.
+        let closed = silent
+            .iter_mut()
+            .take(100)
+            .map(closed_by_server)
+            .filter(|closed| *closed)
+            .count();
+        assert_eq!(closed, 100);
+    }
+
+    #[test]
+    fn the_memory_cap_drops_the_client_that_exceeds_it_and_serves_the_rest() {
+        let server = start_with(Limits {
+            stored_bytes: 1 << 20,
+            ..Limits::default()
+        });
+        let greedy = connect(&server);
+        greedy.set("a", &vec![7u8; 600 << 10]).unwrap();
+        let err = greedy.set("b", &vec![7u8; 600 << 10]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::PeerLost, "{err}");
+        let other = connect(&server);
+        assert_eq!(other.get("a", PATIENCE).unwrap().len(), 600 << 10);
+        assert!(!other.check(&["b"]).unwrap());
+        assert!(other.delete_key("a").unwrap());
+        other.set("b", &vec![7u8; 600 << 10]).unwrap();
+    }
+
+    #[test]
+    fn a_thousand_clients_are_served_by_one_thread() {
+        let server = start_server();
+        let clients: Vec<TcpStoreClient> = (0..1000).map(|_| connect(&server)).collect();
+        for (i, c) in clients.iter().enumerate() {
+            c.set(&format!("rank/{i}"), i.to_string().as_bytes())
+                .unwrap();
+        }
+        let keys: Vec<String> = (0..1000).map(|i| format!("rank/{i}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        clients[999].wait(&refs, PATIENCE).unwrap();
+        assert_eq!(clients[0].get("rank/999", PATIENCE).unwrap(), b"999");
     }
 }
