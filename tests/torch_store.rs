@@ -238,3 +238,114 @@ fn torchrun_launches_c_ranks_that_init_with_env() {
         }
     }
 }
+
+/// tests/torch/store_transcript.py's transcript of every TCPStore command,
+/// run by torch's own client against the store at `port`.
+fn transcript(python: &Path, port: u16) -> Vec<String> {
+    let out = common::output_within(
+        Command::new(python)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/torch/store_transcript.py"))
+            .args(["127.0.0.1", &port.to_string()]),
+        Duration::from_secs(90),
+        "store_transcript.py",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("\"done\""),
+        "the transcript did not finish:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout.lines().map(str::to_string).collect()
+}
+
+#[test]
+fn torchs_client_gets_the_same_answers_from_rdists_store_as_from_torchs() {
+    let python = need_torch!();
+    // The reference: torch's client against torch's own (libuv) server.
+    let torch_server = TorchStore::start(&python, true);
+    let reference = transcript(&python, torch_server.port);
+    drop(torch_server);
+    let server = rdist::store::TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let ours = transcript(&python, server.local_addr().port());
+    assert!(reference.len() > 40, "{reference:?}");
+    for (theirs, mine) in reference.iter().zip(&ours) {
+        assert_eq!(mine, theirs, "rdist's store answered differently");
+    }
+    assert_eq!(ours.len(), reference.len());
+    // What torch's client set, rdist's client reads (torch puts "/" before keys).
+    use rdist::store::Store;
+    let rdist_client = rdist::store::TcpStoreClient::connect(
+        &server.local_addr().to_string(),
+        std::time::Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!(
+        rdist_client.get("log", Duration::from_secs(5)).unwrap(),
+        b"abcd"
+    );
+    assert_eq!(
+        rdist_client.get("pre/k", Duration::from_secs(5)).unwrap(),
+        b"v"
+    );
+}
+
+#[test]
+fn rdists_client_runs_every_command_against_torchs_store() {
+    let python = need_torch!();
+    use rdist::store::{Store, TcpStoreClient};
+    for libuv in [true, false] {
+        let torch_server = TorchStore::start(&python, libuv);
+        let addr = format!("127.0.0.1:{}", torch_server.port);
+        let c = TcpStoreClient::connect(&addr, std::time::Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        let patience = Duration::from_secs(5);
+        c.set("rdist/a", b"1").unwrap();
+        assert_eq!(c.get("rdist/a", patience).unwrap(), b"1");
+        assert_eq!(c.add("rdist/n", 5).unwrap(), 5);
+        assert_eq!(c.add("rdist/n", -7).unwrap(), -2);
+        assert_eq!(c.compare_set("rdist/cs", b"", b"first").unwrap(), b"first");
+        assert_eq!(c.compare_set("rdist/cs", b"nope", b"x").unwrap(), b"first");
+        assert_eq!(
+            c.compare_set("rdist/cs", b"first", b"second").unwrap(),
+            b"second"
+        );
+        assert!(c.check(&["rdist/a", "rdist/n"]).unwrap());
+        assert!(!c.check(&["rdist/a", "rdist/zz"]).unwrap());
+        c.wait(&["rdist/a"], patience).unwrap();
+        let err = c
+            .wait(&["rdist/a", "rdist/zz"], Duration::from_millis(300))
+            .unwrap_err();
+        assert_eq!(
+            err.message(),
+            "timed out after 0.3 s waiting for key 'rdist/zz' in the rendezvous store"
+        );
+        // Still in step after the cancelled wait.
+        c.append("rdist/log", b"ab").unwrap();
+        c.append("rdist/log", b"cd").unwrap();
+        assert_eq!(c.get("rdist/log", patience).unwrap(), b"abcd");
+        c.multi_set(&[("rdist/m1", b"one"), ("rdist/m2", b"")])
+            .unwrap();
+        assert_eq!(
+            c.multi_get(&["rdist/m2", "rdist/m1"], patience).unwrap(),
+            [vec![], b"one".to_vec()]
+        );
+        let before = c.num_keys().unwrap();
+        assert!(c.delete_key("rdist/m1").unwrap());
+        assert!(!c.delete_key("rdist/m1").unwrap());
+        assert_eq!(c.num_keys().unwrap(), before - 1);
+        assert!(c.ping().unwrap() < patience);
+        if libuv {
+            // torch's legacy server lacks list_keys.
+            let keys = c.list_keys().unwrap();
+            assert!(keys.iter().any(|k| k == b"/rdist/log"), "{keys:?}");
+        }
+        // Torch sees what rdist wrote.
+        let last = torch_server.finish();
+        let n: i64 = last
+            .trim()
+            .strip_prefix("torch sees ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{last:?}"));
+        assert_eq!(n, before - 1, "libuv {libuv}");
+    }
+}

@@ -129,6 +129,7 @@ fn join_hosting(
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
             let mut place = format!("the store at {host}:{port}");
+            let mut port_taken = None;
             if rank == 0 {
                 match TcpStoreServer::bind(wildcard(master.ip(), *port)) {
                     Ok(s) => *server = Some(s),
@@ -139,12 +140,24 @@ fn join_hosting(
                     // fails the handshake, and the error names it.
                     Err(e) if e.message().ends_with("address already in use") => {
                         place = format!("the store already listening at {host}:{port}");
+                        port_taken = Some(e);
                     }
                     Err(e) => return Err(e),
                 }
             }
             let client =
-                TcpStoreClient::join(&format!("{host}:{port}"), "rdist/tcp/", rank, deadline)?;
+                TcpStoreClient::join(&format!("{host}:{port}"), "rdist/tcp/", rank, deadline)
+                    .map_err(|e| match port_taken {
+                        Some(taken) => Error::new(
+                            taken.kind(),
+                            format!(
+                                "{}, and joining what listens there failed: {}",
+                                taken.message(),
+                                e.message()
+                            ),
+                        ),
+                        None => e,
+                    })?;
             (Arc::new(client), Some(master), None, place)
         }
         Meeting::Method(Method::File(path)) => {
@@ -261,6 +274,13 @@ fn join_hosting(
 fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &Options) -> Error {
     if e.kind() != ErrorKind::Timeout {
         return e;
+    }
+    let twice = store.duplicated_ranks(size);
+    if let Some(r) = twice.first() {
+        return Error::invalid_usage(format!(
+            "rank {r} joined twice: two processes were started with rank {r} (check RANK / the rank argument); rendezvous through {place} timed out after {:.1} s",
+            opts.timeout.as_secs_f64()
+        ));
     }
     let mut missing = Vec::new();
     for r in 0..size {

@@ -37,6 +37,9 @@ pub struct TcpStoreClient {
     addr: String,
     /// Put before every key (after torch's "/").
     prefix: String,
+    /// For a client of one meeting: the prefix of the meeting counters,
+    /// this meeting's number and the rank that joined it.
+    meeting: Option<(String, i64, usize)>,
     connection: Mutex<Connection>,
 }
 
@@ -63,6 +66,7 @@ impl TcpStoreClient {
                     return Ok(TcpStoreClient {
                         addr: addr.to_string(),
                         prefix: String::new(),
+                        meeting: None,
                         connection: Mutex::new(Connection {
                             stream,
                             broken: None,
@@ -98,6 +102,7 @@ impl TcpStoreClient {
         client.prefix = base.to_string();
         let meeting = client.add(&format!("meetings/{rank}"), 1)?;
         client.prefix = format!("{base}{meeting}/");
+        client.meeting = Some((base.to_string(), meeting, rank));
         Ok(client)
     }
 
@@ -333,7 +338,7 @@ fn connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStream,
     let mut last_error = String::from("the name resolved to no address");
     for socket_addr in resolved {
         match TcpStream::connect_timeout(&socket_addr, attempt_timeout) {
-            Ok(stream) => return handshake(addr, stream),
+            Ok(stream) => return handshake(addr, stream, attempt_timeout.min(HANDSHAKE_TIMEOUT)),
             Err(err) => last_error = describe_io(&err),
         }
     }
@@ -341,14 +346,18 @@ fn connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStream,
 }
 
 /// Validates (torch's magic number) and pings: a TCPStore echoes the nonce.
-fn handshake(addr: &str, mut stream: TcpStream) -> std::result::Result<TcpStream, AttemptError> {
+fn handshake(
+    addr: &str,
+    mut stream: TcpStream,
+    patience: Duration,
+) -> std::result::Result<TcpStream, AttemptError> {
     let io_failure = |err: &io::Error| AttemptError::Retry(describe_io(err));
     stream.set_nodelay(true).map_err(|e| io_failure(&e))?;
     stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .set_read_timeout(Some(patience))
         .map_err(|e| io_failure(&e))?;
     stream
-        .set_write_timeout(Some(HANDSHAKE_TIMEOUT))
+        .set_write_timeout(Some(patience))
         .map_err(|e| io_failure(&e))?;
     let nonce = std::process::id() ^ 0x5244_4953;
     let mut hello = Vec::new();
@@ -380,7 +389,7 @@ fn handshake(addr: &str, mut stream: TcpStream) -> std::result::Result<TcpStream
         {
             Err(not_a_store(format!(
                 "gave no answer within {}",
-                seconds(HANDSHAKE_TIMEOUT)
+                seconds(patience)
             )))
         }
         // Closed or reset: perhaps a store shutting down or one full for
@@ -417,6 +426,46 @@ impl Store for TcpStoreClient {
 
     /// Waits on the server; when `timeout` passes first, withdraws the wait
     /// (cancel_wait) and names the keys still missing.
+    fn duplicated_ranks(&self, size: usize) -> Vec<usize> {
+        let Some((base, meeting, me)) = &self.meeting else {
+            return Vec::new();
+        };
+        let (meeting, me) = (*meeting, *me);
+        // Each rank's meeting counter, and whether the meeting before this
+        // one completed (every rank connected), read around the prefix.
+        let mut raw: Vec<Vec<u8>> = (0..size)
+            .map(|r| format!("/{base}meetings/{r}").into_bytes())
+            .collect();
+        raw.push(format!("/{base}{}/connected", meeting - 1).into_bytes());
+        let refs: Vec<&[u8]> = raw.iter().map(Vec::as_slice).collect();
+        let Ok(values) = self.with_reply(&Query::MultiGet(refs), |s| {
+            (0..=size)
+                .map(|_| read_value(s))
+                .collect::<io::Result<Vec<_>>>()
+        }) else {
+            return Vec::new();
+        };
+        let number = |v: &[u8]| -> i64 {
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0)
+        };
+        let counts: Vec<i64> = values[..size].iter().map(|v| number(v)).collect();
+        let previous_completed = number(&values[size]) >= size as i64;
+        (0..size)
+            .filter(|&r| {
+                // Another process with rank r went on to a later meeting
+                // while this one is still open ...
+                counts[r] > meeting
+                // ... or this process is that later one: the meeting
+                // before never completed, yet rank r came again.
+                || (r == me && meeting > 1 && !previous_completed
+                    && counts.iter().all(|&c| c < meeting || c == counts[me]))
+            })
+            .collect()
+    }
+
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let full = keys
             .iter()

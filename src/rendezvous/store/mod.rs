@@ -41,6 +41,12 @@ pub trait Store: Send + Sync {
     fn check(&self, keys: &[&str]) -> Result<bool>;
     /// Waits until all keys exist, up to `timeout`.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// Ranks below `size` that joined this store more often than this
+    /// meeting counts: two processes were given the same rank. (Stores
+    /// that do not count meetings know none.)
+    fn duplicated_ranks(&self, _size: usize) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 // ---------------------------------------------------------------------------
