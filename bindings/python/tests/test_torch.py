@@ -104,6 +104,10 @@ def test_zero_redundancy_optimizer_equals_gloos():
     _train_case("zero/adam")
 
 
+def test_fsdp_fully_shard_equals_gloos():
+    _train_case("fsdp/fully_shard")
+
+
 def test_async_work_completes_from_rdist_while_the_rank_computes():
     _train_case("async/overlap")
 

@@ -1,5 +1,6 @@
 """A rank of the training job: DistributedDataParallel (several bucket
-configurations) and ZeroRedundancyOptimizer on the "rdist" backend and on
+configurations), ZeroRedundancyOptimizer and FSDP (fully_shard) on the
+"rdist" backend and on
 a gloo group in the same job, from the same seed: the final weights must
 be bitwise equal. Then async overlap: a Work's future completes from
 rdist's completion while the rank computes, without anyone waiting.
@@ -61,6 +62,26 @@ def train_zero(pg, steps=6):
     return [p.detach().clone() for p in net.module.parameters()], 0
 
 
+def train_fsdp(pg, steps=4):
+    """FSDP2 (fully_shard) on CPU: parameters sharded across the group,
+    all_gather_into_tensor forward, reduce_scatter_tensor backward."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    net = model()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    return [p.full_tensor().detach().clone() for p in net.parameters()], 0
+
+
 def compare(case_id, train, **options):
     cases.append(case_id)
     try:
@@ -87,6 +108,7 @@ compare("ddp/small_buckets", train_ddp, bucket_cap_mb=0.004)
 compare("ddp/small_buckets/grad_views", train_ddp, bucket_cap_mb=0.004, gradient_as_bucket_view=True)
 compare("ddp/static_graph", train_ddp, static_graph=True)
 compare("zero/adam", train_zero)
+compare("fsdp/fully_shard", train_fsdp)
 
 
 def overlap():
