@@ -1,7 +1,6 @@
 """A rank of the training job: DistributedDataParallel (several bucket
 configurations), ZeroRedundancyOptimizer and FSDP (fully_shard) on the
-"rdist" backend and on
-a gloo group in the same job, from the same seed: the final weights must
+"rdist" backend and on a gloo group in the same job, from the same seed: the final weights must
 be bitwise equal. Then async overlap: a Work's future completes from
 rdist's completion while the rank computes, without anyone waiting.
 Reports one `RESULT` line: {"rank", "size", "cases", "failures", "buckets"}."""
