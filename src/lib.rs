@@ -65,7 +65,7 @@ pub mod internals {
 /// store in a shared directory.
 /// cbindgen:ignore
 pub mod store {
-    pub use crate::rendezvous::store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
+    pub use crate::rendezvous::store::{FileStore, Limits, Store, TcpStoreClient, TcpStoreServer};
 }
 
 pub use backend::p2p::Status;

@@ -466,3 +466,85 @@ fn no_spinning_still_makes_progress_on_shared_memory() {
         "{text}"
     );
 }
+
+/// Creating and destroying communicators on one address, again and again,
+/// in the same processes: with a collective in each cycle, and with none
+/// (ranks then race to the next rendezvous while rank 0 may still be
+/// tearing the last one down).
+#[test]
+fn five_hundred_cycles_on_one_port() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let start = Instant::now();
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                for cycle in 0..500 {
+                    let comm = Comm::init(&url, r, 3, &common::opts(20_000))
+                        .unwrap_or_else(|e| panic!("rank {r}, cycle {cycle}: {e}"));
+                    if cycle % 2 == 0 {
+                        let mut v = [r as u64 + cycle];
+                        comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                        assert_eq!(v[0], 3 + 3 * cycle, "cycle {cycle}");
+                    }
+                    drop(comm);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    println!(
+        "500 cycles on one port in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+}
+
+/// Rank 0's store closes once no communicator needs it (after a short
+/// linger), freeing the port; and it listens only where MASTER_ADDR points.
+#[test]
+fn the_store_listens_only_on_the_master_address_and_closes_when_unused() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let comms = common::world_with(
+        2,
+        common::opts(10_000),
+        Duration::from_secs(30),
+        move |rank, size| Comm::init(&url, rank as i64, size as i64, &common::opts(10_000)),
+        |comm| comm.rank(),
+    );
+    assert_eq!(comms, [0, 1]);
+    // Another of this host's addresses does not reach it (when it has one).
+    let other = std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| s.connect("10.255.255.1:9").map(|()| s))
+        .and_then(|s| s.local_addr())
+        .map(|a| a.ip())
+        .ok()
+        .filter(|ip| !ip.is_loopback() && !ip.is_unspecified());
+    match other {
+        Some(ip) => {
+            let reached = std::net::TcpStream::connect_timeout(
+                &std::net::SocketAddr::new(ip, port),
+                Duration::from_secs(1),
+            );
+            // The comms are gone, the store may still linger: either way
+            // it must not be reachable on `ip`.
+            assert!(reached.is_err(), "the store answered on {ip}:{port}");
+        }
+        None => println!("skipped: this host has no address besides loopback"),
+    }
+    let start = Instant::now();
+    while std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the store still holds port {port} 10 s after its communicators were destroyed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!(
+        "the port was free {:.1} s after destroy",
+        start.elapsed().as_secs_f64()
+    );
+}

@@ -14,7 +14,7 @@ use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{self, Backend, Options};
-use crate::rendezvous::store::TcpStoreServer;
+use crate::rendezvous::store::StoreLease;
 use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
 pub use queue::Request;
 use queue::Runner;
@@ -26,8 +26,8 @@ pub struct Comm {
     rank: usize,
     size: usize,
     local_rank: usize,
-    /// The rendezvous store this rank hosts, if any (lives with the comm).
-    _server: Option<TcpStoreServer>,
+    /// The rendezvous store this rank hosts, if any (leased by the comm).
+    _server: Option<StoreLease>,
 }
 
 impl Comm {
@@ -104,7 +104,7 @@ impl Comm {
         local_rank: usize,
         timeout: std::time::Duration,
         engine: Engine,
-        server: Option<TcpStoreServer>,
+        server: Option<StoreLease>,
     ) -> Comm {
         Comm {
             runner: Runner::new(rank, timeout, engine),

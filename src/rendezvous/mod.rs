@@ -15,7 +15,7 @@ use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use store::{FileStore, Store, TcpStoreClient, TcpStoreServer};
+use store::{FileStore, Store, StoreLease, TcpStoreClient};
 use unique_id::UniqueId;
 
 /// How ranks meet.
@@ -32,8 +32,8 @@ pub struct Joined {
     pub roster: Roster,
     pub listener: TcpListener,
     pub store: Arc<dyn Store>,
-    /// The store server, when this rank hosts it (kept alive with the comm).
-    pub server: Option<TcpStoreServer>,
+    /// The store server, when this rank hosts it (leased by the comm).
+    pub server: Option<StoreLease>,
     file_store: Option<Arc<FileStore>>,
 }
 
@@ -65,6 +65,23 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// Where rank 0's store listens: the address MASTER_ADDR (or the tcp://
+/// host) names, so that only that network reaches it, when that address is
+/// this host's. Every interface otherwise: a name this host resolves to a
+/// loopback address other ranks cannot use (Debian maps its own hostname
+/// to 127.0.1.1) or to an address it does not have (NAT, a proxy).
+fn store_address(host: &str, master: SocketAddr) -> SocketAddr {
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    let named_loopback =
+        master.ip().is_loopback() && literal != "localhost" && literal.parse::<IpAddr>().is_err();
+    let ours = TcpListener::bind((master.ip(), 0)).is_ok();
+    if ours && !named_loopback && !master.ip().is_unspecified() {
+        master
+    } else {
+        wildcard(master.ip(), master.port())
+    }
+}
+
 fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
     match ip {
         IpAddr::V4(_) => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port),
@@ -83,22 +100,10 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
         let master = method::env_master(&crate::options::process_env)?;
         return join(&Meeting::Method(master), rank, size, opts);
     }
+    // On failure the lease goes, but the store lingers (see
+    // store::hosted), so the other ranks can still ask it who is missing.
     let mut server = None;
-    let joined = join_hosting(meeting, rank, size, opts, &mut server);
-    if joined.is_err() {
-        if let Some(s) = server.take() {
-            // Keep serving a little longer, so the other ranks can still ask
-            // the store who is missing and report it, instead of only
-            // seeing the host vanish.
-            let _ = std::thread::Builder::new()
-                .name("rdist-store-linger".into())
-                .spawn(move || {
-                    std::thread::sleep(Duration::from_secs(3));
-                    drop(s);
-                });
-        }
-    }
-    joined
+    join_hosting(meeting, rank, size, opts, &mut server)
 }
 
 fn join_hosting(
@@ -106,7 +111,7 @@ fn join_hosting(
     rank: usize,
     size: usize,
     opts: &Options,
-    server: &mut Option<TcpStoreServer>,
+    server: &mut Option<StoreLease>,
 ) -> Result<Joined> {
     let deadline = Instant::now() + opts.timeout;
     let mut file_store = None;
@@ -131,7 +136,7 @@ fn join_hosting(
             let mut place = format!("the store at {host}:{port}");
             let mut port_taken = None;
             if rank == 0 {
-                match TcpStoreServer::bind(wildcard(master.ip(), *port)) {
+                match store::hosted::host(store_address(host, master)) {
                     Ok(s) => *server = Some(s),
                     // A store already listens there (a PyTorch TCPStore a
                     // launcher or the program made, or another

@@ -11,12 +11,13 @@
 
 mod client;
 mod file;
+pub mod hosted;
 mod protocol;
 mod server;
 
 pub use client::TcpStoreClient;
 pub use file::FileStore;
-pub use server::TcpStoreServer;
+pub use server::{Limits, StoreLease, TcpStoreServer};
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -16,9 +16,11 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use super::lock;
 use super::protocol::{
     self, decode_query, put_i64, put_value, Query, Undecodable, MAGIC, NOT_READY, READY,
     STOP_WAITING, WAIT_CANCELED,
@@ -42,6 +44,9 @@ pub struct Limits {
     pub stored_bytes: usize,
     /// Most bytes of queries still arriving, over all clients.
     pub arriving_bytes: usize,
+    /// When set, the server stops by itself once no lease holds it and no
+    /// client has asked anything for this long (see [`TcpStoreServer::lease`]).
+    pub linger: Option<Duration>,
 }
 
 impl Default for Limits {
@@ -53,6 +58,7 @@ impl Default for Limits {
             unvalidated: 256,
             stored_bytes: 256 << 20,
             arriving_bytes: 256 << 20,
+            linger: None,
         }
     }
 }
@@ -96,8 +102,19 @@ struct Waiter {
     until: Option<i64>,
 }
 
+/// Who still needs a server that stops by itself, shared by the serving
+/// thread and the leases.
+#[derive(Default)]
+struct Lifetime {
+    leases: usize,
+    stopped: bool,
+}
+
 /// Everything the serving thread owns.
 struct Server {
+    lifetime: Arc<Mutex<Lifetime>>,
+    /// When a query last came (or a client arrived).
+    last_activity: Instant,
     limits: Limits,
     epoll: RawFd,
     listener: TcpListener,
@@ -133,7 +150,8 @@ impl Server {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
         let mut next_sweep = Instant::now();
         loop {
-            let timeout_ms = if self.live > 0 || self.accept_paused_until.is_some() {
+            let timers = self.live > 0 || self.limits.linger.is_some();
+            let timeout_ms = if timers || self.accept_paused_until.is_some() {
                 250
             } else {
                 -1
@@ -166,6 +184,9 @@ impl Server {
             if now >= next_sweep {
                 self.sweep(now);
                 next_sweep = now + Duration::from_millis(250);
+                if self.done_lingering(now) {
+                    return;
+                }
             }
         }
     }
@@ -247,6 +268,7 @@ impl Server {
             return;
         }
         self.next_serial += 1;
+        self.last_activity = Instant::now();
         self.clients[slot] = Some(Client {
             stream,
             peer: peer.to_string(),
@@ -320,6 +342,25 @@ impl Server {
             }
             self.stored_bytes -= key.len();
         }
+    }
+
+    /// True (and marked stopped, so no lease can be taken any more) when
+    /// no lease holds this server, no client waits and none has asked
+    /// anything for the linger time.
+    fn done_lingering(&self, now: Instant) -> bool {
+        let Some(linger) = self.limits.linger else {
+            return false;
+        };
+        let waiting = self.clients.iter().flatten().any(|c| c.missing > 0);
+        if waiting || now.duration_since(self.last_activity) < linger {
+            return false;
+        }
+        let mut lifetime = lock(&self.lifetime);
+        if lifetime.leases > 0 {
+            return false;
+        }
+        lifetime.stopped = true;
+        true
     }
 
     /// Cuts off clients past their deadlines; resumes accepting.
@@ -466,6 +507,7 @@ impl Server {
 
     /// Carries out one query.
     fn answer(&mut self, slot: usize, query: Query<'_>) -> std::result::Result<(), Why> {
+        self.last_activity = Instant::now();
         if !self.client(slot).validated {
             return match query {
                 Query::Validate(MAGIC) => {
@@ -807,6 +849,7 @@ impl Drop for Server {
 /// The rendezvous store server, hosted by rank 0. Serves until dropped.
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
+    lifetime: Arc<Mutex<Lifetime>>,
     /// Shut down to stop the serving thread.
     waker: UnixStream,
     thread: Option<JoinHandle<()>>,
@@ -837,7 +880,10 @@ impl TcpStoreServer {
         if epoll < 0 {
             return Err(cannot_host(&io::Error::last_os_error()));
         }
+        let lifetime = Arc::new(Mutex::new(Lifetime::default()));
         let server = Server {
+            lifetime: Arc::clone(&lifetime),
+            last_activity: Instant::now(),
             limits,
             epoll,
             listener,
@@ -867,6 +913,7 @@ impl TcpStoreServer {
             .map_err(|e| cannot_host(&e))?;
         Ok(TcpStoreServer {
             local_addr,
+            lifetime,
             waker,
             thread: Some(thread),
         })
@@ -875,6 +922,32 @@ impl TcpStoreServer {
     /// The address the server listens on (with the real port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Holds a server bound with a linger time: it serves while any lease
+    /// lives, then until idle for that long. `None` once it has stopped.
+    pub fn lease(self: &Arc<Self>) -> Option<StoreLease> {
+        let mut lifetime = lock(&self.lifetime);
+        if lifetime.stopped {
+            return None;
+        }
+        lifetime.leases += 1;
+        Some(StoreLease(Arc::clone(self)))
+    }
+}
+
+/// Keeps a lingering store server serving (see [`TcpStoreServer::lease`]).
+pub struct StoreLease(Arc<TcpStoreServer>);
+
+impl StoreLease {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.0.local_addr
+    }
+}
+
+impl Drop for StoreLease {
+    fn drop(&mut self) {
+        lock(&self.0.lifetime).leases -= 1;
     }
 }
 
