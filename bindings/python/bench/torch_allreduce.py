@@ -1,15 +1,17 @@
-"""all_reduce latency and bandwidth through torch.distributed: backend
-"rdist" against "gloo" in the same run, on one machine (loopback).
+"""all_reduce per-call time through torch.distributed: backend "rdist"
+against "gloo" in the same run, on one machine (loopback), beside rdist
+without torch: the Python binding (rdist.Comm on torch tensors) and the C
+API called from C (bench/peers/native_bench.c, compiled here).
 
-    python bindings/python/bench/torch_allreduce.py [--ranks 2] [--seconds 0.3]
+    python bindings/python/bench/torch_allreduce.py [--ranks 2] [--sizes 4,1M,64M]
+        [--seconds 0.3] [--reps 5] [--c-api] [--json FILE]
 
-Spawns the ranks itself (ports from the OS). For each backend and size
-(4 B, 64 KiB, 1 MiB, 16 MiB float32) it warms up, then times batches of
-about --seconds each (a barrier before each); a batch's time is the
-maximum over ranks, the figure the median of --reps batches. Prints a
-table and the ratio rdist/gloo (below 1: rdist is faster); --json writes
-the numbers. Also times the rdist binding without torch (rdist.Comm on
-numpy and on torch tensors) for the per-call overhead.
+Spawns the ranks itself (ports from the OS). For each way and size
+(float32 sum) it warms up, then times batches of about --seconds each (a
+barrier before each); a batch's time is the maximum over ranks, the
+figure the median of --reps batches. Prints a table and the ratio
+rdist/gloo (below 1: rdist is faster). Set RDIST_LIBRARY to time a
+release build (cargo build --release: target/release/librdist.so).
 """
 
 import argparse
@@ -21,7 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = [4, 64 << 10, 1 << 20, 16 << 20]
+SIZES = [4, 1 << 20, 64 << 20]
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def free_port():
@@ -68,7 +76,7 @@ def worker(rank, size, port, args, queue):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return type(x)(t.item())
 
-        for nbytes in SIZES:
+        for nbytes in args.sizes:
             t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
             out[(backend, nbytes)] = timed(lambda: dist.all_reduce(t), dist.barrier,
                                            args.seconds, args.reps, maxover)
@@ -83,12 +91,37 @@ def worker(rank, size, port, args, queue):
             comm.allreduce(a, op="max")
             return type(x)(a[0])
 
-        a = np.ones(1, np.float32)
-        out[("rdist.Comm numpy", 4)] = timed(lambda: comm.allreduce(a), comm.barrier, args.seconds, args.reps, maxover)
-        t = torch.ones(1)
-        out[("rdist.Comm torch", 4)] = timed(lambda: comm.allreduce(t), comm.barrier, args.seconds, args.reps, maxover)
+        for nbytes in args.sizes:
+            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+            out[("rdist.Comm", nbytes)] = timed(lambda: comm.allreduce(t), comm.barrier,
+                                                args.seconds, args.reps, maxover)
         comm.destroy()
     queue.put((rank, {f"{k[0]}|{k[1]}": v for k, v in out.items()}))
+
+
+def c_api(args):
+    """Runs bench/peers/native_bench.c (rdist's C API from C) on the same
+    sizes; returns {bytes: seconds}."""
+    import subprocess
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[3]
+    lib = Path(os.environ.get("RDIST_LIBRARY") or repo / "target/release/librdist.so")
+    with tempfile.TemporaryDirectory() as scratch:
+        binary, out = Path(scratch, "native_bench"), Path(scratch, "out.jsonl")
+        subprocess.run(["cc", "-O2", "-DUSE_RDIST", f"-I{repo / 'include'}",
+                        str(repo / "bench/peers/native_bench.c"), f"-L{lib.parent}", "-lrdist",
+                        f"-Wl,-rpath,{lib.parent}", "-lm", "-o", str(binary)], check=True)
+        port = str(free_port())
+        env = dict(os.environ, SIZE=str(args.ranks), PORT=port, OUT=str(out), BC_SIZES="",
+                   AR_SIZES=",".join(str(n) for n in args.sizes), BATCH=str(args.seconds),
+                   REPS=str(args.reps), OMP_NUM_THREADS="1")
+        ranks = [subprocess.Popen([str(binary)], env=dict(env, RANK=str(r)))
+                 for r in range(args.ranks)]
+        if any(p.wait(timeout=600) for p in ranks):
+            raise SystemExit("native_bench failed")
+        records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {r["bytes"]: r["t_med_s"] for r in records if r["op"] == "allreduce"}
 
 
 def main():
@@ -97,9 +130,13 @@ def main():
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--backends", default="rdist,gloo")
+    parser.add_argument("--sizes", default="4,1M,64M")
+    parser.add_argument("--c-api", action="store_true",
+                        help="also time the C API from C (needs cc)")
     parser.add_argument("--json")
     args = parser.parse_args()
     args.backends = args.backends.split(",")
+    args.sizes = [parse_size(x) for x in args.sizes.split(",")]
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -112,20 +149,23 @@ def main():
     for p in procs:
         p.join(60)
     res = results[0]
-    print(f"all_reduce (float32 sum), {args.ranks} ranks, torch.distributed, median batch time")
-    print(f"{'bytes':>10} " + " ".join(f"{b + ' us':>12} {b + ' GB/s':>11}" for b in args.backends)
-          + ("  rdist/gloo" if set(args.backends) >= {"rdist", "gloo"} else ""))
-    for nbytes in SIZES:
+    columns = [(f"dist.all_reduce {b}", b) for b in args.backends]
+    if "rdist" in args.backends:
+        columns.append(("rdist.Comm (Python)", "rdist.Comm"))
+    if args.c_api:
+        for nbytes, t in c_api(args).items():
+            res[f"C API|{nbytes}"] = t
+        columns.append(("C API (C)", "C API"))
+    print(f"all_reduce (float32 sum), {args.ranks} rank(s), median batch time per call, us")
+    print(f"{'bytes':>10} " + " ".join(f"{title:>22}" for title, _ in columns)
+          + ("   rdist/gloo" if set(args.backends) >= {"rdist", "gloo"} else ""))
+    for nbytes in args.sizes:
         row = f"{nbytes:>10} "
-        for b in args.backends:
-            t = res[f"{b}|{nbytes}"]
-            row += f"{t * 1e6:>12.1f} {nbytes / t / 1e9:>11.3f} "
+        for _, key in columns:
+            row += f"{res[f'{key}|{nbytes}'] * 1e6:>22.1f} "
         if set(args.backends) >= {"rdist", "gloo"}:
-            row += f" {res[f'rdist|{nbytes}'] / res[f'gloo|{nbytes}']:>10.2f}"
+            row += f" {res[f'rdist|{nbytes}'] / res[f'gloo|{nbytes}']:>11.2f}"
         print(row)
-    for k in ("rdist.Comm numpy|4", "rdist.Comm torch|4"):
-        if k in res:
-            print(f"{k.split('|')[0]}: 4 B allreduce {res[k] * 1e6:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 
