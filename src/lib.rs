@@ -20,6 +20,8 @@
 /// cbindgen:ignore
 pub(crate) mod algorithms;
 /// cbindgen:ignore
+pub(crate) mod auth;
+/// cbindgen:ignore
 pub(crate) mod backend;
 /// cbindgen:ignore
 pub(crate) mod call;

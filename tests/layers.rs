@@ -17,8 +17,8 @@ fn layer_of(module: &str) -> Option<u32> {
         "backend" | "rendezvous" => 4,
         "algorithms" => 3,
         "transport" => 2,
-        "call" | "descriptor" | "dtype" | "reduce" | "copy" | "error" | "options" | "log"
-        | "trace" => 1,
+        "auth" | "call" | "descriptor" | "dtype" | "reduce" | "copy" | "error" | "options"
+        | "log" | "trace" => 1,
         _ => return None,
     })
 }

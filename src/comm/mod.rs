@@ -64,7 +64,8 @@ impl Comm {
     /// background thread, until every rank joined or the timeout).
     pub fn unique_id() -> Result<[u8; rendezvous::unique_id::UNIQUE_ID_BYTES]> {
         let opts = Options::default().with_env()?;
-        let id = rendezvous::unique_id::create(opts.ifname.as_deref(), opts.timeout)?;
+        let token = opts.auth_token.as_deref().map(crate::auth::Token::new);
+        let id = rendezvous::unique_id::create(opts.ifname.as_deref(), opts.timeout, token)?;
         Ok(id.to_bytes())
     }
 

@@ -7,6 +7,7 @@ pub mod method;
 pub mod store;
 pub mod unique_id;
 
+use crate::auth::Token;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
@@ -114,6 +115,7 @@ fn join_hosting(
     server: &mut Option<StoreLease>,
 ) -> Result<Joined> {
     let deadline = Instant::now() + opts.timeout;
+    let token = opts.auth_token.as_deref().map(Token::new);
     let mut file_store = None;
     let (store, master, job, place): (
         Arc<dyn Store>,
@@ -123,7 +125,13 @@ fn join_hosting(
     ) = match meeting {
         Meeting::Method(Method::TorchStore { host, port, prefix }) => {
             let master = iface::resolve(host, *port)?;
-            let client = TcpStoreClient::join(&format!("{host}:{port}"), prefix, rank, deadline)?;
+            let client = TcpStoreClient::join(
+                &format!("{host}:{port}"),
+                prefix,
+                rank,
+                deadline,
+                token.as_ref(),
+            )?;
             (
                 Arc::new(client),
                 Some(master),
@@ -136,7 +144,7 @@ fn join_hosting(
             let mut place = format!("the store at {host}:{port}");
             let mut port_taken = None;
             if rank == 0 {
-                match store::hosted::host(store_address(host, master)) {
+                match store::hosted::host(store_address(host, master), token.clone()) {
                     Ok(s) => *server = Some(s),
                     // A store already listens there (a PyTorch TCPStore a
                     // launcher or the program made, or another
@@ -150,19 +158,24 @@ fn join_hosting(
                     Err(e) => return Err(e),
                 }
             }
-            let client =
-                TcpStoreClient::join(&format!("{host}:{port}"), "rdist/tcp/", rank, deadline)
-                    .map_err(|e| match port_taken {
-                        Some(taken) => Error::new(
-                            taken.kind(),
-                            format!(
-                                "{}, and joining what listens there failed: {}",
-                                taken.message(),
-                                e.message()
-                            ),
-                        ),
-                        None => e,
-                    })?;
+            let client = TcpStoreClient::join(
+                &format!("{host}:{port}"),
+                "rdist/tcp/",
+                rank,
+                deadline,
+                token.as_ref(),
+            )
+            .map_err(|e| match port_taken {
+                Some(taken) => Error::new(
+                    taken.kind(),
+                    format!(
+                        "{}, and joining what listens there failed: {}",
+                        taken.message(),
+                        e.message()
+                    ),
+                ),
+                None => e,
+            })?;
             (Arc::new(client), Some(master), None, place)
         }
         Meeting::Method(Method::File(path)) => {
@@ -174,7 +187,8 @@ fn join_hosting(
             return Err(Error::internal("a world of one has no store to join"))
         }
         Meeting::UniqueId(id) => {
-            let client = TcpStoreClient::connect(&id.addr.to_string(), deadline)?;
+            let client =
+                TcpStoreClient::connect_with(&id.addr.to_string(), deadline, token.as_ref())?;
             (
                 Arc::new(client),
                 Some(id.addr),

@@ -2,7 +2,8 @@
 //! process and packs its address and a fresh job id into 128 bytes that the
 //! engine ships to the ranks by its own means.
 
-use super::store::{Store, TcpStoreClient, TcpStoreServer};
+use super::store::{Limits, Store, TcpStoreClient, TcpStoreServer};
+use crate::auth::Token;
 use crate::error::{Error, Result};
 use crate::transport::iface;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -83,13 +84,17 @@ pub fn random_bytes(out: &mut [u8]) {
 
 /// Starts hosting a rendezvous store and returns its id. The store lives
 /// in a background thread until every rank has connected, or `timeout`.
-pub fn create(ifname: Option<&str>, timeout: Duration) -> Result<UniqueId> {
+pub fn create(ifname: Option<&str>, timeout: Duration, token: Option<Token>) -> Result<UniqueId> {
     let ip = iface::public_address(ifname);
     let wildcard: IpAddr = match ip {
         IpAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
         IpAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
     };
-    let server = TcpStoreServer::bind(SocketAddr::new(wildcard, 0))?;
+    let limits = Limits {
+        token: token.clone(),
+        ..Limits::default()
+    };
+    let server = TcpStoreServer::bind_with(SocketAddr::new(wildcard, 0), limits)?;
     let port = server.local_addr().port();
     let mut job = [0u8; 16];
     random_bytes(&mut job);
@@ -97,7 +102,7 @@ pub fn create(ifname: Option<&str>, timeout: Duration) -> Result<UniqueId> {
     let deadline = Instant::now() + timeout;
     std::thread::Builder::new()
         .name("rdist-uid-store".into())
-        .spawn(move || host_until_joined(server, &local, deadline))
+        .spawn(move || host_until_joined(server, &local, deadline, token))
         .map_err(|e| Error::system("starting the unique id's store thread", &e))?;
     Ok(UniqueId {
         addr: SocketAddr::new(ip, port),
@@ -106,8 +111,8 @@ pub fn create(ifname: Option<&str>, timeout: Duration) -> Result<UniqueId> {
 }
 
 /// Keeps `server` alive until all ranks report connected, or the deadline.
-fn host_until_joined(server: TcpStoreServer, local: &str, deadline: Instant) {
-    let Ok(client) = TcpStoreClient::connect(local, deadline) else {
+fn host_until_joined(server: TcpStoreServer, local: &str, deadline: Instant, token: Option<Token>) {
+    let Ok(client) = TcpStoreClient::connect_with(local, deadline, token.as_ref()) else {
         return;
     };
     while Instant::now() < deadline {

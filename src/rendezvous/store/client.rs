@@ -15,9 +15,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    encode_query, Query, MAGIC, MAX_KEY, MAX_VALUE, READY, STOP_WAITING, WAIT_CANCELED,
+    encode_query, Query, AUTH_ACCEPTED, AUTH_CHALLENGE, AUTH_NO_TOKEN, MAGIC, MAX_KEY, MAX_VALUE,
+    READY, STOP_WAITING, WAIT_CANCELED,
 };
+use super::server::STORE_CONTEXT;
 use super::{key_timeout_error, lock, seconds, Store, OPERATION_TIMEOUT};
+use crate::auth::{self, Side, Token, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 
 /// The most a handshake may take once connected.
@@ -57,11 +60,21 @@ impl TcpStoreClient {
     /// 200 ms) until `deadline`, so ranks may start before the server.
     /// Keys are used as given.
     pub fn connect(addr: &str, deadline: Instant) -> Result<TcpStoreClient> {
+        TcpStoreClient::connect_with(addr, deadline, None)
+    }
+
+    /// [`TcpStoreClient::connect`], proving knowledge of `token` to the
+    /// store (which proves it first; see `crate::auth`).
+    pub fn connect_with(
+        addr: &str,
+        deadline: Instant,
+        token: Option<&Token>,
+    ) -> Result<TcpStoreClient> {
         check_address(addr)?;
         let patience = deadline.saturating_duration_since(Instant::now());
         let mut backoff = Duration::from_millis(10);
         loop {
-            let last_error = match connect_once(addr, deadline) {
+            let last_error = match connect_once(addr, deadline, token) {
                 Ok(stream) => {
                     return Ok(TcpStoreClient {
                         addr: addr.to_string(),
@@ -97,8 +110,14 @@ impl TcpStoreClient {
     /// so the n-th communicator every rank creates on one store gets keys
     /// of its own, and creating communicators again and again on one store
     /// (or beside torch's keys) never meets an earlier one's keys.
-    pub fn join(addr: &str, base: &str, rank: usize, deadline: Instant) -> Result<TcpStoreClient> {
-        let mut client = TcpStoreClient::connect(addr, deadline)?;
+    pub fn join(
+        addr: &str,
+        base: &str,
+        rank: usize,
+        deadline: Instant,
+        token: Option<&Token>,
+    ) -> Result<TcpStoreClient> {
+        let mut client = TcpStoreClient::connect_with(addr, deadline, token)?;
         client.prefix = base.to_string();
         let meeting = client.add(&format!("meetings/{rank}"), 1)?;
         client.prefix = format!("{base}{meeting}/");
@@ -327,7 +346,11 @@ fn check_address(addr: &str) -> Result<()> {
 }
 
 /// One attempt: resolve, connect to the first address that answers, handshake.
-fn connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStream, AttemptError> {
+fn connect_once(
+    addr: &str,
+    deadline: Instant,
+    token: Option<&Token>,
+) -> std::result::Result<TcpStream, AttemptError> {
     // Give each attempt a sensible slice, even when the deadline has passed.
     let attempt_timeout = deadline
         .saturating_duration_since(Instant::now())
@@ -338,7 +361,13 @@ fn connect_once(addr: &str, deadline: Instant) -> std::result::Result<TcpStream,
     let mut last_error = String::from("the name resolved to no address");
     for socket_addr in resolved {
         match TcpStream::connect_timeout(&socket_addr, attempt_timeout) {
-            Ok(stream) => return handshake(addr, stream, attempt_timeout.min(HANDSHAKE_TIMEOUT)),
+            Ok(stream) => {
+                let patience = attempt_timeout.min(HANDSHAKE_TIMEOUT);
+                return match token {
+                    None => handshake(addr, stream, patience),
+                    Some(token) => authenticate(addr, stream, patience, token),
+                };
+            }
             Err(err) => last_error = describe_io(&err),
         }
     }
@@ -377,6 +406,13 @@ fn handshake(
     let mut echo = [0u8; 4];
     match stream.read_exact(&mut echo) {
         Ok(()) if u32::from_le_bytes(echo) == nonce => Ok(stream),
+        Ok(()) if u32::from_le_bytes(echo) == !nonce => Err(AttemptError::Fatal(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "the rendezvous store at {addr} requires an auth token and this rank has none: \
+                 set auth_token (or RDIST_AUTH_TOKEN) as the other ranks did"
+            ),
+        ))),
         Ok(()) => Err(not_a_store(format!(
             "answered {:?}",
             String::from_utf8_lossy(&echo)
@@ -395,6 +431,81 @@ fn handshake(
         // Closed or reset: perhaps a store shutting down or one full for
         // now; worth another try.
         Err(e) => Err(io_failure(&e)),
+    }
+}
+
+/// Validates, then the challenge-response of `crate::auth`: the store
+/// proves the token first, then this client.
+fn authenticate(
+    addr: &str,
+    mut stream: TcpStream,
+    patience: Duration,
+    token: &Token,
+) -> std::result::Result<TcpStream, AttemptError> {
+    let failed = |what: String| AttemptError::Fatal(Error::new(ErrorKind::Auth, what));
+    let io_failure = |err: &io::Error, step: &str| match err.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => failed(format!(
+            "the server at {addr} gave no answer to rdist's authentication within {} \
+             (is it a rendezvous store?)",
+            seconds(patience)
+        )),
+        // A PyTorch TCPStore drops a client that asks for rdist's
+        // authentication; so would a store shutting down (worth a retry).
+        _ => AttemptError::Retry(format!(
+            "the store closed the connection {step} ({}; a PyTorch TCPStore cannot \
+             authenticate: unset auth_token to use one)",
+            describe_io(err)
+        )),
+    };
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(patience));
+    let _ = stream.set_write_timeout(Some(patience));
+    let ours = auth::nonce();
+    let mut hello = Vec::new();
+    encode_query(&Query::Validate(MAGIC), &mut hello);
+    encode_query(&Query::AuthHello(&ours), &mut hello);
+    stream
+        .write_all(&hello)
+        .map_err(|e| io_failure(&e, "when asked to authenticate"))?;
+    let mut status = [0u8; 1];
+    stream
+        .read_exact(&mut status)
+        .map_err(|e| io_failure(&e, "when asked to authenticate"))?;
+    if status[0] == AUTH_NO_TOKEN {
+        return Err(failed(format!(
+            "the rendezvous store at {addr} has no auth token, but this rank was given one: \
+             give every rank the same auth_token (or RDIST_AUTH_TOKEN), or none"
+        )));
+    }
+    if status[0] != AUTH_CHALLENGE {
+        return Err(failed(format!(
+            "the server at {addr} answered rdist's authentication with {:#x}: is it a rendezvous store?",
+            status[0]
+        )));
+    }
+    let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
+    stream
+        .read_exact(&mut challenge)
+        .map_err(|e| io_failure(&e, "during authentication"))?;
+    let (theirs, their_proof) = challenge.split_at(NONCE_BYTES);
+    if !token.verify(Side::Answering, STORE_CONTEXT, &ours, theirs, their_proof) {
+        return Err(failed(format!(
+            "the rendezvous store at {addr} does not know this job's auth token (its proof \
+             did not match): were the ranks given different tokens, or is this another job's \
+             store?"
+        )));
+    }
+    let proof = token.prove(Side::Connecting, STORE_CONTEXT, &ours, theirs);
+    let mut bytes = Vec::new();
+    encode_query(&Query::AuthProof(&proof), &mut bytes);
+    stream
+        .write_all(&bytes)
+        .map_err(|e| io_failure(&e, "during authentication"))?;
+    match stream.read_exact(&mut status) {
+        Ok(()) if status[0] == AUTH_ACCEPTED => Ok(stream),
+        _ => Err(failed(format!(
+            "the rendezvous store at {addr} rejected this rank's proof of the auth token"
+        ))),
     }
 }
 

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use super::lock;
 use super::server::{Limits, StoreLease, TcpStoreServer};
-use crate::error::Result;
+use crate::auth::Token;
+use crate::error::{Error, Result};
 
 /// How long an unleased store keeps serving after its last query.
 pub const LINGER: Duration = Duration::from_secs(5);
@@ -20,7 +21,8 @@ pub const LINGER: Duration = Duration::from_secs(5);
 static HOSTED: Mutex<Vec<Arc<TcpStoreServer>>> = Mutex::new(Vec::new());
 
 /// A lease on this process's store at `addr`, binding it if there is none.
-pub fn host(addr: SocketAddr) -> Result<StoreLease> {
+/// Communicators with different tokens cannot share one.
+pub fn host(addr: SocketAddr, token: Option<Token>) -> Result<StoreLease> {
     let mut hosted = lock(&HOSTED);
     let mut found = None;
     hosted.retain(|server| {
@@ -32,10 +34,17 @@ pub fn host(addr: SocketAddr) -> Result<StoreLease> {
         serving
     });
     if let Some(lease) = found {
+        if lease.token() != token.as_ref() {
+            return Err(Error::invalid_usage(format!(
+                "this process hosts the rendezvous store at {addr} for a communicator with \
+                 another auth token; communicators on one address must share one token"
+            )));
+        }
         return Ok(lease);
     }
     let limits = Limits {
         linger: Some(LINGER),
+        token,
         ..Limits::default()
     };
     let server = Arc::new(TcpStoreServer::bind_with(addr, limits)?);

@@ -7,9 +7,11 @@
 //! u64 length and the bytes; key counts are u64; integers are
 //! little-endian (every platform torch runs on). A client first sends
 //! `Validate` with the magic number (no reply). Set, append and multi_set
-//! have no reply; the others answer as [`Query`] documents. Types from
-//! 0xF0 up are reserved for rdist's own extensions (a torch server drops a
-//! client that sends one).
+//! have no reply; the others answer as [`QueryType`] documents. Types from
+//! 0xF0 up are rdist's own extensions (a torch server drops a client that
+//! sends one): authentication with the job's token (see `crate::auth`).
+
+use crate::auth::{NONCE_BYTES, PROOF_BYTES};
 
 /// Sent with `Validate`: proves the client speaks this protocol.
 pub const MAGIC: u32 = 0x3C85_F7CE;
@@ -20,6 +22,11 @@ pub const MAX_VALUE: usize = 64 << 20;
 pub const MAX_KEY: usize = 64 << 10;
 /// Most keys in one check, wait or multi_get/multi_set (as torch).
 pub const MAX_KEYS: usize = 128 << 10;
+
+/// Replies to auth_hello and auth_proof.
+pub const AUTH_CHALLENGE: u8 = 0;
+pub const AUTH_NO_TOKEN: u8 = 1;
+pub const AUTH_ACCEPTED: u8 = 0;
 
 /// Replies to check.
 pub const READY: u8 = 0;
@@ -73,6 +80,12 @@ pub enum QueryType {
     /// key, i64 world size: adds 1 to the counter under key; replies
     /// STOP_WAITING once the counter reaches the world size.
     Barrier = 18,
+    /// rdist: the client's 32-byte nonce; replies AUTH_CHALLENGE, the
+    /// store's nonce and its proof, or AUTH_NO_TOKEN.
+    AuthHello = 0xF0,
+    /// rdist: the client's 32-byte proof; replies AUTH_ACCEPTED (or the
+    /// store disconnects).
+    AuthProof = 0xF1,
 }
 
 impl QueryType {
@@ -98,6 +111,8 @@ impl QueryType {
             16 => QueueLen,
             17 => ListKeys,
             18 => Barrier,
+            0xF0 => AuthHello,
+            0xF1 => AuthProof,
             _ => return None,
         })
     }
@@ -126,6 +141,8 @@ pub enum Query<'a> {
     QueueLen(&'a [u8]),
     ListKeys,
     Barrier(&'a [u8], i64),
+    AuthHello(&'a [u8]),
+    AuthProof(&'a [u8]),
 }
 
 /// Why a query could not be decoded yet, or ever.
@@ -251,6 +268,8 @@ pub fn decode_query(bytes: &[u8]) -> Result<(Query<'_>, usize), Undecodable> {
         QueryType::QueueLen => Query::QueueLen(r.key()?),
         QueryType::ListKeys => Query::ListKeys,
         QueryType::Barrier => Query::Barrier(r.key()?, r.u64()? as i64),
+        QueryType::AuthHello => Query::AuthHello(r.take(NONCE_BYTES)?),
+        QueryType::AuthProof => Query::AuthProof(r.take(PROOF_BYTES)?),
     };
     Ok((query, r.at))
 }
@@ -285,6 +304,8 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
         Query::QueueLen(_) => QueryType::QueueLen,
         Query::ListKeys => QueryType::ListKeys,
         Query::Barrier(..) => QueryType::Barrier,
+        Query::AuthHello(_) => QueryType::AuthHello,
+        Query::AuthProof(_) => QueryType::AuthProof,
     };
     out.push(kind as u8);
     match query {
@@ -314,6 +335,7 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
             }
         }
         Query::NumKeys | Query::CancelWait | Query::ListKeys => {}
+        Query::AuthHello(fixed) | Query::AuthProof(fixed) => out.extend_from_slice(fixed),
     }
 }
 
@@ -353,6 +375,8 @@ mod tests {
             Query::QueueLen(b"q"),
             Query::ListKeys,
             Query::Barrier(b"b", 4),
+            Query::AuthHello(&[7; 32]),
+            Query::AuthProof(&[9; 32]),
         ]
     }
 

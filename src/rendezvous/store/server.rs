@@ -22,10 +22,14 @@ use std::time::{Duration, Instant};
 
 use super::lock;
 use super::protocol::{
-    self, decode_query, put_i64, put_value, Query, Undecodable, MAGIC, NOT_READY, READY,
-    STOP_WAITING, WAIT_CANCELED,
+    self, decode_query, put_i64, put_value, Query, Undecodable, AUTH_ACCEPTED, AUTH_CHALLENGE,
+    AUTH_NO_TOKEN, MAGIC, NOT_READY, READY, STOP_WAITING, WAIT_CANCELED,
 };
+use crate::auth::{self, Side, Token};
 use crate::error::{Error, Result};
+
+/// What store proofs are about (see `crate::auth`).
+pub const STORE_CONTEXT: &[u8] = b"rdist store";
 use crate::log;
 use crate::options::LogLevel;
 
@@ -47,6 +51,9 @@ pub struct Limits {
     /// When set, the server stops by itself once no lease holds it and no
     /// client has asked anything for this long (see [`TcpStoreServer::lease`]).
     pub linger: Option<Duration>,
+    /// When set, a client must prove it knows this token before anything
+    /// but the handshake (see `crate::auth`).
+    pub token: Option<Token>,
 }
 
 impl Default for Limits {
@@ -59,6 +66,7 @@ impl Default for Limits {
             stored_bytes: 256 << 20,
             arriving_bytes: 256 << 20,
             linger: None,
+            token: None,
         }
     }
 }
@@ -90,6 +98,10 @@ struct Client {
     awaited: Vec<Vec<u8>>,
     missing: usize,
     writable_interest: bool,
+    /// Proved the token (or the store has none).
+    authenticated: bool,
+    /// The nonces of the challenge in progress (the client's, ours).
+    nonces: Option<(Vec<u8>, [u8; auth::NONCE_BYTES])>,
 }
 
 /// A client registered as waiting for a key.
@@ -283,6 +295,8 @@ impl Server {
             awaited: Vec::new(),
             missing: 0,
             writable_interest: false,
+            authenticated: self.limits.token.is_none(),
+            nonces: None,
         });
         self.live += 1;
     }
@@ -518,8 +532,16 @@ impl Server {
                 _ => Err("it sent a query before validating".into()),
             };
         }
+        if !self.client(slot).authenticated {
+            return self.authenticate(slot, query);
+        }
         match query {
             Query::Validate(_) => {}
+            Query::AuthHello(_) => {
+                // Authenticated already, or a store without a token.
+                self.client(slot).replies.push(AUTH_NO_TOKEN);
+            }
+            Query::AuthProof(_) => return Err("it sent a proof that nobody asked for".into()),
             Query::Set(key, value) => self.set(key, value.to_vec())?,
             Query::CompareSet(key, expected, desired) => {
                 let now = match self.data.get(key) {
@@ -675,6 +697,48 @@ impl Server {
             }
         }
         Ok(())
+    }
+
+    /// The queries of a client that has not proved the token yet: only
+    /// the challenge-response (see `crate::auth`); a ping is answered
+    /// with the nonce inverted, which tells rdist's client that the store
+    /// wants a token, and the client is then disconnected.
+    fn authenticate(&mut self, slot: usize, query: Query<'_>) -> std::result::Result<(), Why> {
+        let Some(token) = self.limits.token.clone() else {
+            return Err("internal: an unauthenticated client of a store without a token".into());
+        };
+        match query {
+            Query::AuthHello(client_nonce) => {
+                let ours = auth::nonce();
+                let proof = token.prove(Side::Answering, STORE_CONTEXT, client_nonce, &ours);
+                let c = self.client(slot);
+                c.nonces = Some((client_nonce.to_vec(), ours));
+                c.replies.push(AUTH_CHALLENGE);
+                c.replies.extend_from_slice(&ours);
+                c.replies.extend_from_slice(&proof);
+                Ok(())
+            }
+            Query::AuthProof(proof) => {
+                let c = self.client(slot);
+                let Some((theirs, ours)) = c.nonces.take() else {
+                    return Err("it sent a proof before asking for a challenge".into());
+                };
+                if !token.verify(Side::Connecting, STORE_CONTEXT, &theirs, &ours, proof) {
+                    return Err("its proof of the auth token was wrong".into());
+                }
+                c.authenticated = true;
+                c.replies.push(AUTH_ACCEPTED);
+                Ok(())
+            }
+            Query::Ping(nonce) => {
+                self.client(slot)
+                    .replies
+                    .extend_from_slice(&(!nonce).to_le_bytes());
+                let _ = self.flush(slot);
+                Err("it has no auth token".into())
+            }
+            _ => Err("it sent a query without proving the auth token".into()),
+        }
     }
 
     /// True when `key` holds a value or a non-empty queue.
@@ -849,6 +913,7 @@ impl Drop for Server {
 /// The rendezvous store server, hosted by rank 0. Serves until dropped.
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
+    token: Option<Token>,
     lifetime: Arc<Mutex<Lifetime>>,
     /// Shut down to stop the serving thread.
     waker: UnixStream,
@@ -881,6 +946,7 @@ impl TcpStoreServer {
             return Err(cannot_host(&io::Error::last_os_error()));
         }
         let lifetime = Arc::new(Mutex::new(Lifetime::default()));
+        let token = limits.token.clone();
         let server = Server {
             lifetime: Arc::clone(&lifetime),
             last_activity: Instant::now(),
@@ -913,6 +979,7 @@ impl TcpStoreServer {
             .map_err(|e| cannot_host(&e))?;
         Ok(TcpStoreServer {
             local_addr,
+            token,
             lifetime,
             waker,
             thread: Some(thread),
@@ -942,6 +1009,11 @@ pub struct StoreLease(Arc<TcpStoreServer>);
 impl StoreLease {
     pub fn local_addr(&self) -> SocketAddr {
         self.0.local_addr
+    }
+
+    /// The token the store asks its clients for.
+    pub fn token(&self) -> Option<&Token> {
+        self.0.token.as_ref()
     }
 }
 
@@ -1280,5 +1352,81 @@ mod tests {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         clients[999].wait(&refs, PATIENCE).unwrap();
         assert_eq!(clients[0].get("rank/999", PATIENCE).unwrap(), b"999");
+    }
+
+    fn with_token(secret: &str) -> TcpStoreServer {
+        start_with(Limits {
+            token: Some(Token::new(secret)),
+            ..Limits::default()
+        })
+    }
+
+    fn client_with(server: &TcpStoreServer, secret: Option<&str>) -> crate::Result<TcpStoreClient> {
+        let token = secret.map(Token::new);
+        TcpStoreClient::connect_with(
+            &server.local_addr().to_string(),
+            Instant::now() + Duration::from_secs(2),
+            token.as_ref(),
+        )
+    }
+
+    #[test]
+    fn the_token_is_proved_both_ways_and_wrong_or_missing_tokens_are_named() {
+        let server = with_token("s3cret");
+        let good = client_with(&server, Some("s3cret")).unwrap();
+        good.set("k", b"v").unwrap();
+        assert_eq!(good.get("k", PATIENCE).unwrap(), b"v");
+
+        let wrong = client_with(&server, Some("guess"))
+            .err()
+            .expect("a wrong token");
+        assert_eq!(wrong.kind(), ErrorKind::Auth, "{wrong}");
+        assert!(
+            wrong
+                .message()
+                .contains("does not know this job's auth token"),
+            "{wrong}"
+        );
+
+        let none = client_with(&server, None).err().expect("no token");
+        assert_eq!(none.kind(), ErrorKind::Auth, "{none}");
+        assert!(none.message().contains("requires an auth token"), "{none}");
+
+        let open = start_server();
+        let extra = client_with(&open, Some("s3cret"))
+            .err()
+            .expect("a store without a token");
+        assert_eq!(extra.kind(), ErrorKind::Auth, "{extra}");
+        assert!(extra.message().contains("has no auth token"), "{extra}");
+        // The good client is still served.
+        assert_eq!(good.get("k", PATIENCE).unwrap(), b"v");
+    }
+
+    #[test]
+    fn nothing_but_the_handshake_is_served_before_the_proof() {
+        let server = with_token("s3cret");
+        // Validated, then a set without authenticating: dropped, not stored.
+        let mut stranger = validated(&server);
+        let mut set = Vec::new();
+        protocol::encode_query(&Query::Set(b"/k", b"stolen"), &mut set);
+        stranger.write_all(&set).unwrap();
+        assert!(closed_by_server(&mut stranger));
+        // A challenge answered with a made-up proof: dropped.
+        let mut forger = validated(&server);
+        let mut hello = Vec::new();
+        protocol::encode_query(&Query::AuthHello(&[1; 32]), &mut hello);
+        forger.write_all(&hello).unwrap();
+        let mut challenge = [0u8; 65];
+        forger.read_exact(&mut challenge).unwrap();
+        assert_eq!(challenge[0], AUTH_CHALLENGE);
+        let mut proof = Vec::new();
+        protocol::encode_query(&Query::AuthProof(&challenge[33..65]), &mut proof);
+        forger.write_all(&proof).unwrap();
+        assert!(
+            closed_by_server(&mut forger),
+            "a reflected proof was accepted"
+        );
+        let good = client_with(&server, Some("s3cret")).unwrap();
+        assert!(!good.check(&["k"]).unwrap());
     }
 }
