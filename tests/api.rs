@@ -389,16 +389,6 @@ fn trace_file_records_every_operation_per_rank() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-#[test]
-fn an_auth_token_is_refused_rather_than_ignored() {
-    let mut o = common::opts(2000);
-    o.set("auth_token", "secret").unwrap();
-    let id = Comm::unique_id().unwrap();
-    let e = Comm::init_rank(&id, 0, 1, &o).err().unwrap();
-    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
-    assert!(e.to_string().contains("auth_token"), "{e}");
-}
-
 /// MPI's usual exchange: post the receive, send (blocking), wait for the
 /// receive; and the mirror image. On every rank at once, so each blocking
 /// call needs the peers' non-blocking one to be under way.

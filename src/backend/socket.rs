@@ -5,6 +5,7 @@ use crate::algorithms::{
     self, binomial, chain, direct, dissemination, halving_doubling, recursive_doubling, ring, Algo,
     Link,
 };
+use crate::auth::Token;
 use crate::call::{Call, Data, RawBuf};
 use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
@@ -34,11 +35,14 @@ pub struct Settings {
     /// Which shared-memory payloads travel single-copy (option
     /// `single_copy_min`), resolved per communicator at connect.
     pub single_copy: SingleCopy,
+    /// The job's shared secret: every peer connection proves it.
+    pub token: Option<Token>,
 }
 
 impl Settings {
     pub fn new(options: &Options, forced: Option<Algo>) -> Settings {
         Settings {
+            token: options.auth_token.as_deref().map(Token::new),
             timeout: options.timeout,
             forced,
             transport: options.transport,
@@ -145,6 +149,7 @@ impl SocketBackend {
             job: roster.job,
             comm_id: roster.comm_id,
             deadline: Instant::now() + timeout,
+            token: settings.token.clone(),
         };
         let mesh = mesh::connect(listener, &spec)?;
         let streams = mesh.streams;
@@ -238,6 +243,7 @@ impl SocketBackend {
                 job: self.roster.job,
                 comm_id: self.roster.comm_id,
                 deadline: Instant::now(),
+                token: self.settings.token.clone(),
             },
             listener,
             early,

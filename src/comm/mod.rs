@@ -11,7 +11,7 @@ use crate::backend::cuda::Stream;
 use crate::backend::engine::{Engine, EngineSpec};
 use crate::backend::p2p::{Incoming, Status};
 use crate::call::{Call, Data, RawBuf};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::log;
 use crate::options::{self, Backend, Options};
 use crate::rendezvous::store::StoreLease;
@@ -71,14 +71,6 @@ impl Comm {
 
     fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
         log::raise_level(opts.debug);
-        if opts.auth_token.is_some() {
-            // Refuse rather than run unauthenticated while the user asked
-            // for authentication.
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "auth_token is set, but this version of rdist cannot authenticate connections yet; unset it (or RDIST_AUTH_TOKEN) to run without authentication",
-            ));
-        }
         let joined = rendezvous::join(meeting, rank, size, opts)?;
         let engine = Engine::connect(EngineSpec {
             rank,

@@ -1,11 +1,15 @@
 //! Connecting every pair of ranks: rank i dials every lower rank and accepts
 //! every higher one. Each connection starts with a hello naming the job, the
-//! communicator and the rank (the slot where authentication goes later),
-//! answered by a one-byte verdict. Point-to-point connections (see
+//! communicator and the rank (with an `auth_token`, inside the
+//! challenge-response of `greeting`), answered by a one-byte verdict.
+//! Accepted connections are greeted side by side without blocking, each
+//! with a short deadline, so stray or silent connections delay no rank. Point-to-point connections (see
 //! backend/p2p) start with the same hello, marked with their context, and
 //! are made later, on first use; one that arrives while this rank is still
 //! connecting its mesh is kept for them (`Mesh::early_p2p`).
 
+use super::greeting::{self, Greeted, Greeting, Refusal, HELLO_DEADLINE};
+use crate::auth::Token;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -13,7 +17,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x5244_4831; // "RDH1"
-pub const HELLO_BYTES: usize = 40;
+pub use super::greeting::HELLO_BYTES;
 
 /// Which traffic a connection carries (byte 36 of the hello).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +51,8 @@ pub struct MeshSpec {
     /// Distinguishes communicators of one job (the world, each split).
     pub comm_id: u64,
     pub deadline: Instant,
+    /// The job's shared secret, when it has one.
+    pub token: Option<Token>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -185,8 +191,23 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
             )
         })?;
         configure(&s);
-        s.write_all(&me)
-            .map_err(|e| Error::system(format!("sending hello to rank {peer} at {addr}"), &e))?;
+        greeting::introduce(&mut s, &me, spec.token.as_ref(), spec.deadline).map_err(|e| {
+            match e {
+                Refusal::Auth(why) => Error::new(
+                    ErrorKind::Auth,
+                    format!("rank {} cannot join rank {peer} at {addr}: {why}", spec.rank),
+                ),
+                Refusal::Io(e) => Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {} lost its connection to rank {peer} at {addr} during the handshake ({}){}",
+                        spec.rank,
+                        describe_io(&e),
+                        if spec.token.is_some() { "; does that rank have the same auth token?" } else { "" }
+                    ),
+                ),
+            }
+        })?;
         *slot = Some(s);
     }
     accept_higher(listener, spec, &mut streams, &mut early_p2p, &timed_out)?;
@@ -211,6 +232,12 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
                     ),
                 ))
             }
+        }
+        if let Some(why) = greeting::describe_status(verdict[0]) {
+            return Err(Error::new(
+                ErrorKind::Auth,
+                format!("rank {} cannot join rank {peer}: {why}", spec.rank),
+            ));
         }
         match verdict[0] {
             0 => {}
@@ -239,6 +266,9 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
     Ok(Mesh { streams, early_p2p })
 }
 
+/// Most connections greeted at once; more make the oldest go.
+const MAX_GREETINGS: usize = 1024;
+
 fn accept_higher(
     listener: &TcpListener,
     spec: &MeshSpec,
@@ -248,66 +278,104 @@ fn accept_higher(
 ) -> Result<()> {
     let expected = spec.size - 1 - spec.rank;
     let mut have = 0;
+    let mut greetings: Vec<Greeting> = Vec::new();
+    let mut strays = 0usize;
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::system("set_nonblocking", &e))?;
     while have < expected {
-        if Instant::now() >= spec.deadline {
+        let now = Instant::now();
+        if now >= spec.deadline {
             let missing: Vec<String> = (spec.rank + 1..spec.size)
                 .filter(|r| streams[*r].is_none())
                 .map(|r| r.to_string())
                 .collect();
+            let strays = if strays > 0 {
+                format!(" ({strays} other connections came and were dropped: strangers, or ranks with another auth token)")
+            } else {
+                String::new()
+            };
             return Err(timed_out(format!(
-                "ranks {} never connected to {}",
+                "ranks {} never connected to {}{strays}",
                 missing.join(", "),
                 spec.addrs[spec.rank]
             )));
         }
-        let (mut s, _) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let mut fd = libc::pollfd {
-                    fd: listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                let ms = left(spec.deadline).as_millis().min(100) as i32;
-                // SAFETY: one live pollfd.
-                unsafe { libc::poll(&mut fd, 1, ms.max(1)) };
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Error::system("accept", &e)),
-        };
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_read_timeout(Some(left(spec.deadline).min(Duration::from_secs(10))));
-        let mut b = [0u8; HELLO_BYTES];
-        if s.read_exact(&mut b).is_err() {
-            continue; // a stray connection (a port scanner, a health check)
-        }
-        if let Some(rank) = judge_p2p(spec, &b) {
-            // A peer that finished connecting already sends point-to-point.
-            configure(&s);
-            let _ = s.set_read_timeout(None);
-            early_p2p.push((rank, s));
-            continue;
-        }
-        match judge(spec, &b) {
-            Ok(rank) if streams[rank].is_none() => {
-                s.write_all(&[Verdict::Welcome as u8])
-                    .map_err(|e| Error::system(format!("answering rank {rank}"), &e))?;
-                configure(&s);
-                let _ = s.set_read_timeout(None);
-                streams[rank] = Some(s);
-                have += 1;
-            }
-            Ok(_) => {
-                let _ = s.write_all(&[Verdict::OtherWorld as u8]);
-            }
-            Err(v) => {
-                let _ = s.write_all(&[v as u8]);
+        let limit = HELLO_DEADLINE.min(spec.deadline.saturating_duration_since(now));
+        let before = greetings.len();
+        greetings.retain(|g| !g.expired(now, limit));
+        strays += before - greetings.len();
+        wait_for_bytes(listener, &greetings, spec.deadline);
+        accept_all(listener, &mut greetings, &mut strays);
+        let mut i = 0;
+        while i < greetings.len() {
+            match greetings[i].advance(spec.token.as_ref()) {
+                Greeted::Pending => i += 1,
+                Greeted::Dropped => {
+                    greetings.swap_remove(i);
+                    strays += 1;
+                }
+                Greeted::Ready => {
+                    let (b, mut s) = greetings.swap_remove(i).finish();
+                    if let Some(rank) = judge_p2p(spec, &b) {
+                        // A peer that finished connecting already sends point-to-point.
+                        configure(&s);
+                        early_p2p.push((rank, s));
+                        continue;
+                    }
+                    match judge(spec, &b) {
+                        Ok(rank) if streams[rank].is_none() => {
+                            s.write_all(&[Verdict::Welcome as u8])
+                                .map_err(|e| Error::system(format!("answering rank {rank}"), &e))?;
+                            configure(&s);
+                            streams[rank] = Some(s);
+                            have += 1;
+                        }
+                        Ok(_) => {
+                            let _ = s.write_all(&[Verdict::OtherWorld as u8]);
+                            strays += 1;
+                        }
+                        Err(v) => {
+                            let _ = s.write_all(&[v as u8]);
+                            strays += 1;
+                        }
+                    }
+                }
             }
         }
     }
     Ok(())
+}
+
+/// Sleeps until the listener or a greeting has bytes (at most 100 ms).
+fn wait_for_bytes(listener: &TcpListener, greetings: &[Greeting], deadline: Instant) {
+    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+        .chain(greetings.iter().map(Greeting::fd))
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = left(deadline).as_millis().min(100) as i32;
+    // SAFETY: `fds` is a live array of fds.len() pollfd.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms.max(1)) };
+}
+
+/// Accepts every waiting connection into a greeting.
+fn accept_all(listener: &TcpListener, greetings: &mut Vec<Greeting>, strays: &mut usize) {
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                if greetings.len() >= MAX_GREETINGS {
+                    // The oldest has had the longest to speak.
+                    greetings.remove(0);
+                    *strays += 1;
+                }
+                greetings.extend(Greeting::new(s));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return, // WouldBlock, or a transient error (out of fds)
+        }
+    }
 }

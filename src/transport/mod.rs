@@ -3,6 +3,7 @@
 
 pub mod channel;
 pub mod frame;
+pub mod greeting;
 pub mod iface;
 pub mod mesh;
 pub(crate) mod roster;

@@ -18,12 +18,13 @@ use crate::dtype::DType;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::transport::channel::read_remote;
 use crate::transport::channel::{Channel, TcpChannel};
+use crate::transport::greeting::{self, Greeted, Greeting, HELLO_DEADLINE};
 use crate::transport::mesh::{self, Context, MeshSpec};
 use crate::transport::shm::Doorbell;
 use crate::transport::signal::AbortSignal;
 use matching::{Arrival, Envelope, Matching, PostedRecv};
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read};
+use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -196,12 +197,6 @@ struct State {
     self_seq: u64,
 }
 
-struct Greeting {
-    stream: TcpStream,
-    hello: Vec<u8>,
-    since: Instant,
-}
-
 #[derive(Default)]
 struct Peer {
     /// Dialed by this rank: carries its messages; Cts comes back on it.
@@ -294,8 +289,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Stop reading new messages while this much is buffered unmatched.
 const UNEXPECTED_LIMIT: usize = 256 << 20;
-/// A connection that says nothing for this long after accept is dropped.
-const HELLO_DEADLINE: Duration = Duration::from_secs(10);
 
 impl Frame {
     fn new(
@@ -594,9 +587,17 @@ impl Mailbox {
         // the rank is gone (its communicator destroyed, or it died).
         let limit = sh.timeout.min(Duration::from_secs(10));
         let hello = mesh::hello_for(&sh.mesh, Context::P2p);
-        let made = TcpStream::connect_timeout(&addr, limit).and_then(|s| {
+        let made = TcpStream::connect_timeout(&addr, limit).and_then(|mut s| {
             mesh::configure(&s);
-            std::io::Write::write_all(&mut &s, &hello)?;
+            let deadline = Instant::now() + limit;
+            greeting::introduce(&mut s, &hello, sh.mesh.token.as_ref(), deadline).map_err(|e| {
+                match e {
+                    greeting::Refusal::Io(e) => e,
+                    greeting::Refusal::Auth(why) => {
+                        std::io::Error::new(std::io::ErrorKind::PermissionDenied, why)
+                    }
+                }
+            })?;
             Conn::new(s)
         });
         let mut st = lock(&sh.state);
@@ -1094,7 +1095,7 @@ fn progress(sh: &Shared) {
                 add(l.as_raw_fd(), libc::POLLIN, Slot::Listener);
             }
             for g in st.greeting.iter() {
-                add(g.stream.as_raw_fd(), libc::POLLIN, Slot::Greeting);
+                add(g.fd(), libc::POLLIN, Slot::Greeting);
             }
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
             for (peer, p) in st.peers.iter().enumerate() {
@@ -1204,8 +1205,7 @@ fn progress(sh: &Shared) {
         }
         // Connections that never said hello are dropped.
         let now = Instant::now();
-        st.greeting
-            .retain(|g| now.duration_since(g.since) <= HELLO_DEADLINE);
+        st.greeting.retain(|g| !g.expired(now, HELLO_DEADLINE));
         if st.failed.is_some() && st.closing {
             return;
         }
@@ -1235,9 +1235,15 @@ fn service_shm(sh: &Shared, st: &mut State) -> bool {
 /// Accepts what waits on the listener and reads the hellos that arrived.
 fn accept_and_greet(sh: &Shared, st: &mut State) {
     accept_all(st);
-    for i in (0..st.greeting.len()).rev() {
-        if !greet(sh, st, i) {
-            st.greeting.remove(i);
+    let mut i = 0;
+    while i < st.greeting.len() {
+        match st.greeting[i].advance(sh.mesh.token.as_ref()) {
+            Greeted::Pending => i += 1,
+            Greeted::Dropped => drop(st.greeting.swap_remove(i)),
+            Greeted::Ready => {
+                let g = st.greeting.swap_remove(i);
+                install(sh, st, g);
+            }
         }
     }
 }
@@ -1248,11 +1254,7 @@ fn accept_all(st: &mut State) {
         match l.accept() {
             Ok((s, _)) => {
                 if s.set_nonblocking(true).is_ok() {
-                    st.greeting.push(Greeting {
-                        stream: s,
-                        hello: Vec::new(),
-                        since: Instant::now(),
-                    });
+                    st.greeting.extend(Greeting::new(s));
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -1261,37 +1263,21 @@ fn accept_all(st: &mut State) {
     }
 }
 
-/// Reads a greeting's hello; returns false when it is finished with (made
-/// a connection, or was refused).
-fn greet(sh: &Shared, st: &mut State, i: usize) -> bool {
-    let g = &mut st.greeting[i];
-    let mut b = [0u8; 64];
-    let want = mesh::HELLO_BYTES - g.hello.len();
-    match g.stream.read(&mut b[..want]) {
-        Ok(0) => return false,
-        Ok(n) => g.hello.extend_from_slice(&b[..n]),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-        Err(_) => return false,
-    }
-    if g.hello.len() < mesh::HELLO_BYTES {
-        return true;
-    }
-    let hello: [u8; mesh::HELLO_BYTES] = g.hello[..].try_into().expect("whole hello");
+/// Makes a greeted connection the incoming one of its pair, when it
+/// belongs to this communicator and the pair has none.
+fn install(sh: &Shared, st: &mut State, g: Greeting) {
+    let (hello, s) = g.finish();
     let Some(rank) = mesh::judge_p2p(&sh.mesh, &hello) else {
-        return false; // a stranger, or another communicator: dropped
+        return; // a stranger, or another communicator: dropped
     };
     let p = &mut st.peers[rank];
     if p.inc.is_some() || p.gone.is_some() {
-        return false; // one connection per pair and direction
+        return; // one connection per pair and direction
     }
-    let stream = g.stream.try_clone();
-    if let Ok(s) = stream {
-        mesh::configure(&s);
-        if let Ok(c) = Conn::new(s) {
-            p.inc = Some(c);
-        }
+    mesh::configure(&s);
+    if let Ok(c) = Conn::new(s) {
+        p.inc = Some(c);
     }
-    false
 }
 
 fn lost(sh: &Shared, peer: usize, why: &str) -> Error {
@@ -1719,6 +1705,7 @@ mod tests {
                 job: [1; 16],
                 comm_id: 0,
                 deadline: Instant::now(),
+                token: None,
             },
             listener: l,
             early: Vec::new(),

@@ -21,6 +21,11 @@ options:
   --report-s S        after a rank fails, seconds the other ranks get to report
                       their own errors and exit before SIGTERM (default 3)
   --grace-s S         seconds between SIGTERM and SIGKILL when stopping (default 5)
+  --auth-token T      the job's shared secret, handed to the ranks as
+                      RDIST_AUTH_TOKEN (give every node the same); default: the
+                      RDIST_AUTH_TOKEN rdistrun was given, else a random one for
+                      a one-node job
+  --no-auth           run the ranks without an auth token
   -h, --help          print this help
   --version           print the version
 ";
@@ -53,6 +58,10 @@ pub struct Config {
     pub report: Duration,
     /// Between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// `--auth-token`.
+    pub auth_token: Option<String>,
+    /// `--no-auth`.
+    pub no_auth: bool,
     pub program: OsString,
     pub args: Vec<OsString>,
 }
@@ -68,6 +77,8 @@ struct Options {
     stdout_tty: bool,
     report: Duration,
     grace: Duration,
+    auth_token: Option<String>,
+    no_auth: bool,
 }
 
 impl Default for Options {
@@ -82,6 +93,8 @@ impl Default for Options {
             stdout_tty: true,
             report: DEFAULT_REPORT,
             grace: DEFAULT_GRACE,
+            auth_token: None,
+            no_auth: false,
         }
     }
 }
@@ -111,13 +124,14 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Invocation
         match name {
             "-h" | "--help" => return Ok(Invocation::Help),
             "--version" => return Ok(Invocation::Version),
-            "--no-prefix" | "--no-tty" if inline_value.is_some() => {
+            "--no-prefix" | "--no-tty" | "--no-auth" if inline_value.is_some() => {
                 return Err(format!("{name} takes no value"))
             }
             "--no-prefix" => options.prefix_output = false,
+            "--no-auth" => options.no_auth = true,
             "--no-tty" => options.stdout_tty = false,
             "--nproc-per-node" | "--nnodes" | "--node-rank" | "--master-addr" | "--master-port"
-            | "--report-s" | "--grace-s" => {
+            | "--report-s" | "--grace-s" | "--auth-token" => {
                 let value = match inline_value {
                     Some(value) => value.to_string(),
                     None => next_value(&mut args, name)?,
@@ -137,6 +151,8 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Invocation
         stdout_tty: options.stdout_tty,
         report: options.report,
         grace: options.grace,
+        auth_token: options.auth_token,
+        no_auth: options.no_auth,
         program,
         args: args.collect(),
     };
@@ -162,6 +178,10 @@ fn set_option(options: &mut Options, name: &str, value: &str) -> Result<(), Stri
         "--master-port" => options.master_port = Some(parse_port(value)?).filter(|&p| p != 0),
         "--report-s" => options.report = parse_seconds(name, value)?,
         "--grace-s" => options.grace = parse_seconds(name, value)?,
+        "--auth-token" if value.is_empty() => {
+            return Err("--auth-token must not be empty (use --no-auth to run without)".into())
+        }
+        "--auth-token" => options.auth_token = Some(value.to_string()),
         _ => return Err(format!("unknown option '{name}'")),
     }
     Ok(())

@@ -65,9 +65,60 @@ fn describe_io_error(error: &io::Error) -> String {
     }
 }
 
+/// The token the job's ranks prove to each other: `--auth-token`, else
+/// the RDIST_AUTH_TOKEN rdistrun was given, else (one node) a fresh random
+/// one, so that launched jobs are authenticated by default. A job across
+/// nodes needs the same token on every node, which rdistrun cannot make
+/// up alone: it runs without one and says so.
+pub fn job_token(config: &Config) -> Option<String> {
+    if config.no_auth {
+        return None;
+    }
+    if let Some(token) = &config.auth_token {
+        return Some(token.clone());
+    }
+    if let Some(token) = std::env::var("RDIST_AUTH_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+    {
+        return Some(token);
+    }
+    if config.nnodes == 1 {
+        return Some(random_token());
+    }
+    eprintln!(
+        "rdistrun: warning: this job spans {} nodes and has no auth token, so any process \
+         that can reach its ports can join it; pass --auth-token T (the same on every node) \
+         or set RDIST_AUTH_TOKEN, or --no-auth to silence this",
+        config.nnodes
+    );
+    None
+}
+
+/// 32 random bytes as hex.
+fn random_token() -> String {
+    let mut bytes = [0u8; 32];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        // SAFETY: writes at most the remaining length into our array.
+        let n = unsafe {
+            libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
+        };
+        if n > 0 {
+            filled += n as usize;
+        } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            use std::io::Read;
+            let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+            break;
+        }
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Starts local rank `local_rank` and the threads forwarding its output.
 pub fn launch_rank(
     config: &Config,
+    token: Option<&str>,
     master_port: u16,
     local_rank: usize,
     readers: &mut Vec<OutputReader>,
@@ -77,7 +128,7 @@ pub fn launch_rank(
     let (stdout, pty) = output::stdout_channel(config.stdout_tty);
     // The command (holding the child's end of a pseudo-terminal) is dropped
     // right after the spawn.
-    let child = rank_command(config, master_port, local_rank, rank, stdout)
+    let child = rank_command(config, token, master_port, local_rank, rank, stdout)
         .spawn()
         .map_err(LaunchError::Spawn)?;
     let mut process = RankProcess::new(rank, child);
@@ -90,6 +141,7 @@ pub fn launch_rank(
 
 fn rank_command(
     config: &Config,
+    token: Option<&str>,
     master_port: u16,
     local_rank: usize,
     rank: usize,
@@ -116,6 +168,10 @@ fn rank_command(
         // Own process group: signals must reach what the rank forked too, and a
         // terminal Ctrl-C should reach the rank once (forwarded), not twice.
         .process_group(0);
+    match token {
+        Some(token) => command.env("RDIST_AUTH_TOKEN", token),
+        None => command.env_remove("RDIST_AUTH_TOKEN"),
+    };
     die_with_launcher(&mut command);
     command
 }

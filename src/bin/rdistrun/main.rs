@@ -12,12 +12,15 @@
 //!   --no-tty            ranks' stdout is a pipe, not a pseudo-terminal
 //!   --report-s S        after a rank fails, seconds the others get to report [3]
 //!   --grace-s S         seconds between SIGTERM and SIGKILL when stopping  [5]
+//!   --auth-token T      the job's shared secret (default: RDIST_AUTH_TOKEN, else random on one node)
+//!   --no-auth           no auth token
 //! ```
 //!
 //! Options also take the `--name=value` form. Every rank gets `RANK` (K*N + local),
 //! `WORLD_SIZE` (M*N), `LOCAL_RANK`, `LOCAL_WORLD_SIZE` (N), `NODE_RANK` and
-//! `GROUP_RANK` (K), `MASTER_ADDR`, `MASTER_PORT` and `RDIST_LAUNCHER=rdistrun` in
-//! its environment, and `/dev/null` as stdin (launch.rs).
+//! `GROUP_RANK` (K), `MASTER_ADDR`, `MASTER_PORT`, `RDIST_LAUNCHER=rdistrun` and
+//! `RDIST_AUTH_TOKEN` (the job's secret; see `--auth-token`) in its
+//! environment, and `/dev/null` as stdin (launch.rs).
 //!
 //! Each rank's stdout is a pseudo-terminal, so that C stdio flushes it at every
 //! line, and its stderr a pipe; both are forwarded line by line (whole lines
@@ -94,11 +97,19 @@ fn run(config: &Config) -> u8 {
         eprintln!("rdistrun: cannot install signal handlers: {error}");
         return EXIT_LAUNCHER_ERROR;
     }
+    let token = launch::job_token(config);
     let errors = Arc::new(ErrorLines::default());
     let mut ranks = Vec::with_capacity(config.nproc_per_node);
     let mut readers = Vec::with_capacity(2 * config.nproc_per_node);
     for local_rank in 0..config.nproc_per_node {
-        match launch::launch_rank(config, master_port, local_rank, &mut readers, &errors) {
+        match launch::launch_rank(
+            config,
+            token.as_deref(),
+            master_port,
+            local_rank,
+            &mut readers,
+            &errors,
+        ) {
             Ok(rank) => ranks.push(rank),
             Err(error) => {
                 for rank in &mut ranks {
