@@ -881,3 +881,36 @@ fn sigint_during_the_report_period_stops_the_ranks_at_once() {
         assert!(!process_exists(pid), "rank process {pid} survived");
     }
 }
+
+/// The token each rank got, by rank.
+fn tokens(args: &[&str]) -> (Vec<String>, String) {
+    let mut all = args.to_vec();
+    all.extend(["sh", "-c", "echo TOKEN=${RDIST_AUTH_TOKEN:-none}"]);
+    let out = run(&all);
+    assert_eq!(out.code(), Some(0), "stderr: {}", out.stderr);
+    let env = env_by_rank(&out.stdout);
+    let mut ranks: Vec<usize> = env.keys().copied().collect();
+    ranks.sort();
+    (
+        ranks.iter().map(|r| env[r]["TOKEN"].clone()).collect(),
+        out.stderr,
+    )
+}
+
+#[test]
+fn a_launched_job_gets_a_fresh_auth_token_unless_told_otherwise() {
+    let (first, _) = tokens(&["--nproc-per-node", "2"]);
+    let (second, _) = tokens(&["--nproc-per-node", "2"]);
+    assert_eq!(first[0], first[1], "the ranks of one job share the token");
+    assert_eq!(first[0].len(), 64);
+    assert!(first[0].bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_ne!(first[0], second[0], "every job gets its own token");
+    let (given, _) = tokens(&["--nproc-per-node", "2", "--auth-token", "sh4red"]);
+    assert_eq!(given, ["sh4red", "sh4red"]);
+    let (none, _) = tokens(&["--nproc-per-node", "2", "--no-auth"]);
+    assert_eq!(none, ["none", "none"]);
+    // Across nodes rdistrun cannot make one up alone: none, and it says so.
+    let (multi, warning) = tokens(&["--nnodes", "2", "--node-rank", "1"]);
+    assert_eq!(multi, ["none"]);
+    assert!(warning.contains("--auth-token"), "{warning}");
+}
