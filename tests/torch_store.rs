@@ -349,3 +349,23 @@ fn rdists_client_runs_every_command_against_torchs_store() {
         assert_eq!(n, before - 1, "libuv {libuv}");
     }
 }
+
+#[test]
+fn a_token_against_torchs_store_is_refused_at_once_saying_why() {
+    let python = need_torch!();
+    let store = TorchStore::start(&python, true);
+    let mut o = common::opts(20_000);
+    o.set("auth_token", "s3cret").unwrap();
+    let start = std::time::Instant::now();
+    let e = match Comm::init(&format!("tcp://127.0.0.1:{}", store.port), 1, 2, &o) {
+        Ok(_) => panic!("joined torch's store with an auth token"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), rdist::ErrorKind::Auth, "{e}");
+    assert!(e.message().contains("not rdist's authentication"), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -468,9 +468,25 @@ fn authenticate(
         .write_all(&hello)
         .map_err(|e| io_failure(&e, "when asked to authenticate"))?;
     let mut status = [0u8; 1];
-    stream
-        .read_exact(&mut status)
-        .map_err(|e| io_failure(&e, "when asked to authenticate"))?;
+    if let Err(e) = stream.read_exact(&mut status) {
+        // Hung up on the question: a store without rdist's authentication
+        // (PyTorch's) does that. If a plain handshake works, say so now
+        // rather than retry until the timeout.
+        let plain = stream
+            .peer_addr()
+            .and_then(|at| TcpStream::connect_timeout(&at, patience));
+        if let Ok(again) = plain {
+            if handshake(addr, again, patience).is_ok() {
+                return Err(failed(format!(
+                    "the store at {addr} speaks the TCPStore protocol but not rdist's \
+                     authentication (a PyTorch TCPStore, such as torchrun's, cannot \
+                     authenticate), and this rank has an auth token: unset auth_token (and \
+                     RDIST_AUTH_TOKEN) to meet through it"
+                )));
+            }
+        }
+        return Err(io_failure(&e, "when asked to authenticate"));
+    }
     if status[0] == AUTH_NO_TOKEN {
         return Err(failed(format!(
             "the rendezvous store at {addr} has no auth token, but this rank was given one: \
