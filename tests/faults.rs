@@ -548,3 +548,67 @@ fn the_store_listens_only_on_the_master_address_and_closes_when_unused() {
         start.elapsed().as_secs_f64()
     );
 }
+
+/// A fork() of a rank uses its parent's communicator: refused with
+/// InvalidUsage saying why, and destroying it there leaves the parent's
+/// job running.
+#[test]
+fn a_forked_child_cannot_use_its_parents_communicator() {
+    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let results = common::world_with(
+        2,
+        common::opts(20_000),
+        Duration::from_secs(60),
+        move |rank, size| Comm::init(&url, rank as i64, size as i64, &common::opts(20_000)),
+        |comm| {
+            let mut child_said = String::new();
+            if comm.rank() == 0 {
+                let mut fds = [0i32; 2];
+                // SAFETY: a pipe for the child's verdict.
+                assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+                // SAFETY: the child only calls rdist, writes to the pipe and _exits.
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    let mut v = [1.0f32; 4];
+                    let e = comm.allreduce(&mut v, ReduceOp::Sum);
+                    let msg = match e {
+                        Err(e) if e.kind() == ErrorKind::InvalidUsage => e.message().to_string(),
+                        Err(e) => format!("wrong error: {e}"),
+                        Ok(()) => "SUCCESS".to_string(),
+                    };
+                    drop(comm);
+                    // SAFETY: writing our own buffer to our pipe, then exiting.
+                    unsafe {
+                        libc::write(fds[1], msg.as_ptr().cast(), msg.len());
+                        libc::_exit(0);
+                    }
+                }
+                // SAFETY: closing our copy of the write end, reaping the child.
+                unsafe {
+                    libc::close(fds[1]);
+                    let mut status = 0;
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                let mut buf = [0u8; 1024];
+                // SAFETY: reading into our buffer.
+                let n = unsafe { libc::read(fds[0], buf.as_mut_ptr().cast(), buf.len()) };
+                child_said = String::from_utf8_lossy(&buf[..n.max(0) as usize]).into_owned();
+                // SAFETY: our read end.
+                unsafe { libc::close(fds[0]) };
+            }
+            // The parent's job is intact.
+            let mut v = [comm.rank() as f32 + 1.0; 4];
+            comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+            (child_said, v[0])
+        },
+    );
+    let (said, sum) = &results[0];
+    assert!(
+        said.contains("is a fork() of it"),
+        "the child got: {said:?}"
+    );
+    for (_, sum) in &results {
+        assert_eq!(*sum, 3.0);
+    }
+    let _ = sum;
+}

@@ -3,6 +3,7 @@
 //! calls run through `queue` (issue order, non-blocking calls, held
 //! sends/receives) on the backends' engine; `group` batches them.
 
+mod fork;
 pub mod group;
 pub(crate) mod queue;
 mod typed;
@@ -16,6 +17,7 @@ use crate::log;
 use crate::options::{self, Backend, Options};
 use crate::rendezvous::store::StoreLease;
 use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
+use fork::Birth;
 pub use queue::Request;
 use queue::Runner;
 use std::sync::Arc;
@@ -28,6 +30,8 @@ pub struct Comm {
     local_rank: usize,
     /// The rendezvous store this rank hosts, if any (leased by the comm).
     _server: Option<StoreLease>,
+    /// The process that made it (calls from a fork() of it are refused).
+    birth: Birth,
 }
 
 impl Comm {
@@ -105,6 +109,7 @@ impl Comm {
             size,
             local_rank,
             _server: server,
+            birth: Birth::here(),
         }
     }
 
@@ -140,6 +145,7 @@ impl Comm {
     /// # Safety
     /// As `run`; device buffers valid until the work on `stream` is done.
     pub unsafe fn run_on(&self, call: Call, stream: Stream) -> Result<()> {
+        self.birth.check()?;
         if group::active() {
             group::enqueue(self.runner.clone(), call, stream);
             return Ok(());
@@ -153,6 +159,7 @@ impl Comm {
     /// The call's buffers must stay valid and untouched until the request
     /// completes.
     pub unsafe fn submit(&self, call: Call) -> Result<Request> {
+        self.birth.check()?;
         if group::active() {
             return Err(Error::invalid_usage(
                 "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
@@ -182,6 +189,7 @@ impl Comm {
         tag: i32,
         stream: Stream,
     ) -> Result<()> {
+        self.birth.check()?;
         check_tag(tag)?;
         let call = Call::Send { buf, data, peer };
         if !self.runner.goes_to_mailbox(&call) {
@@ -207,6 +215,7 @@ impl Comm {
         peer: usize,
         tag: i32,
     ) -> Result<Request> {
+        self.birth.check()?;
         check_tag(tag)?;
         let call = Call::Send { buf, data, peer };
         if !self.runner.goes_to_mailbox(&call) {
@@ -235,6 +244,7 @@ impl Comm {
         tag: Option<i32>,
         stream: Stream,
     ) -> Result<Option<Status>> {
+        self.birth.check()?;
         if let Some(call) = self.device_recv(buf, data, peer, tag)? {
             self.run_on(call, stream)?;
             return Ok((!group::active()).then_some(Status {
@@ -270,6 +280,7 @@ impl Comm {
         peer: Option<usize>,
         tag: Option<i32>,
     ) -> Result<Request> {
+        self.birth.check()?;
         if let Some(call) = self.device_recv(buf, data, peer, tag)? {
             return self.submit(call);
         }
@@ -315,6 +326,7 @@ impl Comm {
     /// # Safety
     /// The call's buffers and layout arrays valid until this returns.
     pub unsafe fn run_uneven(&self, call: Call, stream: Stream) -> Result<()> {
+        self.birth.check()?;
         if group::active() {
             return Err(Error::invalid_usage(
                 "rdist_allgatherv/rdist_alltoallv cannot be queued in a group (call them outside it)",
@@ -330,12 +342,14 @@ impl Comm {
     /// The call's buffers valid until the request completes; the call's
     /// layouts point into `arrays`.
     pub unsafe fn submit_uneven(&self, call: Call, arrays: Box<[usize]>) -> Result<Request> {
+        self.birth.check()?;
         Ok(self.submit(call)?.keeping(arrays))
     }
 
     /// Collective: ranks with equal `color` form a new communicator ordered
     /// by (key, rank); a negative color (RDIST_SPLIT_NOCOLOR) yields None.
     pub fn split(&self, color: i32, key: i32) -> Result<Option<Comm>> {
+        self.birth.check()?;
         if color < 0 && color != -1 {
             return Err(Error::invalid_argument(format!(
                 "color {color} is negative (use RDIST_SPLIT_NOCOLOR, -1, to opt out)"
@@ -366,13 +380,16 @@ impl Comm {
     /// Makes pending and future calls fail with `Aborted` here and on every
     /// rank that can still be reached. Callable from any thread.
     pub fn abort(&self) {
-        self.runner.abort();
+        if !self.birth.forked() {
+            self.runner.abort();
+        }
     }
 
     /// A handle that can abort this communicator from another thread.
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle {
             runner: self.runner.clone(),
+            birth: self.birth,
         }
     }
 }
@@ -406,11 +423,14 @@ fn group_refuses() -> Error {
 #[derive(Clone)]
 pub struct AbortHandle {
     runner: Arc<Runner>,
+    birth: Birth,
 }
 
 impl AbortHandle {
     pub fn abort(&self) {
-        self.runner.abort();
+        if !self.birth.forked() {
+            self.runner.abort();
+        }
     }
 }
 
@@ -418,6 +438,12 @@ impl Drop for Comm {
     /// Local: finishes queued calls, says goodbye to the peers, closes
     /// every connection and joins every thread.
     fn drop(&mut self) {
+        if self.birth.forked() {
+            // The connections and segments are the parent's: leave them
+            // (and the runner, whose threads exist only there) alone.
+            std::mem::forget(Arc::clone(&self.runner));
+            return;
+        }
         self.runner.close();
     }
 }
