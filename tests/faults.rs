@@ -303,23 +303,30 @@ fn two_processes_claiming_one_rank_are_refused() {
 
 #[test]
 fn world_size_disagreement_is_reported() {
+    // Every rank says so, at once (not only the one that reads the other's
+    // size, while the other waits for a rank that will never come).
     let port = free_port();
     let url = format!("tcp://127.0.0.1:{port}");
+    let start = Instant::now();
     let handles: Vec<_> = [(0, 2), (1, 3)]
         .into_iter()
         .map(|(r, n)| {
             let url = url.clone();
-            std::thread::spawn(move || Comm::init(&url, r, n, &common::opts(1500)).err())
+            std::thread::spawn(move || Comm::init(&url, r, n, &common::opts(20_000)).err())
         })
         .collect();
-    let errors: Vec<String> = handles
-        .into_iter()
-        .filter_map(|h| h.join().unwrap())
-        .map(|e| e.to_string())
-        .collect();
+    for h in handles {
+        let e = h
+            .join()
+            .unwrap()
+            .expect("init succeeded with mismatched world sizes");
+        assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+        assert!(e.message().contains("started with world size"), "{e}");
+    }
     assert!(
-        errors.iter().any(|e| e.contains("world size")),
-        "{errors:?}"
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
     );
 }
 

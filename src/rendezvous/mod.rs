@@ -236,8 +236,7 @@ fn join_hosting(
 
     let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    store
-        .wait(&key_refs, left(deadline))
+    wait_for_ranks(&*store, &key_refs, rank, size, deadline)
         .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
@@ -287,6 +286,69 @@ fn join_hosting(
         server: server.take(),
         file_store,
     })
+}
+
+/// Waits for every rank's key; meanwhile (in growing slices) looks for
+/// what would make the wait vain, so that every rank says it at once, not
+/// only the one that saw it: a failure another rank published, or a rank
+/// started with another world size (published here for the others).
+fn wait_for_ranks(
+    store: &dyn Store,
+    keys: &[&str],
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+) -> Result<()> {
+    let mut slice = Duration::from_millis(200);
+    loop {
+        let e = match store.wait(keys, slice.min(left(deadline))) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::Timeout => e,
+            Err(e) => return Err(e),
+        };
+        if store.check(&[FAILED_KEY])? {
+            let text = String::from_utf8_lossy(&store.get(FAILED_KEY, Duration::from_secs(1))?)
+                .into_owned();
+            return Err(Error::new(ErrorKind::Mismatch, text));
+        }
+        if let Some(mismatch) = other_world_size(store, rank, size)? {
+            let _ = store.set(FAILED_KEY, mismatch.message().as_bytes());
+            return Err(mismatch);
+        }
+        if left(deadline).is_zero() {
+            return Err(e);
+        }
+        slice = (slice * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Where a rank that finds the meeting cannot succeed says why.
+const FAILED_KEY: &str = "failed";
+
+/// A rank that already joined with another world size than `size`.
+fn other_world_size(store: &dyn Store, rank: usize, size: usize) -> Result<Option<Error>> {
+    for r in (0..size).filter(|r| *r != rank) {
+        let key = format!("rank/{r}");
+        if !store.check(&[&key])? {
+            continue;
+        }
+        let value = store.get(&key, Duration::from_secs(1))?;
+        let theirs = String::from_utf8_lossy(&value)
+            .split(' ')
+            .next()
+            .unwrap_or("?")
+            .to_string();
+        if theirs != size.to_string() {
+            return Ok(Some(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {r} was started with world size {theirs} but rank {rank} with {size} \
+                     (check WORLD_SIZE / the size argument on every rank)"
+                ),
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// Turns a store timeout into a rendezvous timeout naming the missing ranks.

@@ -82,8 +82,9 @@ impl StreamTransport {
         Error::new(
             ErrorKind::PeerLost,
             format!(
-                "rank {} lost its connection to rank {peer} ({why}: it exited or crashed){during}, {age:.1} s after connecting",
-                self.rank
+                "rank {} lost its connection to rank {peer} ({why}: {}){during}, {age:.1} s after connecting",
+                self.rank,
+                cause_of(why)
             ),
         )
     }
@@ -215,4 +216,34 @@ fn write_all_by(chan: &mut dyn Channel, mut bytes: &[u8], deadline: Instant) -> 
         }
     }
     true
+}
+
+/// What a lost connection's error says happened: a closed or reset
+/// connection is the peer's process ending; a connection that timed out
+/// (keepalive) or lost its route is the network, or the peer's host.
+pub(super) fn cause_of(why: &str) -> &'static str {
+    let network = ["timed out", "no route", "unreachable", "host is down"];
+    if network.iter().any(|w| why.contains(w)) {
+        "the network to it failed or its host went down; its process may still be running"
+    } else {
+        "it exited or crashed"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cause_of;
+
+    #[test]
+    fn a_partition_is_told_apart_from_a_crash() {
+        for crash in ["connection closed", "connection reset", "broken pipe"] {
+            assert_eq!(cause_of(crash), "it exited or crashed", "{crash}");
+        }
+        for partition in ["timed out", "no route to host", "network is unreachable"] {
+            assert!(
+                cause_of(partition).starts_with("the network"),
+                "{partition}"
+            );
+        }
+    }
 }
