@@ -318,4 +318,79 @@ mod tests {
         assert!(rank_and_size(-1, 1, &env(&[])).is_err());
         assert!(rank_and_size(0, -1, &env(&[])).is_err());
     }
+    /// A small seeded generator: the same cases every run.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    /// Property: no init method or option value, however odd, panics; each
+    /// is parsed or refused with an error.
+    #[test]
+    fn property_urls_and_options_never_panic() {
+        let mut rng = Rng(0xDEAD_BEEF_CAFE_F00D);
+        let pieces = [
+            "env://",
+            "tcp://",
+            "file://",
+            "/",
+            ":",
+            "[",
+            "]",
+            "::1",
+            "0",
+            "65535",
+            "65536",
+            "-1",
+            "host",
+            "@",
+            "%",
+            "?",
+            " ",
+            "\u{0}",
+            "é",
+            "127.0.0.1",
+            "..",
+            "x",
+        ];
+        let keys = [
+            "backend",
+            "transport",
+            "algo",
+            "timeout_ms",
+            "local_rank",
+            "device",
+            "ifname",
+            "auth_token",
+            "debug",
+            "trace_file",
+            "single_copy_min",
+            "nope",
+        ];
+        let env = |var: &str| match var {
+            "RANK" => Some("1".to_string()),
+            "WORLD_SIZE" => Some("2".to_string()),
+            _ => None,
+        };
+        for _ in 0..50_000 {
+            let text: String = (0..rng.below(6))
+                .map(|_| pieces[rng.below(pieces.len())])
+                .collect();
+            let _ = parse(&text, &env);
+            let mut options = crate::options::Options::default();
+            let _ = options.set(keys[rng.below(keys.len())], &text);
+        }
+        println!("init methods and options: 50000 executions each");
+    }
 }

@@ -426,4 +426,82 @@ mod tests {
             matches!(decode_query(&long_key), Err(Undecodable::Invalid(m)) if m.contains("KiB"))
         );
     }
+    /// A small seeded generator: the same cases every run.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    /// Property: whatever arrives, decoding never panics, never claims
+    /// more bytes than it was given, and what it decodes re-encodes to
+    /// exactly the bytes it took (so no two byte strings mean one query).
+    /// Inputs: random bytes, and valid queries with bytes flipped, cut
+    /// and appended.
+    #[test]
+    fn property_decoding_is_total_and_canonical() {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let valid: Vec<Vec<u8>> = all_queries()
+            .iter()
+            .map(|q| {
+                let mut b = Vec::new();
+                encode_query(q, &mut b);
+                b
+            })
+            .collect();
+        let mut executions = 0u64;
+        let mut decoded = 0u64;
+        for i in 0..200_000 {
+            let input = if i % 2 == 0 {
+                let len = rng.below(48);
+                let mut b = rng.bytes(len);
+                // Mostly known types, so decoding gets past the first byte.
+                if let Some(first) = b.first_mut() {
+                    *first %= 20;
+                }
+                b
+            } else {
+                let mut b = valid[rng.below(valid.len())].clone();
+                for _ in 0..rng.below(3) {
+                    let at = rng.below(b.len());
+                    b[at] = rng.next() as u8;
+                }
+                match rng.below(3) {
+                    0 => {
+                        let n = rng.below(b.len() + 1);
+                        b.truncate(n);
+                    }
+                    1 => {
+                        let n = rng.below(8);
+                        b.extend(rng.bytes(n));
+                    }
+                    _ => {}
+                }
+                b
+            };
+            executions += 1;
+            if let Ok((query, used)) = decode_query(&input) {
+                decoded += 1;
+                assert!(used <= input.len());
+                let mut again = Vec::new();
+                encode_query(&query, &mut again);
+                assert_eq!(again, &input[..used], "{query:?}");
+            }
+        }
+        assert!(
+            decoded > 10_000,
+            "only {decoded} of {executions} inputs decoded"
+        );
+        println!("store protocol: {executions} executions, {decoded} decoded");
+    }
 }
