@@ -330,9 +330,6 @@ mod tests {
         fn below(&mut self, n: usize) -> usize {
             (self.next() % n as u64) as usize
         }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
     }
 
     /// Property: no init method or option value, however odd, panics; each
