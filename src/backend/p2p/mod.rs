@@ -370,7 +370,7 @@ impl Mailbox {
         spec.listener
             .set_nonblocking(true)
             .map_err(|e| Error::system("set_nonblocking", &e))?;
-        Ok(Arc::new(Mailbox {
+        let mailbox = Arc::new(Mailbox {
             shared: Arc::new(Shared {
                 rank: spec.mesh.rank,
                 mesh: spec.mesh,
@@ -393,7 +393,13 @@ impl Mailbox {
                 }),
             }),
             thread: Mutex::new(None),
-        }))
+        });
+        // Always running, even before the first send or receive: it keeps
+        // the listener served, so strangers that connect are greeted and
+        // dropped at their deadline rather than filling the accept backlog
+        // a peer's first point-to-point connection needs.
+        mailbox.ensure_thread()?;
+        Ok(mailbox)
     }
 
     fn rank(&self) -> usize {
@@ -1248,14 +1254,19 @@ fn accept_and_greet(sh: &Shared, st: &mut State) {
     }
 }
 
+/// Most connections greeted at once (see transport/greeting.rs).
+const MAX_GREETINGS: usize = 1024;
+
 fn accept_all(st: &mut State) {
     let Some(l) = &st.listener else { return };
     loop {
         match l.accept() {
             Ok((s, _)) => {
-                if s.set_nonblocking(true).is_ok() {
-                    st.greeting.extend(Greeting::new(s));
+                if st.greeting.len() >= MAX_GREETINGS {
+                    // A flood: the oldest has had the longest to speak.
+                    st.greeting.remove(0);
                 }
+                st.greeting.extend(Greeting::new(s));
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => return, // WouldBlock, or a transient accept error
