@@ -294,7 +294,11 @@ fn bad_tagged_arguments_are_refused_precisely() {
         let mut x = [0u8; 1];
         let peer = 1 - comm.rank();
         let rq = irecv(&comm, &mut buf, DType::Uint8, None, None);
+        // In flight: the peer sends only after the allreduce below.
         assert_eq!(rq.status(), None);
+        x[0] = 1;
+        comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
+        assert_eq!(x[0], 2);
         comm.send_tagged(&[comm.rank() as u8 + 10], peer, 9)
             .unwrap();
         let s = rq.wait_status().unwrap().unwrap();
@@ -302,9 +306,6 @@ fn bad_tagged_arguments_are_refused_precisely() {
             (s.source, s.tag, s.count, buf[0]),
             (peer, 9, 1, peer as u8 + 10)
         );
-        x[0] = 1;
-        comm.allreduce(&mut x, rdist::ReduceOp::Sum).unwrap();
-        assert_eq!(x[0], 2);
     });
 }
 

@@ -190,12 +190,12 @@ def test_torchrun_ddp_equals_gloo_beside_rdists_own_communicator(nproc):
 # -- the plain binding with torch tensors, the default communicator, init_from_store
 
 
-def _run_snippet(code, size, timeout=90):
+def _run_snippet(code, size, timeout=90, env=None):
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False, dir=tempfile.gettempdir()) as f:
         f.write(textwrap.dedent(code))
     try:
         ranks = run_ranks([f.name], size, timeout=timeout, python=TORCH_PYTHON,
-                          env={"OMP_NUM_THREADS": 1})
+                          env={"OMP_NUM_THREADS": 1, **(env or {})})
     finally:
         os.unlink(f.name)
     return expect_success(ranks)
@@ -265,7 +265,7 @@ def test_tensors_default_communicator_new_group_and_init_from_store():
             checks["nonmember_noop"] = rdist.all_reduce(torch.ones(1), group=g) is None
 
         # init_from_store, twice in one process (distinct keys), from torch's store.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["TORCH_STORE_PORT"]),
                               size, rank == 0, timeout=timedelta(seconds=60))
         for i in range(2):
             c = rdist.init_from_store(store, rank, size, timeout_ms=60000)
@@ -278,6 +278,8 @@ def test_tensors_default_communicator_new_group_and_init_from_store():
         report(rank=rank, checks=checks)
         """,
         2,
+        # A port from the OS for torch's store (MASTER_PORT + 1 may be taken).
+        env={"TORCH_STORE_PORT": free_port()},
     )
     for report in reports:
         failed = [k for k, ok in report["checks"].items() if not ok]
