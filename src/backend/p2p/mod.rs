@@ -1149,19 +1149,26 @@ fn progress(sh: &Shared) {
                 // rank) or a caller does, or a short while passes (for
                 // what only descriptors show: a peer's exit, strangers).
                 let seen = bell.0.prepare();
-                let busy = {
+                let (busy, idle) = {
                     let st = lock(&sh.state);
-                    st.peers.iter().any(|p| {
+                    let busy = st.peers.iter().any(|p| {
                         [p.out.as_ref(), p.inc.as_ref()]
                             .into_iter()
                             .flatten()
                             .any(|c| c.shm && c.chan.has_data())
-                    })
+                    });
+                    // Nothing posted, nothing greeted: only a stranger at
+                    // the listener could want this thread, and it can wait.
+                    let idle = !st.sends_in_flight()
+                        && st.matching.posted.is_empty()
+                        && st.greeting.is_empty();
+                    (busy, idle)
                 };
                 if busy {
                     bell.0.done();
                 } else {
-                    bell.0.sleep(seen, Duration::from_millis(2));
+                    let nap = if idle { 50 } else { 2 };
+                    bell.0.sleep(seen, Duration::from_millis(nap));
                 }
                 continue;
             }
