@@ -7,6 +7,7 @@ repository this directory belongs to, and writes a wheel holding
     rdist/*.py                         the ctypes binding
     rdist/lib/librdist.so              the library, stripped (found first at import)
     rdist-<v>.data/scripts/rdistrun    the launcher, installed on PATH (bin/)
+    rdist-<v>.data/scripts/rdist-trace the trace merger (stragglers), on PATH
 
 so the installed package needs no environment variable and no checkout.
 Nothing is written into the source tree: cargo builds in a temporary
@@ -275,7 +276,7 @@ def _cargo_build(config_settings):
         raise RuntimeError(f"rdist build: RDIST_CARGO_TARGET_DIR / cargo-target-dir must be an "
                            f"absolute path, not {target!r}")
     command = [cargo, "build", "--locked", "--profile", profile, "--manifest-path", str(manifest),
-               "--target-dir", target, "--lib", "--bin", "rdistrun"]
+               "--target-dir", target, "--lib", "--bin", "rdistrun", "--bin", "rdist-trace"]
     _say(" ".join(command))
     try:
         # cargo's progress goes to stderr; keep stdout (the hook's) clean.
@@ -343,6 +344,8 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         wheel.add(f"{PACKAGE}/lib/librdist.so", _stripped(library, scratch), executable=True)
         data = f"{project['name']}-{project['version']}.data"
         wheel.add(f"{data}/scripts/rdistrun", _stripped(launcher, scratch), executable=True)
+        wheel.add(f"{data}/scripts/rdist-trace",
+                  _stripped(launcher.with_name("rdist-trace"), scratch), executable=True)
         wheel.add(f"{dist_info}/METADATA", _metadata(project).encode())
         wheel.add(f"{dist_info}/WHEEL", _wheel_file(tag).encode())
         if _entry_points(project):

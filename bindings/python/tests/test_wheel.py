@@ -114,9 +114,11 @@ def test_the_wheel_bundles_a_stripped_library_and_the_launcher(installed):
     assert library.is_file()
     launcher = installed["bin"] / "rdistrun"
     assert launcher.is_file() and os.access(launcher, os.X_OK)
+    tracer = installed["bin"] / "rdist-trace"
+    assert tracer.is_file() and os.access(tracer, os.X_OK)
     readelf = shutil.which("readelf")
     if readelf:
-        for binary in (library, launcher):
+        for binary in (library, launcher, tracer):
             sections = run([readelf, "-S", "-W", binary], timeout=30).stdout
             assert ".debug_info" not in sections and " .symtab " not in sections, f"{binary} is not stripped"
     assert library.stat().st_size < 4 << 20, f"{library}: {library.stat().st_size} bytes"
