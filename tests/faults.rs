@@ -619,3 +619,62 @@ fn a_forked_child_cannot_use_its_parents_communicator() {
     }
     let _ = sum;
 }
+
+/// Stray connections that say nothing, made to ranks' listeners while a
+/// rank is late, no longer fail init (each is dropped at its deadline,
+/// side by side): they made every rank's init fail after the full
+/// timeout, blaming the real ranks.
+#[test]
+fn silent_strangers_at_the_listeners_do_not_fail_init() {
+    use rdist::store::{Store, TcpStoreClient};
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let early: Vec<_> = (0..2)
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let comm = Comm::init(&url, r, 3, &common::opts(30_000))?;
+                let mut v = [r as u64 + 1];
+                comm.allreduce(&mut v, ReduceOp::Sum)?;
+                Ok::<_, rdist::Error>(v[0])
+            })
+        })
+        .collect();
+    // A stranger reads ranks 0 and 1's addresses and opens six silent
+    // connections to each, while rank 2 is late.
+    let store = TcpStoreClient::connect(
+        &format!("127.0.0.1:{port}"),
+        Instant::now() + Duration::from_secs(10),
+    )
+    .unwrap();
+    let mut silent = Vec::new();
+    for r in 0..2 {
+        let v = store
+            .get(&format!("rdist/tcp/1/rank/{r}"), Duration::from_secs(10))
+            .unwrap();
+        let addr: std::net::SocketAddr = String::from_utf8_lossy(&v)
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        for _ in 0..6 {
+            silent.push(std::net::TcpStream::connect(addr).unwrap());
+        }
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let start = Instant::now();
+    let late = Comm::init(&url, 2, 3, &common::opts(30_000)).unwrap();
+    let mut v = [3u64];
+    late.allreduce(&mut v, ReduceOp::Sum).unwrap();
+    assert_eq!(v[0], 6);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "init took {:?}",
+        start.elapsed()
+    );
+    for h in early {
+        assert_eq!(h.join().unwrap().unwrap(), 6);
+    }
+    drop(silent);
+}
