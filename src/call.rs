@@ -543,4 +543,22 @@ impl Call {
             Call::Recv { .. } => "recv",
         }
     }
+
+    /// Its kind as the ranks compare it (sends and receives are one kind).
+    pub fn op_kind(&self) -> OpKind {
+        match self {
+            Call::AllReduce { .. } => OpKind::AllReduce,
+            Call::Broadcast { .. } => OpKind::Broadcast,
+            Call::Reduce { .. } => OpKind::Reduce,
+            Call::AllGather { .. } => OpKind::AllGather,
+            Call::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Call::Gather { .. } => OpKind::Gather,
+            Call::Scatter { .. } => OpKind::Scatter,
+            Call::AllToAll { .. } => OpKind::AllToAll,
+            Call::AllGatherV { .. } => OpKind::AllGatherV,
+            Call::AllToAllV { .. } => OpKind::AllToAllV,
+            Call::Barrier => OpKind::Barrier,
+            Call::Send { .. } | Call::Recv { .. } => OpKind::Send,
+        }
+    }
 }

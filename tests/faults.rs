@@ -678,3 +678,44 @@ fn silent_strangers_at_the_listeners_do_not_fail_init() {
     }
     drop(silent);
 }
+
+/// When a collective times out, every waiting rank names the rank that
+/// never reached it and what that rank last did (the flight recorder).
+#[test]
+fn a_timeout_names_the_rank_that_never_came_and_what_it_last_did() {
+    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let results = common::world_with(
+        3,
+        common::opts(4_000),
+        Duration::from_secs(60),
+        move |rank, size| Comm::init(&url, rank as i64, size as i64, &common::opts(4_000)),
+        |comm| {
+            let mut v = [1u32; 8];
+            comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+            if comm.rank() == 2 {
+                // Busy elsewhere (a slow data loader, a hang in user code).
+                std::thread::sleep(Duration::from_secs(6));
+                return String::new();
+            }
+            let e = comm.allreduce(&mut v, ReduceOp::Sum).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            e.message().to_string()
+        },
+    );
+    for msg in &results[..2] {
+        assert!(
+            msg.contains("ranks that never reached allreduce #")
+                && msg.contains(": rank 2 last finished allreduce #"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("has been in no rdist collective since"),
+            "{msg}"
+        );
+        assert!(
+            !msg.contains("rank 0 last") && !msg.contains("rank 1 last"),
+            "{msg}"
+        );
+    }
+    println!("{}", results[0]);
+}

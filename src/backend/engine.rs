@@ -4,6 +4,7 @@
 //! starts and ends in `Engine::run`: it is numbered there, traced there,
 //! and sent where its buffers say (`route`).
 
+use super::board::Board;
 use super::cuda::{self, Cuda, Stream};
 use super::nccl::communicator::{NcclComm, Raw};
 use super::p2p::Mailbox;
@@ -85,6 +86,8 @@ pub(crate) struct Engine {
     trace: Option<Trace>,
     /// Host-memory sends and receives, in their own context.
     mailbox: Arc<Mailbox>,
+    /// Which collective this rank is in, and which it last finished.
+    board: Arc<Board>,
 }
 
 /// Ends a communicator's work without its engine's lock, which a call
@@ -168,7 +171,13 @@ impl Engine {
                 .as_deref()
                 .map(|p| Trace::new(p, rank, size)),
             mailbox,
+            board: Arc::default(),
         })
+    }
+
+    /// What this rank is doing, for the flight recorder (see `board`).
+    pub(crate) fn board(&self) -> Arc<Board> {
+        self.board.clone()
     }
 
     /// The point-to-point context (host memory).
@@ -286,10 +295,11 @@ impl Engine {
                     sequence,
                     trace,
                     staging,
+                    board,
                     ..
                 } = self;
                 let r = plan.run(calls, deadline, staging, |c| {
-                    run_host(socket, sequence, trace, c)
+                    run_host(socket, sequence, trace, board, c)
                 });
                 Some(r.map_err(|e| self.mixed(e)))
             }
@@ -298,7 +308,13 @@ impl Engine {
 
     /// Host buffers: the socket backend.
     unsafe fn run_host(&mut self, calls: &[Call]) -> Result<()> {
-        run_host(&mut self.socket, &mut self.sequence, &mut self.trace, calls)
+        run_host(
+            &mut self.socket,
+            &mut self.sequence,
+            &mut self.trace,
+            &self.board,
+            calls,
+        )
     }
 
     /// Device buffers of NCCL's device: NCCL, numbered and traced like
@@ -314,10 +330,20 @@ impl Engine {
         };
         let started = Instant::now();
         let seqs: Vec<u64> = calls.iter().map(|c| self.sequence.number(c)).collect();
+        let first = calls
+            .first()
+            .map(|c| c.op_kind())
+            .zip(seqs.first().copied());
+        if let Some((kind, seq)) = first {
+            self.board.begin(kind, seq);
+        }
         let r = match calls {
             [Call::Barrier] => n.barrier(),
             _ => n.run(calls, streams, finish_on_device),
         };
+        if let Some((kind, seq)) = first {
+            self.board.end(kind, seq);
+        }
         // An error that failed NCCL's communicator fails the whole
         // communicator, and the peers hear of it now.
         if let (Err(e), Some(_)) = (&r, n.failure()) {
@@ -382,6 +408,7 @@ impl Engine {
                 sequence: Sequence::new(size),
                 trace: None,
                 mailbox,
+                board: Arc::default(),
             },
         )))
     }
@@ -417,6 +444,7 @@ unsafe fn run_host(
     socket: &mut SocketBackend,
     sequence: &mut Sequence,
     trace: &mut Option<Trace>,
+    board: &Board,
     calls: &[Call],
 ) -> Result<()> {
     let mut i = 0;
@@ -424,7 +452,10 @@ unsafe fn run_host(
         let started = trace.as_ref().map(|_| Instant::now());
         if !calls[i].is_p2p() {
             let seq = sequence.number(&calls[i]);
+            let kind = calls[i].op_kind();
+            board.begin(kind, seq);
             let result = socket.run(&calls[i], seq);
+            board.end(kind, seq);
             if let (Some(t), Some(started)) = (trace.as_mut(), started) {
                 t.record(&calls[i], seq, started, result.is_ok());
             }

@@ -6,6 +6,7 @@
 //! the driver, loaded at run time. `p2p` is the point-to-point context:
 //! sends and receives matched by source and tag, beside the collectives.
 
+pub(crate) mod board;
 pub mod cuda;
 pub(crate) mod engine;
 pub mod nccl;

@@ -5,6 +5,7 @@
 
 mod fork;
 pub mod group;
+mod progress;
 pub(crate) mod queue;
 mod typed;
 
@@ -85,14 +86,12 @@ impl Comm {
         })?;
         joined.finish();
         let local_rank = joined.local_rank;
-        Ok(Comm::with_engine(
-            rank,
-            size,
-            local_rank,
-            opts.timeout,
-            engine,
-            joined.server,
-        ))
+        let store = joined.lasting_store();
+        let comm = Comm::with_engine(rank, size, local_rank, opts.timeout, engine, joined.server);
+        if let Some(store) = store {
+            comm.runner.record_to(store, size);
+        }
+        Ok(comm)
     }
 
     fn with_engine(

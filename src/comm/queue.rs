@@ -6,11 +6,13 @@
 //! request is waited for or tested, or another call comes, and then start
 //! together as one exchange. `Request` is a non-blocking call in flight.
 
+use crate::backend::board::Board;
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Aborter, Engine};
 use crate::backend::p2p::{self, Mailbox, Status, Ticket};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
+use crate::rendezvous::store::Store;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -37,6 +39,10 @@ pub(crate) struct Runner {
     /// Whether `held` may hold calls (checked without the lock on every
     /// call; set under it).
     has_held: AtomicBool,
+    /// What this rank is doing (the flight recorder's board).
+    board: Arc<Board>,
+    /// The store the flight recorder publishes to, and the world size.
+    recorder: Mutex<Option<(Arc<dyn Store>, usize)>>,
     /// `queue.unfinished`, readable without the lock (written under it):
     /// a blocking call runs inline only when nothing is queued.
     queued: AtomicUsize,
@@ -229,6 +235,7 @@ impl Runner {
         let aborter = engine.aborter();
         let has_nccl = engine.has_nccl();
         let mailbox = engine.mailbox();
+        let board = engine.board();
         let engine = Arc::new(Mutex::new(engine));
         crate::backend::engine::watch_nccl(&engine);
         Arc::new(Runner {
@@ -244,7 +251,20 @@ impl Runner {
             held: Mutex::new(Vec::new()),
             has_held: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
+            board,
+            recorder: Mutex::new(None),
         })
+    }
+
+    /// Turns the flight recorder on: publishes this rank's board to
+    /// `store` and reads the others' when a collective times out.
+    pub(crate) fn record_to(&self, store: Arc<dyn Store>, size: usize) {
+        self.mailbox.set_hook(Box::new(super::progress::publisher(
+            store.clone(),
+            self.rank,
+            self.board.clone(),
+        )));
+        *lock(&self.recorder) = Some((store, size));
     }
 
     pub(crate) fn timeout(&self) -> Duration {
@@ -449,6 +469,13 @@ impl Runner {
         if e.kind() != ErrorKind::Timeout {
             return e;
         }
+        let recorder = lock(&self.recorder).clone();
+        let e = match recorder {
+            Some((store, size)) => {
+                super::progress::explain_timeout(e, &*store, self.rank, size, &self.board)
+            }
+            None => e,
+        };
         let pending = self.mailbox.pending();
         if pending.is_empty() {
             return e;

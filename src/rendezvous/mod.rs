@@ -39,6 +39,12 @@ pub struct Joined {
 }
 
 impl Joined {
+    /// The store, when it serves on after init (a TCP store: rank 0's,
+    /// torch's); a shared directory is removed once everyone joined.
+    pub fn lasting_store(&self) -> Option<Arc<dyn Store>> {
+        self.file_store.is_none().then(|| self.store.clone())
+    }
+
     /// Called once the mesh is up: the store's job is done; a shared
     /// directory is removed by the last rank to get here.
     pub fn finish(&self) {

@@ -180,6 +180,9 @@ struct Shared {
     /// Shared memory: what the progress thread sleeps on (peers ring it
     /// when they write to or free space in a ring shared with this rank).
     bell: Option<Bell>,
+    /// Run on every pass of the progress thread (the flight recorder's
+    /// publisher); it limits itself.
+    hook: Mutex<Option<Box<dyn FnMut() + Send>>>,
     state: Mutex<State>,
 }
 
@@ -381,6 +384,7 @@ impl Mailbox {
                 drivers: Default::default(),
                 moved: Default::default(),
                 bell,
+                hook: Mutex::new(None),
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
                     greeting: Vec::new(),
@@ -404,6 +408,12 @@ impl Mailbox {
 
     fn rank(&self) -> usize {
         self.shared.rank
+    }
+
+    /// Has the progress thread run `hook` on every pass (at least every
+    /// 50 ms).
+    pub(crate) fn set_hook(&self, hook: Box<dyn FnMut() + Send>) {
+        *lock(&self.shared.hook) = Some(hook);
     }
 
     /// Posts a send; it starts at once.
@@ -1079,6 +1089,9 @@ fn progress(sh: &Shared) {
     }
     let mut slots: Vec<Slot> = Vec::new();
     loop {
+        if let Some(hook) = lock(&sh.hook).as_mut() {
+            hook();
+        }
         {
             let mut st = lock(&sh.state);
             st.frame_sends();

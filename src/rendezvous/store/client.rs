@@ -553,6 +553,15 @@ impl Store for TcpStoreClient {
 
     /// Waits on the server; when `timeout` passes first, withdraws the wait
     /// (cancel_wait) and names the keys still missing.
+    fn set_within(&self, key: &str, value: &[u8], bound: Duration) -> Result<()> {
+        let k = self.key(key)?;
+        let mut bytes = Vec::new();
+        encode_query(&Query::Set(&k, self.value(key, value)?), &mut bytes);
+        let nonce = 0x7365_7421u32;
+        encode_query(&Query::Ping(nonce), &mut bytes);
+        self.exchange(&bytes, bound, |s| expect_nonce(s, nonce))
+    }
+
     fn duplicated_ranks(&self, size: usize) -> Vec<usize> {
         let Some((base, meeting, me)) = &self.meeting else {
             return Vec::new();

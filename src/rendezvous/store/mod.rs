@@ -48,6 +48,11 @@ pub trait Store: Send + Sync {
     fn duplicated_ranks(&self, _size: usize) -> Vec<usize> {
         Vec::new()
     }
+    /// `set`, giving up after `bound` (for writes that must not hold up
+    /// their caller, such as the flight recorder's).
+    fn set_within(&self, key: &str, value: &[u8], _bound: Duration) -> Result<()> {
+        self.set(key, value)
+    }
 }
 
 // ---------------------------------------------------------------------------
