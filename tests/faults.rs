@@ -26,12 +26,17 @@ fn this_binary_as(name: &str, role: &str) -> Command {
 
 /// Re-runs this test binary as a worker process (see `worker_process`).
 fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process::Child {
+    let timeout = if role.starts_with("stop") {
+        "4000"
+    } else {
+        "60000"
+    };
     this_binary_as("worker_process", role)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", size.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env("RDIST_TIMEOUT_MS", "60000")
+        .env("RDIST_TIMEOUT_MS", timeout)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -51,6 +56,10 @@ fn worker_process() {
         if role == "crash" && comm.rank() == 2 && i == 20 {
             // SAFETY: a deliberate crash, no cleanup, as a segfault would.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        if role.strip_prefix("stop") == Some(&comm.rank().to_string()) && i == 20 {
+            // SAFETY: stops this process (as a debugger or ^Z would).
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
         }
         let t = Instant::now();
         if let Err(e) = comm.allreduce(&mut buf, ReduceOp::Sum) {
@@ -718,4 +727,47 @@ fn a_timeout_names_the_rank_that_never_came_and_what_it_last_did() {
         );
     }
     println!("{}", results[0]);
+}
+
+/// A stopped rank (SIGSTOP: a debugger, ^Z, a frozen host): the others
+/// time out naming it; when it is rank 0, whose host serves the store,
+/// they also say that the store could not answer and why that may be.
+#[test]
+fn a_stopped_rank_is_named_by_the_others() {
+    for stopped in [1usize, 0] {
+        let role = format!("stop{stopped}");
+        let port = free_port();
+        let mut workers: Vec<_> = (0..3).map(|r| spawn_worker(&role, r, 3, port)).collect();
+        let start = Instant::now();
+        let mut said = Vec::new();
+        for (r, w) in workers.iter_mut().enumerate() {
+            if r == stopped {
+                continue;
+            }
+            while w.try_wait().unwrap().is_none() {
+                assert!(start.elapsed() < Duration::from_secs(40), "rank {r} hung");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut out = String::new();
+            std::io::Read::read_to_string(w.stdout.as_mut().unwrap(), &mut out).unwrap();
+            said.push((r, out));
+        }
+        let _ = workers[stopped].kill();
+        let _ = workers[stopped].wait();
+        for (r, out) in &said {
+            let line = out
+                .lines()
+                .find_map(|l| l.split_once("RESULT").map(|x| x.1))
+                .unwrap_or_else(|| panic!("rank {r} printed no result: {out}"));
+            assert!(line.contains("kind=Timeout"), "rank {r}: {line}");
+            let named = if stopped == 0 {
+                line.contains("could not say what the other ranks last did")
+                    && line.contains("rank 0")
+            } else {
+                line.contains(&format!("rank {stopped}"))
+            };
+            assert!(named, "rank {r} does not point at rank {stopped}: {line}");
+            println!("rank {stopped} stopped; rank {r} said:{line}");
+        }
+    }
 }

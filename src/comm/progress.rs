@@ -89,14 +89,28 @@ pub(crate) fn explain_timeout(
         return e;
     };
     let now = unix_ms(SystemTime::now());
+    let others: Vec<usize> = (0..size).filter(|r| *r != rank).collect();
+    let keys: Vec<String> = others.iter().map(|r| key(*r)).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let records = match store.read_within(&refs, Duration::from_secs(2)) {
+        Ok(records) => records,
+        Err(why) => {
+            return Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{}; the rendezvous store (on rank 0's host) could not say what the other \
+                     ranks last did ({}): if rank 0 is among those waited for, it may be \
+                     stopped or its host unreachable",
+                    e.message(),
+                    why.message()
+                ),
+            )
+        }
+    };
     let mut behind = Vec::new();
     let mut silent = Vec::new();
-    for r in (0..size).filter(|r| *r != rank) {
-        let Ok(true) = store.check(&[&key(r)]) else {
-            silent.push(r);
-            continue;
-        };
-        let Ok(value) = store.get(&key(r), Duration::from_secs(1)) else {
+    for (r, record) in others.into_iter().zip(records) {
+        let Some(value) = record else {
             silent.push(r);
             continue;
         };
@@ -139,7 +153,9 @@ pub(crate) fn explain_timeout(
     if !silent.is_empty() && silent.len() < size - 1 {
         let shown: Vec<String> = silent.iter().take(NAMED).map(|r| r.to_string()).collect();
         parts.push(format!(
-            "no progress published by rank{} {} (busy in calls under a second each, or unable to reach the store)",
+            "rank{} {} published nothing, though a rank publishes once it has stood still for \
+             a second: stopped or frozen (SIGSTOP, a debugger, an overloaded host), or unable to \
+             reach the store",
             if silent.len() == 1 { "" } else { "s" },
             shown.join(", ")
         ));

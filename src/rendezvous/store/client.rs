@@ -553,6 +553,45 @@ impl Store for TcpStoreClient {
 
     /// Waits on the server; when `timeout` passes first, withdraws the wait
     /// (cancel_wait) and names the keys still missing.
+    fn read_within(&self, keys: &[&str], bound: Duration) -> Result<Vec<Option<Vec<u8>>>> {
+        let deadline = Instant::now() + bound;
+        let full = keys
+            .iter()
+            .map(|k| self.key(k))
+            .collect::<Result<Vec<_>>>()?;
+        // One round trip: which exist (a check per key), then their values.
+        let mut bytes = Vec::new();
+        for k in &full {
+            encode_query(&Query::Check(vec![k.as_slice()]), &mut bytes);
+        }
+        let present = self.exchange(&bytes, bound, |s| {
+            (0..full.len())
+                .map(|_| Ok(read_u8(s)? == READY))
+                .collect::<io::Result<Vec<bool>>>()
+        })?;
+        let wanted: Vec<&[u8]> = full
+            .iter()
+            .zip(&present)
+            .filter(|(_, p)| **p)
+            .map(|(k, _)| k.as_slice())
+            .collect();
+        let mut values = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            let mut q = Vec::new();
+            encode_query(&Query::MultiGet(wanted.clone()), &mut q);
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.exchange(&q, left, |s| {
+                (0..wanted.len()).map(|_| read_value(s)).collect()
+            })?
+        }
+        .into_iter();
+        Ok(present
+            .into_iter()
+            .map(|p| if p { values.next() } else { None })
+            .collect())
+    }
+
     fn set_within(&self, key: &str, value: &[u8], bound: Duration) -> Result<()> {
         let k = self.key(key)?;
         let mut bytes = Vec::new();

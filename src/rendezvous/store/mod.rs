@@ -48,6 +48,17 @@ pub trait Store: Send + Sync {
     fn duplicated_ranks(&self, _size: usize) -> Vec<usize> {
         Vec::new()
     }
+    /// The values of `keys` that exist (None for the others), giving up
+    /// after `bound` in all (for reads on an error path, which must not
+    /// hang on a store whose host stopped).
+    fn read_within(&self, keys: &[&str], _bound: Duration) -> Result<Vec<Option<Vec<u8>>>> {
+        keys.iter()
+            .map(|k| match self.check(&[k])? {
+                true => self.get(k, Duration::from_secs(1)).map(Some),
+                false => Ok(None),
+            })
+            .collect()
+    }
     /// `set`, giving up after `bound` (for writes that must not hold up
     /// their caller, such as the flight recorder's).
     fn set_within(&self, key: &str, value: &[u8], _bound: Duration) -> Result<()> {
