@@ -288,7 +288,9 @@ rdist_result_t rdist_options_create(rdist_options_t **out);
  * algo, timeout_ms, local_rank, device, ifname, auth_token, debug,
  * trace_file, single_copy_min (bytes from which shared-memory payloads are
  * read straight from the sender's memory, auto or off; default auto: from
- * 4 MiB when the ranks on a host outnumber its cores, else off). Unknown
+ * 4 MiB when the ranks on a host outnumber its cores, else off), host_id
+ * (ranks with equal ids share memory; default: hostname, boot id and
+ * network namespace). Unknown
  * keys and unparsable values give
  * RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
  * option wins over its environment variable.

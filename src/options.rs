@@ -167,6 +167,10 @@ pub struct Options {
     /// Which shared-memory payloads travel single-copy (process_vm_readv)
     /// instead of through the rings.
     pub single_copy_min: SingleCopy,
+    /// Which ranks share a host (and so shared memory): by default the
+    /// hostname, boot id and network namespace; set for containers that
+    /// share memory across those, or to keep ranks apart.
+    pub host_id: Option<String>,
     /// Developers' tuning (environment only).
     pub tuning: Tuning,
     /// Keys set explicitly (they win over the environment).
@@ -187,6 +191,7 @@ impl Default for Options {
             debug: LogLevel::Warn,
             trace_file: None,
             single_copy_min: SingleCopy::Auto,
+            host_id: None,
             tuning: Tuning::default(),
             explicit: Vec::new(),
         }
@@ -194,7 +199,7 @@ impl Default for Options {
 }
 
 /// Each key with the environment variable that supplies it.
-pub const KEYS: [(&str, &str); 11] = [
+pub const KEYS: [(&str, &str); 12] = [
     ("backend", "RDIST_BACKEND"),
     ("transport", "RDIST_TRANSPORT"),
     ("algo", "RDIST_ALGO"),
@@ -206,6 +211,7 @@ pub const KEYS: [(&str, &str); 11] = [
     ("debug", "RDIST_DEBUG"),
     ("trace_file", "RDIST_TRACE_FILE"),
     ("single_copy_min", "RDIST_SINGLE_COPY_MIN"),
+    ("host_id", "RDIST_HOST_ID"),
 ];
 
 impl Options {
@@ -328,6 +334,12 @@ impl Options {
                             .map_err(|_| bad("a number of bytes, auto or off"))?,
                     ),
                 }
+            }
+            "host_id" => {
+                if v.contains(char::is_whitespace) {
+                    return Err(bad("a host id without spaces"));
+                }
+                self.host_id = Some(v.to_string()).filter(|h| !h.is_empty());
             }
             _ => return Err(Error::internal(format!("option key '{key}' not handled"))),
         }

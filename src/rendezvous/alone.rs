@@ -2,7 +2,7 @@
 //! of 1, as an MPI program started without mpirun does, hosting no store.
 
 use super::store::Store;
-use super::{hostname, unique_id, Joined};
+use super::{unique_id, Joined};
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{LogLevel, Options};
@@ -36,7 +36,7 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
             job,
             comm_id: 0,
             addrs: vec![addr],
-            hosts: vec![hostname()],
+            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id)],
         },
         listener,
         store: Arc::new(OwnStore::default()),

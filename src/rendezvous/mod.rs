@@ -89,6 +89,24 @@ fn store_address(host: &str, master: SocketAddr) -> SocketAddr {
     }
 }
 
+/// Which machine, and which network namespace on it, this process is in:
+/// ranks with equal ids share memory. The hostname alone says too little
+/// (network namespaces or containers on one machine share it and may not
+/// share memory, or must not be told apart from other hosts).
+pub(crate) fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|b| b.trim().chars().take(8).collect::<String>())
+        .unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .ok()
+        .and_then(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("net:[")?.strip_suffix(']')?.to_string())
+        })
+        .unwrap_or_default();
+    format!("{}/{boot}/{netns}", hostname())
+}
+
 fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
     match ip {
         IpAddr::V4(_) => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port),
@@ -236,7 +254,7 @@ fn join_hosting(
     let addr = listener
         .local_addr()
         .map_err(|e| Error::system("local_addr", &e))?;
-    let host = hostname();
+    let host = opts.host_id.clone().unwrap_or_else(host_id);
     let me = format!("{size} {addr} {host} {}", std::process::id());
     store.set(&format!("rank/{rank}"), me.as_bytes())?;
 
