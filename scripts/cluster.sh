@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A cluster on one machine: N "hosts", each a network namespace with one
+# interface (eth0, 10.77.<net>.<10+k>/24) on a bridge that lives in a
+# namespace of its own (nothing is added to the machine's own network).
+# Needs root (ip, tc).
+#
+#   scripts/cluster.sh up N [--rate R] [--burst B] [--delay D] [--loss L] [--name NAME]
+#       makes hosts NAME-h0 .. NAME-h<N-1>; --rate shapes each host's
+#       link both ways (tc tbf, e.g. 1gbit; --burst, default 256kb);
+#       --delay/--loss add netem delay and loss where the kernel has netem
+#       (this says so and fails where it has not)
+#   scripts/cluster.sh run [--name NAME] -- COMMAND [ARGS...]
+#       runs COMMAND in every host at once, with CLUSTER_HOSTS (N),
+#       CLUSTER_HOST (k), CLUSTER_ADDR (its address) and CLUSTER_MASTER
+#       (host 0's address) set, each host's output prefixed [host k];
+#       exits with the first failing host's status
+#   scripts/cluster.sh exec K [--name NAME] -- COMMAND [ARGS...]
+#       runs COMMAND in host K
+#   scripts/cluster.sh link K up|down [--name NAME]
+#       takes host K's link down or up (a pulled cable)
+#   scripts/cluster.sh down [--name NAME]
+#       removes every namespace of the cluster (and with them every link)
+#   scripts/cluster.sh addr K [--name NAME]
+#       prints host K's address
+#
+# NAME defaults to "rdc"; the subnet is derived from it, so clusters with
+# different names can exist side by side (parallel tests).
+set -euo pipefail
+
+die() { echo "cluster.sh: $*" >&2; exit 2; }
+
+name=rdc
+cmd=${1:-}; [ -n "$cmd" ] || die "usage: cluster.sh up|run|exec|link|down|addr ... (see the header)"
+shift
+
+subnet() {  # a /24 per name: 10.77.<1..250>.0
+  local h; h=$(printf '%s' "$name" | cksum | cut -d' ' -f1)
+  echo "10.77.$(( h % 250 + 1 ))"
+}
+hosts() { ip netns list | awk '{print $1}' | grep -E "^${name}-h[0-9]+$" | sort -t h -k2 -n || true; }
+count() { hosts | wc -l; }
+addr() { echo "$(subnet).$(( 10 + $1 ))"; }
+
+case "$cmd" in
+  up)
+    n=${1:-}; [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "up needs a host count (1..200)"
+    shift
+    rate="" burst=256kb delay="" loss=""
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --rate) rate=$2; shift 2 ;;
+        --burst) burst=$2; shift 2 ;;
+        --delay) delay=$2; shift 2 ;;
+        --loss) loss=$2; shift 2 ;;
+        --name) name=$2; shift 2 ;;
+        *) die "unknown option $1" ;;
+      esac
+    done
+    [ -z "$(hosts)" ] || die "a cluster named $name exists (cluster.sh down --name $name)"
+    sw="${name}-sw"
+    ip netns add "$sw"
+    ip -n "$sw" link add br0 type bridge
+    ip -n "$sw" link set br0 up
+    ip -n "$sw" link set lo up
+    for k in $(seq 0 $(( n - 1 ))); do
+      h="${name}-h$k"
+      ip netns add "$h"
+      ip -n "$h" link set lo up
+      # The veth is made in the host's namespace, its peer moved to the switch.
+      ip -n "$h" link add eth0 type veth peer name "p$k" netns "$sw"
+      ip -n "$sw" link set "p$k" master br0
+      ip -n "$sw" link set "p$k" up
+      ip -n "$h" addr add "$(addr "$k")/24" dev eth0
+      ip -n "$h" link set eth0 up
+      if [ -n "$rate" ]; then
+        # Egress of the host, and egress of its switch port (the host's ingress).
+        ip netns exec "$h" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+        ip netns exec "$sw" tc qdisc add dev "p$k" root tbf rate "$rate" burst "$burst" latency 50ms
+      fi
+      if [ -n "$delay$loss" ]; then
+        args=()
+        [ -z "$delay" ] || args+=(delay "$delay")
+        [ -z "$loss" ] || args+=(loss "$loss")
+        parent=(root)
+        [ -z "$rate" ] || parent=(parent 1:1)
+        if [ -n "$rate" ]; then
+          ip netns exec "$h" tc qdisc replace dev eth0 root handle 1: tbf rate "$rate" burst "$burst" latency 50ms
+        fi
+        if ! ip netns exec "$h" tc qdisc add dev eth0 "${parent[@]}" handle 10: netem "${args[@]}" 2>/dev/null; then
+          bash "$0" down --name "$name"
+          die "this kernel has no netem qdisc (sch_netem): --delay and --loss are not available here"
+        fi
+      fi
+    done
+    echo "cluster $name: $n hosts, $(subnet).10-$(( 9 + n ))${rate:+, links $rate}"
+    ;;
+  run)
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+      case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
+    done
+    [ "${1:-}" = "--" ] && shift || die "run needs -- COMMAND"
+    n=$(count); [ "$n" -ge 1 ] || die "no cluster named $name (cluster.sh up N --name $name)"
+    pids=()
+    for k in $(seq 0 $(( n - 1 ))); do
+      ( ip netns exec "${name}-h$k" env CLUSTER_HOSTS="$n" CLUSTER_HOST="$k" \
+          CLUSTER_ADDR="$(addr "$k")" CLUSTER_MASTER="$(addr 0)" "$@" 2>&1 \
+          | sed -u "s/^/[host $k] /"; exit "${PIPESTATUS[0]}" ) &
+      pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do
+      if ! wait "$pid"; then rc=$?; [ "$status" -ne 0 ] || status=$rc; fi
+    done
+    exit "$status"
+    ;;
+  exec)
+    k=${1:-}; [[ "$k" =~ ^[0-9]+$ ]] || die "exec needs a host index"
+    shift
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+      case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
+    done
+    [ "${1:-}" = "--" ] && shift || die "exec needs -- COMMAND"
+    exec ip netns exec "${name}-h$k" env CLUSTER_HOSTS="$(count)" CLUSTER_HOST="$k" \
+      CLUSTER_ADDR="$(addr "$k")" CLUSTER_MASTER="$(addr 0)" "$@"
+    ;;
+  link)
+    k=${1:-}; state=${2:-}
+    [[ "$k" =~ ^[0-9]+$ ]] && [[ "$state" =~ ^(up|down)$ ]] || die "link needs K up|down"
+    shift 2
+    while [ $# -gt 0 ]; do
+      case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
+    done
+    ip -n "${name}-sw" link set "p$k" "$state"
+    ;;
+  addr)
+    k=${1:-}; [[ "$k" =~ ^[0-9]+$ ]] || die "addr needs a host index"
+    shift
+    while [ $# -gt 0 ]; do
+      case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
+    done
+    addr "$k"
+    ;;
+  down)
+    while [ $# -gt 0 ]; do
+      case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
+    done
+    for h in $(hosts) "${name}-sw"; do
+      ip netns del "$h" 2>/dev/null || true
+    done
+    ;;
+  *) die "unknown command $cmd (up, run, exec, link, addr, down)" ;;
+esac

@@ -1,0 +1,154 @@
+//! Across hosts, on one machine: a cluster of network namespaces joined by
+//! a bridge (scripts/cluster.sh), one `rdistrun --nnodes N --node-rank k`
+//! per host, the real launcher and a C program through env://. Needs root
+//! and network namespaces; without them the tests print `skipped:`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cluster.sh")
+}
+
+fn bin_dir() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_rdistrun"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Whether this machine lets us make namespaces (root, ip, a kernel with them).
+fn namespaces_available() -> bool {
+    let probe = format!("rdprobe{}", std::process::id());
+    let made = Command::new("ip")
+        .args(["netns", "add", &probe])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if made {
+        let _ = Command::new("ip").args(["netns", "del", &probe]).output();
+    }
+    made
+}
+
+macro_rules! need_namespaces {
+    () => {
+        if !namespaces_available() {
+            println!("skipped: cannot create network namespaces here (needs root and `ip`)");
+            return;
+        }
+    };
+}
+
+/// A cluster that is torn down when dropped.
+struct Cluster {
+    name: String,
+}
+
+impl Cluster {
+    fn up(tag: &str, hosts: usize, extra: &[&str]) -> Cluster {
+        let name = format!("rd{tag}{}", std::process::id() % 10000);
+        let out = Command::new("bash")
+            .arg(script())
+            .args(["up", &hosts.to_string(), "--name", &name])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster up: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Cluster { name }
+    }
+
+    /// Runs `command` (a shell line) on every host; returns (success, output).
+    fn run(&self, command: &str, limit: Duration) -> (bool, String) {
+        let out = common::output_within(
+            Command::new("bash")
+                .arg(script())
+                .args(["run", "--name", &self.name, "--", "sh", "-c", command])
+                .env("LD_LIBRARY_PATH", bin_dir()),
+            limit,
+            "cluster.sh run",
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    }
+
+    fn namespaces(name: &str) -> Vec<String> {
+        let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| n.starts_with(&format!("{name}-")))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(script())
+            .args(["down", "--name", &self.name])
+            .output();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn three_hosts_run_a_job_and_leave_nothing_behind() {
+    need_namespaces!();
+    let prog = std::env::temp_dir().join(format!("rdist-cluster-ranks-{}", std::process::id()));
+    common::compile_c("tests/c/rdistrun_ranks.c", &prog, &bin_dir());
+    let cluster = Cluster::up("c", 3, &["--rate", "1gbit"]);
+    let name = cluster.name.clone();
+    assert_eq!(
+        Cluster::namespaces(&name).len(),
+        4,
+        "3 hosts and the switch"
+    );
+    let command = format!(
+        "RDIST_DEBUG=INFO exec {}/rdistrun --nnodes 3 --node-rank $CLUSTER_HOST \
+         --nproc-per-node 2 --master-addr $CLUSTER_MASTER --master-port {} \
+         --auth-token cluster-secret {} alone 1.5 2",
+        bin_dir().display(),
+        free_port(),
+        prog.display()
+    );
+    let (ok, text) = cluster.run(&command, Duration::from_secs(120));
+    assert!(ok, "the job failed:\n{text}");
+    for rank in 0..6 {
+        assert!(
+            text.contains(&format!("rank {rank} size 6 sum 9 12")),
+            "rank {rank} did not print its sum:\n{text}"
+        );
+    }
+    // Each host's two ranks are on one host id; the hosts are apart (their
+    // namespaces differ, though the hostname is the same): TCP between.
+    let joined: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("joined 6 ranks"))
+        .collect();
+    assert_eq!(joined.len(), 6, "{text}");
+    for line in joined {
+        assert!(line.contains("over tcp, 2 ranks on"), "{line}");
+    }
+    drop(cluster);
+    let _ = std::fs::remove_file(&prog);
+    assert!(
+        Cluster::namespaces(&name).is_empty(),
+        "namespaces left behind"
+    );
+}
