@@ -57,6 +57,8 @@ case "$cmd" in
       esac
     done
     [ -z "$(hosts)" ] || die "a cluster named $name exists (cluster.sh down --name $name)"
+    # Half a cluster is no cluster: undo it on any failure.
+    trap 'bash "$0" down --name "$name"; echo "cluster.sh: up failed; removed what was made" >&2' ERR
     sw="${name}-sw"
     ip netns add "$sw"
     ip -n "$sw" link add br0 type bridge
@@ -66,8 +68,14 @@ case "$cmd" in
       h="${name}-h$k"
       ip netns add "$h"
       ip -n "$h" link set lo up
-      # The veth is made in the host's namespace, its peer moved to the switch.
-      ip -n "$h" link add eth0 type veth peer name "p$k" netns "$sw"
+      # The veth is made in the host's namespace, its peer moved to the
+      # switch (retried: namespaces made at the same moment by another
+      # cluster can make the peer's reference briefly invalid).
+      for try in 1 2 3 4 5; do
+        ip -n "$h" link add eth0 type veth peer name "p$k" netns "$sw" 2>/dev/null && break
+        [ "$try" -lt 5 ] || ip -n "$h" link add eth0 type veth peer name "p$k" netns "$sw"
+        sleep 0.2
+      done
       ip -n "$sw" link set "p$k" master br0
       ip -n "$sw" link set "p$k" up
       ip -n "$h" addr add "$(addr "$k")/24" dev eth0
@@ -109,7 +117,7 @@ case "$cmd" in
     done
     status=0
     for pid in "${pids[@]}"; do
-      if ! wait "$pid"; then rc=$?; [ "$status" -ne 0 ] || status=$rc; fi
+      wait "$pid" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
     done
     exit "$status"
     ;;

@@ -22,7 +22,9 @@ fn bin_dir() -> PathBuf {
 
 /// Whether this machine lets us make namespaces (root, ip, a kernel with them).
 fn namespaces_available() -> bool {
-    let probe = format!("rdprobe{}", std::process::id());
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = format!("rdprobe{}-{n}", std::process::id());
     let made = Command::new("ip")
         .args(["netns", "add", &probe])
         .output()
@@ -151,4 +153,62 @@ fn three_hosts_run_a_job_and_leave_nothing_behind() {
         Cluster::namespaces(&name).is_empty(),
         "namespaces left behind"
     );
+}
+
+/// A link pulled in the middle of a job (host 2's cable): every rank on
+/// every host fails within the timeout, each says what it could see (the
+/// far side: the store did not answer; the near side: the ranks behind
+/// the link published nothing), and every rdistrun exits.
+#[test]
+fn a_pulled_link_fails_every_rank_on_every_host() {
+    need_namespaces!();
+    let cluster = Cluster::up("p", 3, &[]);
+    let puller = {
+        let name = cluster.name.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(4));
+            Command::new("bash")
+                .arg(script())
+                .args(["link", "2", "down", "--name", &name])
+                .output()
+                .unwrap()
+        })
+    };
+    let command = format!(
+        "RDIST_TIMEOUT_MS=5000 exec {bin}/rdistrun --nnodes 3 --node-rank $CLUSTER_HOST \
+         --nproc-per-node 2 --master-addr $CLUSTER_MASTER --master-port {port} \
+         --auth-token t --report-s 8 {bin}/rdist-bench --op allreduce --min-bytes 64K \
+         --max-bytes 64K --seconds 1 --reps 100 --no-check",
+        bin = bin_dir().display(),
+        port = free_port()
+    );
+    let start = std::time::Instant::now();
+    let (ok, text) = cluster.run(&command, Duration::from_secs(90));
+    let took = start.elapsed();
+    assert!(puller.join().unwrap().status.success());
+    assert!(!ok, "the job went on without host 2:\n{text}");
+    assert!(took < Duration::from_secs(30), "took {took:?}:\n{text}");
+    for host in 0..3 {
+        assert!(
+            text.contains(&format!("[host {host}] rdistrun: rank")),
+            "host {host}'s rdistrun did not report:\n{text}"
+        );
+    }
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("] [rank ") && l.contains("rdist-bench: rank"))
+        .collect();
+    assert_eq!(errors.len(), 6, "every rank reports:\n{text}");
+    for line in errors {
+        // Behind the link the store cannot be reached; on the near side the
+        // ranks behind it published nothing (or, once rank 0 has exited
+        // with its own report, its store is gone too).
+        let store_gone = line.contains("could not say what the other ranks last did");
+        let says = if line.starts_with("[host 2]") {
+            store_gone
+        } else {
+            line.contains("ranks 4, 5 published nothing") || store_gone
+        };
+        assert!(says, "{line}");
+    }
 }
