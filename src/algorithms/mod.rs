@@ -100,6 +100,12 @@ const SMALL_ALLREDUCE_BYTES: usize = 64 << 10;
 /// bandwidth, which the chain's extra copies spend (10-14 ms against 7-12).
 const CHAIN_BROADCAST_BYTES: usize = 16 << 20;
 
+/// Between hosts the links, not the cores, are the bound, and the chain
+/// wins from far smaller messages: 3 hosts on 1 Gbit/s links (tbf),
+/// busbw 0.116-0.118 GB/s from 64 KiB to 16 MiB, the tree 0.060 at every
+/// size (its root sends everything twice).
+const CHAIN_ACROSS_HOSTS_BYTES: usize = 64 << 10;
+
 /// Large allreduces over TCP with a power-of-two world of 4 or more go by
 /// halving-doubling: the ring's bytes in fewer steps, each within a pair
 /// (measured, 4 ranks over loopback TCP: 16 MiB 41.7-47.7 ms against
@@ -110,13 +116,16 @@ const CHAIN_BROADCAST_BYTES: usize = 16 << 20;
 const HALVING_DOUBLING_TCP_BYTES: usize = 4 << 20;
 
 /// Picks the algorithm for an operation; `forced` wins where it applies.
-/// `over_tcp`: the ranks talk through TCP (not shared memory).
+/// `over_tcp`: the ranks talk through TCP (not shared memory);
+/// `across_hosts`: some of them are on other hosts, so the network, not
+/// the cores, is the bound.
 pub fn choose(
     kind: OpKind,
     bytes: usize,
     size: usize,
     forced: Option<Algo>,
     over_tcp: bool,
+    across_hosts: bool,
 ) -> Algo {
     let options = Algo::candidates(kind);
     if let Some(f) = forced.filter(|f| options.contains(f)) {
@@ -138,6 +147,9 @@ pub fn choose(
             Algo::HalvingDoubling
         }
         OpKind::Broadcast if over_tcp && size >= 3 && bytes >= CHAIN_BROADCAST_BYTES => Algo::Chain,
+        OpKind::Broadcast if across_hosts && size >= 3 && bytes >= CHAIN_ACROSS_HOSTS_BYTES => {
+            Algo::Chain
+        }
         _ => options[0],
     }
 }
@@ -300,46 +312,55 @@ mod tests {
     #[test]
     fn forced_algorithms_apply_only_where_they_can() {
         assert_eq!(
-            choose(OpKind::AllReduce, 8, 4, None, false),
+            choose(OpKind::AllReduce, 8, 4, None, false, false),
             Algo::RecursiveDoubling
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 64 << 20, 4, None, false),
+            choose(OpKind::AllReduce, 64 << 20, 4, None, false, false),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring), false),
+            choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring), false, false),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 4 << 20, 4, None, true),
+            choose(OpKind::AllReduce, 4 << 20, 4, None, true, false),
             Algo::HalvingDoubling
         );
         for (bytes, size) in [(4 << 20, 6), (4 << 20, 2), (1 << 20, 4)] {
             assert_eq!(
-                choose(OpKind::AllReduce, bytes, size, None, true),
+                choose(OpKind::AllReduce, bytes, size, None, true, false),
                 Algo::Ring,
                 "{bytes} B, {size} ranks"
             );
         }
         assert_eq!(
-            choose(OpKind::AllReduce, 4 << 20, 8, Some(Algo::Ring), true),
+            choose(OpKind::AllReduce, 4 << 20, 8, Some(Algo::Ring), true, false),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring), false),
+            choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring), false, false),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, true),
+            choose(OpKind::Broadcast, 64 << 20, 4, None, true, false),
             Algo::Chain
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, false),
+            choose(OpKind::Broadcast, 64 << 20, 4, None, false, false),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 2, None, true),
+            choose(OpKind::Broadcast, 64 << 20, 2, None, true, false),
+            Algo::Binomial
+        );
+        // Between hosts the chain from 64 KiB (3+ ranks); small ones stay on the tree.
+        assert_eq!(
+            choose(OpKind::Broadcast, 64 << 10, 3, None, true, true),
+            Algo::Chain
+        );
+        assert_eq!(
+            choose(OpKind::Broadcast, 8 << 10, 3, None, true, true),
             Algo::Binomial
         );
         assert_eq!(Algo::parse("RD").unwrap(), Algo::RecursiveDoubling);

@@ -64,6 +64,8 @@ pub struct SocketBackend {
     transport_name: &'static str,
     /// For the log: the transport and what was decided for it.
     transport_detail: String,
+    /// Some ranks are on other hosts (the network is the bound).
+    across_hosts: bool,
     rank: usize,
     size: usize,
     roster: Roster,
@@ -198,6 +200,7 @@ impl SocketBackend {
             };
         }
         Ok(SocketBackend {
+            across_hosts: !same_host,
             transport_name: attached.name,
             transport_detail,
             transport: StreamTransport::new(
@@ -289,7 +292,14 @@ impl SocketBackend {
 
     fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
         let over_tcp = self.transport_name == "tcp";
-        let algo = algorithms::choose(desc.kind, bytes, self.size, self.settings.forced, over_tcp);
+        let algo = algorithms::choose(
+            desc.kind,
+            bytes,
+            self.size,
+            self.settings.forced,
+            over_tcp,
+            self.across_hosts,
+        );
         desc.algo = algo as u8;
         (desc, algo)
     }
