@@ -137,15 +137,19 @@ fn three_hosts_run_a_job_and_leave_nothing_behind() {
             "rank {rank} did not print its sum:\n{text}"
         );
     }
-    // Each host's two ranks are on one host id; the hosts are apart (their
-    // namespaces differ, though the hostname is the same): TCP between.
+    // Each host's two ranks share one host id, and memory; the hosts are
+    // apart (their namespaces differ, though the hostname is the same):
+    // one communicator, shared memory inside a host and TCP between.
     let joined: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("joined 6 ranks"))
         .collect();
     assert_eq!(joined.len(), 6, "{text}");
     for line in joined {
-        assert!(line.contains("over tcp, 2 ranks on"), "{line}");
+        assert!(
+            line.contains("over shared memory on this host, tcp to the others, 2 ranks on"),
+            "{line}"
+        );
     }
     drop(cluster);
     let _ = std::fs::remove_file(&prog);

@@ -160,10 +160,15 @@ impl SocketBackend {
             .map_err(|e| Error::system("keeping the listener", &e))?;
         let early_p2p = mesh.early_p2p;
         let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
-        let want_shm = same_host && settings.transport == TransportKind::Auto;
+        // Shared memory with the ranks of this host, TCP with the others.
+        let local: Vec<bool> = (0..size)
+            .map(|p| p != rank && roster.hosts[p] == roster.hosts[rank])
+            .collect();
+        let want_shm = settings.transport == TransportKind::Auto;
         let attached = shm::attach(
             rank,
             streams,
+            &local,
             &roster.job,
             roster.comm_id,
             want_shm,
@@ -213,6 +218,7 @@ impl SocketBackend {
                     spin: settings.spin,
                     yield_when_idle: oversubscribed,
                     single_copy_min,
+                    mixed: attached.mixed,
                 },
             ),
             rank,

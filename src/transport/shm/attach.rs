@@ -70,9 +70,19 @@ pub type P2pPair = (Box<dyn Channel>, Box<dyn Channel>);
 /// Per peer (out, in), and the doorbell (see `Attached::p2p`).
 pub type P2pChannels = (Vec<Option<P2pPair>>, Doorbell);
 
+fn tcp_channel(stream: TcpStream) -> Result<Box<dyn Channel>> {
+    stream
+        .set_nonblocking(true)
+        .map_err(|e| Error::system("set_nonblocking", &e))?;
+    Ok(Box::new(crate::transport::channel::TcpChannel(stream)))
+}
+
 /// Channels to every peer, and what this rank sleeps on while waiting.
 pub struct Attached {
     pub channels: Vec<Option<Box<dyn Channel>>>,
+    /// Shared memory to some peers and TCP to others: waits must also
+    /// look at sockets, which no doorbell wakes for.
+    pub mixed: bool,
     /// "shared memory" or "tcp".
     pub name: &'static str,
     /// This rank's doorbell (shared memory only).
@@ -86,20 +96,36 @@ pub struct Attached {
     pub p2p: Option<P2pChannels>,
 }
 
-/// Turns the mesh's TCP streams into channels: shared-memory rings when
-/// `use_shm` (every rank on this host) and every rank manages to map the
-/// segments, TCP otherwise.
+/// Turns the mesh's TCP streams into channels: shared-memory rings to the
+/// peers on this host (`local`) when `use_shm` and every rank of the host
+/// manages to map the segments, TCP to the others (and to all of them
+/// otherwise). The ranks of one host agree among themselves only, over
+/// their own streams, so hosts never wait for one another here.
 pub fn attach(
     rank: usize,
-    mut streams: Vec<Option<TcpStream>>,
+    all_streams: Vec<Option<TcpStream>>,
+    local: &[bool],
     job: &[u8; 16],
     comm_id: u64,
     use_shm: bool,
     tuning: ShmTuning,
 ) -> Result<Attached> {
-    let size = streams.len();
+    let size = all_streams.len();
     let io_err = |e: io::Error| Error::system("agreeing on shared memory with the peers", &e);
-    if use_shm && size > 1 {
+    // Near: the peers on this host; far: the others.
+    let mut streams: Vec<Option<TcpStream>> = Vec::with_capacity(size);
+    let mut far: Vec<Option<TcpStream>> = Vec::with_capacity(size);
+    for (peer, s) in all_streams.into_iter().enumerate() {
+        if local.get(peer).copied().unwrap_or(false) {
+            streams.push(s);
+            far.push(None);
+        } else {
+            streams.push(None);
+            far.push(s);
+        }
+    }
+    let any_near = streams.iter().any(Option::is_some);
+    if use_shm && any_near {
         let mine_name = segment_name(job, comm_id, rank);
         // Slots 0..size: the collectives' rings; size..2*size: point-to-
         // point messages from lower to higher ranks (and the context's
@@ -111,7 +137,7 @@ pub fn attach(
         let mut opened = created;
         if created {
             for (peer, slot) in theirs.iter_mut().enumerate() {
-                if peer != rank {
+                if peer != rank && streams[peer].is_some() {
                     match Segment::map(&segment_name(job, comm_id, peer), 3 * size, false) {
                         Ok(seg) => *slot = Some(Arc::new(seg)),
                         Err(_) => opened = false,
@@ -133,9 +159,13 @@ pub fn attach(
             let mine = Arc::new(mine);
             let mut p2p: Vec<Option<P2pPair>> = (0..size).map(|_| None).collect();
             let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
-            for (peer, s) in streams.into_iter().enumerate() {
+            let mixed = far.iter().any(Option::is_some);
+            for (peer, (s, remote)) in streams.into_iter().zip(far).enumerate() {
                 let Some(stream) = s else {
-                    channels.push(None);
+                    channels.push(match remote {
+                        Some(stream) => Some(tcp_channel(stream)?),
+                        None => None,
+                    });
                     continue;
                 };
                 let theirs = theirs[peer].as_ref().expect("mapped above");
@@ -167,7 +197,12 @@ pub fn attach(
             }
             return Ok(Attached {
                 channels,
-                name: "shared memory",
+                name: if mixed {
+                    "shared memory on this host, tcp to the others"
+                } else {
+                    "shared memory"
+                },
+                mixed,
                 doorbell: Some(mine.doorbell(rank, asymmetric)),
                 single_copy: pids.is_some(),
                 p2p: Some((p2p, mine.doorbell(size + rank, asymmetric))),
@@ -175,20 +210,16 @@ pub fn attach(
         }
     }
     let mut channels: Vec<Option<Box<dyn Channel>>> = Vec::with_capacity(size);
-    for s in streams {
-        channels.push(match s {
-            Some(stream) => {
-                stream
-                    .set_nonblocking(true)
-                    .map_err(|e| Error::system("set_nonblocking", &e))?;
-                Some(Box::new(crate::transport::channel::TcpChannel(stream)))
-            }
+    for (near, remote) in streams.into_iter().zip(far) {
+        channels.push(match near.or(remote) {
+            Some(stream) => Some(tcp_channel(stream)?),
             None => None,
         });
     }
     Ok(Attached {
         channels,
         name: "tcp",
+        mixed: false,
         doorbell: None,
         single_copy: false,
         p2p: None,

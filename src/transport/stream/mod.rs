@@ -39,6 +39,9 @@ pub struct StreamTransport {
     spin: Duration,
     /// What this rank sleeps on when its peers are in shared memory.
     doorbell: Option<Doorbell>,
+    /// Some peers over TCP beside the shared memory: no doorbell rings
+    /// for them, so naps on the doorbell are kept short.
+    mixed: bool,
     /// Yield the core between spins (when ranks outnumber cores).
     yield_when_idle: bool,
     /// Payloads at least this large travel single-copy where the channel
@@ -190,6 +193,8 @@ pub struct Tuning {
     /// Payloads from this size travel single-copy where the channel allows;
     /// usize::MAX: never.
     pub single_copy_min: usize,
+    /// Shared memory to some peers and TCP to others (see `doze`).
+    pub mixed: bool,
 }
 
 impl StreamTransport {
@@ -207,6 +212,7 @@ impl StreamTransport {
             spin,
             yield_when_idle,
             single_copy_min,
+            mixed,
         } = tuning;
         let size = channels.len();
         let conns = channels
@@ -238,6 +244,7 @@ impl StreamTransport {
             doorbell,
             yield_when_idle,
             single_copy_min,
+            mixed,
             read_ahead_after: READ_AHEAD_AFTER,
             moved: 0,
             progress: Progress::default(),

@@ -217,9 +217,16 @@ impl StreamTransport {
             bell.done();
             return checked;
         }
+        // Peers over TCP ring no doorbell: with some, nap briefly and
+        // look at their sockets again (the pass above reads them all).
+        let longest = if self.mixed {
+            Duration::from_micros(200)
+        } else {
+            Duration::from_millis(20)
+        };
         let nap = deadline
             .saturating_duration_since(Instant::now())
-            .min(Duration::from_millis(20));
+            .min(longest);
         bell.sleep(seen, nap);
         Ok(())
     }
@@ -283,6 +290,7 @@ mod tests {
                     spin: Duration::from_micros(50),
                     yield_when_idle: true,
                     single_copy_min: usize::MAX,
+                    mixed: false,
                 };
                 StreamTransport::new(rank, c, None, Arc::new(AbortSignal::new().unwrap()), tuning)
             })
