@@ -5,8 +5,10 @@
 //!
 //! Every exchange has three messages: the connecting side sends its nonce,
 //! the answering side its nonce and its proof, the connecting side its
-//! proof. The answering side proves first, so a client learns that it
-//! reached the real job before it shows anything.
+//! proof. The answering side proves first, so a client shows nothing to a
+//! stranger that does not know the token. Proofs are not bound to the
+//! connection (there is no TLS): someone on the network path could relay
+//! a handshake between two real parties, though never learn the token.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -85,7 +85,8 @@ pub(crate) fn explain_timeout(
     size: usize,
     board: &Board,
 ) -> Error {
-    let Some((kind, seq)) = board.snapshot().current.or(board.snapshot().last) else {
+    let snapshot = board.snapshot();
+    let Some((kind, seq)) = snapshot.current.or(snapshot.last) else {
         return e;
     };
     let now = unix_ms(SystemTime::now());

@@ -169,12 +169,15 @@ impl Greeting {
 
     /// How many bytes the current step needs in all.
     fn wanted(&self, token: Option<&Token>) -> usize {
-        if self.received.len() < HELLO_BYTES || token.is_none() {
+        if self.received.len() < HELLO_BYTES || self.received[HELLO_AUTH_FLAG] != 1 {
+            // No nonce follows a hello without the flag.
             return HELLO_BYTES;
         }
-        match self.ours {
-            None => HELLO_BYTES + NONCE_BYTES,
-            Some(_) => HELLO_BYTES + NONCE_BYTES + PROOF_BYTES,
+        // With the flag a nonce follows; it is read even when this side has
+        // no token, so that the answer is not lost to a reset on close.
+        match (token, self.ours) {
+            (None, _) | (Some(_), None) => HELLO_BYTES + NONCE_BYTES,
+            (Some(_), Some(_)) => HELLO_BYTES + NONCE_BYTES + PROOF_BYTES,
         }
     }
 
@@ -253,5 +256,83 @@ impl Greeting {
         hello[HELLO_AUTH_FLAG] = 0;
         let _ = self.stream.set_nonblocking(false);
         (hello, self.stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// An answering side with `token` greets one connection from a side
+    /// with `theirs`; returns (the answering side's verdict, the
+    /// connecting side's result).
+    fn meet(token: Option<&str>, theirs: Option<&str>) -> (bool, Result<(), Refusal>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let theirs = theirs.map(Token::new);
+        let dialer = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let mut hello = [0u8; HELLO_BYTES];
+            hello[0] = 7;
+            let r = introduce(
+                &mut s,
+                &hello,
+                theirs.as_ref(),
+                Instant::now() + Duration::from_secs(5),
+            );
+            if theirs.is_none() && r.is_ok() {
+                // Without a token nothing follows the hello; an answer (or
+                // a hang-up) tells what the other side made of it.
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut b = [0u8; 1];
+                return match s.read(&mut b) {
+                    Ok(1) => describe_status(b[0])
+                        .map_or(Ok(()), |why| Err(Refusal::Auth(why.to_string()))),
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(Refusal::Io(e)),
+                };
+            }
+            r
+        });
+        let (stream, _) = listener.accept().unwrap();
+        let token = token.map(Token::new);
+        let mut g = Greeting::new(stream).unwrap();
+        let start = Instant::now();
+        let ready = loop {
+            match g.advance(token.as_ref()) {
+                Greeted::Pending => {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(3),
+                        "the greeting stalled"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Greeted::Ready => break true,
+                Greeted::Dropped => break false,
+            }
+        };
+        if ready {
+            // Let a token-less dialer's read see the end.
+            drop(g.finish());
+        }
+        (ready, dialer.join().unwrap())
+    }
+
+    #[test]
+    fn each_pairing_of_tokens_ends_at_once_and_says_why() {
+        let (ok, r) = meet(Some("k"), Some("k"));
+        assert!(ok && r.is_ok());
+        let (ok, r) = meet(None, None);
+        assert!(ok && r.is_ok());
+        let (ok, r) = meet(Some("k"), Some("other"));
+        assert!(!ok);
+        assert!(matches!(r, Err(Refusal::Auth(m)) if m.contains("does not know")));
+        let (ok, r) = meet(Some("k"), None);
+        assert!(!ok);
+        assert!(matches!(r, Err(Refusal::Auth(m)) if m.contains("requires an auth token")));
+        let (ok, r) = meet(None, Some("k"));
+        assert!(!ok);
+        assert!(matches!(r, Err(Refusal::Auth(m)) if m.contains("has no auth token")));
     }
 }

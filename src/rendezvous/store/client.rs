@@ -38,6 +38,8 @@ struct Connection {
 /// threads are serialised.
 pub struct TcpStoreClient {
     addr: String,
+    /// Proved on every (re)connection.
+    token: Option<Token>,
     /// Put before every key (after torch's "/").
     prefix: String,
     /// For a client of one meeting: the prefix of the meeting counters,
@@ -78,6 +80,7 @@ impl TcpStoreClient {
                 Ok(stream) => {
                     return Ok(TcpStoreClient {
                         addr: addr.to_string(),
+                        token: token.cloned(),
                         prefix: String::new(),
                         meeting: None,
                         connection: Mutex::new(Connection {
@@ -149,9 +152,7 @@ impl TcpStoreClient {
         read: impl FnOnce(&mut TcpStream) -> io::Result<T>,
     ) -> Result<T> {
         let mut c = lock(&self.connection);
-        if let Some(err) = &c.broken {
-            return Err(err.clone());
-        }
+        self.mend(&mut c)?;
         let outcome = (|| {
             let bound = bound.max(Duration::from_millis(1));
             c.stream.set_read_timeout(Some(bound))?;
@@ -164,6 +165,25 @@ impl TcpStoreClient {
             c.broken = Some(err.clone());
             err
         })
+    }
+
+    /// A connection broken by an earlier failure (out of step after a
+    /// timeout, or lost) is made again, once per call, before giving up
+    /// with the error that broke it: the store keeps no state per
+    /// connection that a query here relies on.
+    fn mend(&self, c: &mut Connection) -> Result<()> {
+        let Some(err) = c.broken.clone() else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        match connect_once(&self.addr, deadline, self.token.as_ref()) {
+            Ok(stream) => {
+                c.stream = stream;
+                c.broken = None;
+                Ok(())
+            }
+            Err(_) => Err(err),
+        }
     }
 
     fn connection_error(&self, err: &io::Error, bound: Duration) -> Error {
@@ -580,7 +600,9 @@ impl Store for TcpStoreClient {
         } else {
             let mut q = Vec::new();
             encode_query(&Query::MultiGet(wanted.clone()), &mut q);
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(500));
             self.exchange(&q, left, |s| {
                 (0..wanted.len()).map(|_| read_value(s)).collect()
             })?
@@ -593,6 +615,10 @@ impl Store for TcpStoreClient {
     }
 
     fn set_within(&self, key: &str, value: &[u8], bound: Duration) -> Result<()> {
+        // Never wait for another thread's query: this is best effort.
+        if self.connection.try_lock().is_err() {
+            return Ok(());
+        }
         let k = self.key(key)?;
         let mut bytes = Vec::new();
         encode_query(&Query::Set(&k, self.value(key, value)?), &mut bytes);
@@ -652,9 +678,7 @@ impl Store for TcpStoreClient {
             &mut bytes,
         );
         let mut c = lock(&self.connection);
-        if let Some(err) = &c.broken {
-            return Err(err.clone());
-        }
+        self.mend(&mut c)?;
         let outcome: io::Result<bool> = (|| {
             c.stream
                 .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;

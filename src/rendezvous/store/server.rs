@@ -70,6 +70,9 @@ impl Default for Limits {
         }
     }
 }
+/// Most bytes a client may send before it is admitted (its validation,
+/// its proof of the token, a ping: under 100).
+const PRE_ADMISSION_BYTES: usize = 256;
 /// Replies waiting to be sent above which a client's further queries wait.
 const REPLY_BACKLOG: usize = 1 << 20;
 /// The listen backlog: wide jobs dial rank 0 all at once.
@@ -102,6 +105,13 @@ struct Client {
     authenticated: bool,
     /// The nonces of the challenge in progress (the client's, ours).
     nonces: Option<(Vec<u8>, [u8; auth::NONCE_BYTES])>,
+}
+
+impl Client {
+    /// Validated, and authenticated when the store has a token.
+    fn admitted(&self) -> bool {
+        self.validated && self.authenticated
+    }
 }
 
 /// A client registered as waiting for a key.
@@ -242,7 +252,7 @@ impl Server {
             .clients
             .iter()
             .flatten()
-            .filter(|c| !c.validated)
+            .filter(|c| !c.admitted())
             .count();
         if unvalidated >= self.limits.unvalidated || self.live >= self.limits.connections {
             let room = self.evict_oldest_unvalidated("more clients arrived than the store admits");
@@ -301,7 +311,8 @@ impl Server {
         self.live += 1;
     }
 
-    /// Disconnects the longest-waiting client that never validated; false
+    /// Disconnects the longest-waiting client not yet admitted (validated,
+    /// and authenticated when the store has a token); false
     /// when there is none.
     fn evict_oldest_unvalidated(&mut self, why: &str) -> bool {
         let oldest = self
@@ -310,13 +321,13 @@ impl Server {
             .enumerate()
             .filter_map(|(slot, c)| {
                 c.as_ref()
-                    .filter(|c| !c.validated)
+                    .filter(|c| !c.admitted())
                     .map(|c| (c.accepted, slot))
             })
             .min();
         match oldest {
             Some((_, slot)) => {
-                self.disconnect(slot, format!("it had not validated when {why}"));
+                self.disconnect(slot, format!("it had not been admitted when {why}"));
                 true
             }
             None => false,
@@ -343,6 +354,17 @@ impl Server {
         self.forget_wait(&client);
         self.free_slots.push(slot);
         self.live -= 1;
+    }
+
+    /// Withdraws a client's pending wait, if any.
+    fn drop_wait(&mut self, slot: usize) {
+        let Some(client) = self.clients.get_mut(slot).and_then(Option::take) else {
+            return;
+        };
+        self.forget_wait(&client);
+        let client = self.clients[slot].insert(client);
+        client.awaited.clear();
+        client.missing = 0;
     }
 
     /// Removes a client's registrations as a waiter.
@@ -393,10 +415,13 @@ impl Server {
         for (slot, client) in self.clients.iter().enumerate() {
             let Some(c) = client else { continue };
             let limits = &self.limits;
-            if !c.validated && now.duration_since(c.accepted) > limits.handshake {
+            if !c.admitted() && now.duration_since(c.accepted) > limits.handshake {
                 late.push((
                     slot,
-                    format!("it did not validate within {:?}", limits.handshake),
+                    format!(
+                        "it did not validate (and prove the token) within {:?}",
+                        limits.handshake
+                    ),
                 ));
             } else if c
                 .partial_since
@@ -452,12 +477,34 @@ impl Server {
             match client.stream.read(&mut chunk) {
                 Ok(0) => return Ok(true),
                 Ok(n) => {
+                    // Before admission only the handshake may come: a few
+                    // dozen bytes.
+                    if !client.admitted() && client.received.len() + n > PRE_ADMISSION_BYTES {
+                        return Err("it sent more than a handshake before being admitted".into());
+                    }
                     if self.arriving_bytes + n > self.limits.arriving_bytes {
-                        return Err(format!(
+                        // Make room from whoever holds the most, which is
+                        // rarely the client that happens to read now.
+                        let largest = self
+                            .clients
+                            .iter()
+                            .enumerate()
+                            .filter_map(|(i, c)| c.as_ref().map(|c| (c.received.len(), i)))
+                            .max();
+                        let why = format!(
                             "queries still arriving would hold more than {} bytes",
                             self.limits.arriving_bytes
-                        ));
+                        );
+                        match largest {
+                            Some((held, other)) if other != slot && held >= n => {
+                                self.disconnect(other, format!("{why}, and it held the most"));
+                            }
+                            _ => return Err(why),
+                        }
                     }
+                    let Some(client) = self.clients.get_mut(slot).and_then(Option::as_mut) else {
+                        return Ok(false);
+                    };
                     if client.received.is_empty() {
                         client.partial_since = Some(Instant::now());
                     }
@@ -634,12 +681,8 @@ impl Server {
                 }
             }
             Query::CancelWait => {
-                let client = self.clients[slot].take().expect("a live client");
-                self.forget_wait(&client);
-                let client = self.clients[slot].insert(client);
-                client.awaited.clear();
-                client.missing = 0;
-                client.replies.push(WAIT_CANCELED);
+                self.drop_wait(slot);
+                self.client(slot).replies.push(WAIT_CANCELED);
             }
             Query::Ping(nonce) => self
                 .client(slot)
@@ -826,6 +869,8 @@ impl Server {
         missing: &[&[u8]],
         until: Option<i64>,
     ) -> std::result::Result<(), Why> {
+        // A new wait replaces one still pending (its keys are released).
+        self.drop_wait(slot);
         let held: usize = missing.iter().map(|k| k.len()).sum();
         if self.stored_bytes + held > self.limits.stored_bytes {
             return Err(format!(
@@ -1428,5 +1473,49 @@ mod tests {
         );
         let good = client_with(&server, Some("s3cret")).unwrap();
         assert!(!good.check(&["k"]).unwrap());
+    }
+
+    #[test]
+    fn a_client_that_never_proves_the_token_is_cut_off_and_cannot_flood() {
+        let server = start_with(Limits {
+            token: Some(Token::new("s3cret")),
+            handshake: Duration::from_millis(300),
+            ..Limits::default()
+        });
+        // Validated, then silent: no proof, so cut off at the deadline.
+        let mut idle = validated(&server);
+        let start = Instant::now();
+        assert!(closed_by_server(&mut idle));
+        assert_in_range(start.elapsed(), 250, 2000);
+        // Validated, then a big query before any proof: cut off at once.
+        let mut flooder = validated(&server);
+        let mut big = Vec::new();
+        protocol::encode_query(&Query::Set(b"/k", &vec![1u8; 4096]), &mut big);
+        let _ = flooder.write_all(&big);
+        assert!(closed_by_server(&mut flooder));
+    }
+
+    #[test]
+    fn a_new_wait_replaces_the_pending_one() {
+        let server = start_server();
+        let mut waiter = validated(&server);
+        let mut both = Vec::new();
+        protocol::encode_query(&Query::Wait(vec![b"/a"]), &mut both);
+        protocol::encode_query(&Query::Wait(vec![b"/b"]), &mut both);
+        waiter.write_all(&both).unwrap();
+        let setter = connect(&server);
+        setter.set("a", b"1").unwrap();
+        waiter
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        assert!(
+            waiter.read(&mut b).is_err(),
+            "the replaced wait was answered"
+        );
+        setter.set("b", b"2").unwrap();
+        waiter.set_read_timeout(Some(PATIENCE)).unwrap();
+        waiter.read_exact(&mut b).unwrap();
+        assert_eq!(b[0], STOP_WAITING);
     }
 }
