@@ -61,11 +61,15 @@ fn online_cores() -> usize {
 
 pub struct SocketBackend {
     transport: StreamTransport,
-    transport_name: &'static str,
     /// For the log: the transport and what was decided for it.
     transport_detail: String,
     /// Some ranks are on other hosts (the network is the bound).
     across_hosts: bool,
+    /// The algorithms' view of the medium, from what every rank knows
+    /// alike (the roster, the options), never from this rank's own
+    /// channels: a host whose shared memory failed, or that holds one rank
+    /// of a multi-host job, must choose as the others do.
+    over_tcp: bool,
     rank: usize,
     size: usize,
     roster: Roster,
@@ -206,7 +210,7 @@ impl SocketBackend {
         }
         Ok(SocketBackend {
             across_hosts: !same_host,
-            transport_name: attached.name,
+            over_tcp: !same_host || settings.transport == TransportKind::Tcp,
             transport_detail,
             transport: StreamTransport::new(
                 rank,
@@ -297,13 +301,12 @@ impl SocketBackend {
     }
 
     fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
-        let over_tcp = self.transport_name == "tcp";
         let algo = algorithms::choose(
             desc.kind,
             bytes,
             self.size,
             self.settings.forced,
-            over_tcp,
+            self.over_tcp,
             self.across_hosts,
         );
         desc.algo = algo as u8;
