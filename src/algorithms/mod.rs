@@ -7,6 +7,7 @@ pub mod chain;
 pub mod direct;
 pub mod dissemination;
 pub mod halving_doubling;
+pub mod hierarchical;
 pub mod recursive_doubling;
 pub mod ring;
 
@@ -29,10 +30,13 @@ pub enum Algo {
     Dissemination = 5,
     Chain = 6,
     HalvingDoubling = 7,
+    /// Inside each host, then across hosts, then inside again (see
+    /// `hierarchical`).
+    Hierarchical = 8,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 7] = [
+    pub const ALL: [Algo; 8] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Binomial,
@@ -40,6 +44,7 @@ impl Algo {
         Algo::Dissemination,
         Algo::Chain,
         Algo::HalvingDoubling,
+        Algo::Hierarchical,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +56,7 @@ impl Algo {
             Algo::Dissemination => "dissemination",
             Algo::Chain => "chain",
             Algo::HalvingDoubling => "halving_doubling",
+            Algo::Hierarchical => "hierarchical",
         }
     }
 
@@ -62,6 +68,7 @@ impl Algo {
             "tree" => "binomial",
             "linear" => "direct",
             "rabenseifner" | "hd" => "halving_doubling",
+            "2d" | "hier" => "hierarchical",
             other => other,
         };
         Algo::ALL
@@ -79,7 +86,12 @@ impl Algo {
     /// The algorithms that can run `kind`, default first.
     fn candidates(kind: OpKind) -> &'static [Algo] {
         match kind {
-            OpKind::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling],
+            OpKind::AllReduce => &[
+                Algo::Ring,
+                Algo::RecursiveDoubling,
+                Algo::HalvingDoubling,
+                Algo::Hierarchical,
+            ],
             OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
             OpKind::Reduce => &[Algo::Binomial],
             OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring],
@@ -106,6 +118,11 @@ const CHAIN_BROADCAST_BYTES: usize = 16 << 20;
 /// size (its root sends everything twice).
 const CHAIN_ACROSS_HOSTS_BYTES: usize = 64 << 10;
 
+/// Allreduces from this size run hierarchically when the ranks sit on
+/// several hosts, several on each, as many on every host: the host links
+/// then carry 1/(ranks per host) of the data each, all of them at once.
+const HIERARCHICAL_BYTES: usize = 256 << 10;
+
 /// Large allreduces over TCP with a power-of-two world of 4 or more go by
 /// halving-doubling: the ring's bytes in fewer steps, each within a pair
 /// (measured, 4 ranks over loopback TCP: 16 MiB 41.7-47.7 ms against
@@ -118,7 +135,8 @@ const HALVING_DOUBLING_TCP_BYTES: usize = 4 << 20;
 /// Picks the algorithm for an operation; `forced` wins where it applies.
 /// `over_tcp`: the ranks talk through TCP (not shared memory);
 /// `across_hosts`: some of them are on other hosts, so the network, not
-/// the cores, is the bound.
+/// the cores, is the bound; `layered`: several ranks on each of several
+/// hosts, as many on every host (see `hierarchical`).
 pub fn choose(
     kind: OpKind,
     bytes: usize,
@@ -126,12 +144,14 @@ pub fn choose(
     forced: Option<Algo>,
     over_tcp: bool,
     across_hosts: bool,
+    layered: bool,
 ) -> Algo {
     let options = Algo::candidates(kind);
     if let Some(f) = forced.filter(|f| options.contains(f)) {
         return f;
     }
     match kind {
+        OpKind::AllReduce if layered && bytes >= HIERARCHICAL_BYTES => Algo::Hierarchical,
         OpKind::AllReduce
             if bytes <= SMALL_ALLREDUCE_BYTES
                 || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES =>
@@ -312,55 +332,92 @@ mod tests {
     #[test]
     fn forced_algorithms_apply_only_where_they_can() {
         assert_eq!(
-            choose(OpKind::AllReduce, 8, 4, None, false, false),
+            choose(OpKind::AllReduce, 8, 4, None, false, false, false),
             Algo::RecursiveDoubling
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 64 << 20, 4, None, false, false),
+            choose(OpKind::AllReduce, 64 << 20, 4, None, false, false, false),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 8, 4, Some(Algo::Ring), false, false),
+            choose(
+                OpKind::AllReduce,
+                8,
+                4,
+                Some(Algo::Ring),
+                false,
+                false,
+                false
+            ),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 4 << 20, 4, None, true, false),
+            choose(OpKind::AllReduce, 4 << 20, 4, None, true, false, false),
             Algo::HalvingDoubling
         );
         for (bytes, size) in [(4 << 20, 6), (4 << 20, 2), (1 << 20, 4)] {
             assert_eq!(
-                choose(OpKind::AllReduce, bytes, size, None, true, false),
+                choose(OpKind::AllReduce, bytes, size, None, true, false, false),
                 Algo::Ring,
                 "{bytes} B, {size} ranks"
             );
         }
         assert_eq!(
-            choose(OpKind::AllReduce, 4 << 20, 8, Some(Algo::Ring), true, false),
+            choose(
+                OpKind::AllReduce,
+                4 << 20,
+                8,
+                Some(Algo::Ring),
+                true,
+                false,
+                false
+            ),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 8, 4, Some(Algo::Ring), false, false),
+            choose(
+                OpKind::Broadcast,
+                8,
+                4,
+                Some(Algo::Ring),
+                false,
+                false,
+                false
+            ),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, true, false),
+            choose(OpKind::Broadcast, 64 << 20, 4, None, true, false, false),
             Algo::Chain
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, false, false),
+            choose(OpKind::Broadcast, 64 << 20, 4, None, false, false, false),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 2, None, true, false),
+            choose(OpKind::Broadcast, 64 << 20, 2, None, true, false, false),
             Algo::Binomial
+        );
+        // Layered jobs: hierarchical allreduce from 256 KiB.
+        assert_eq!(
+            choose(OpKind::AllReduce, 1 << 20, 6, None, true, true, true),
+            Algo::Hierarchical
+        );
+        assert_eq!(
+            choose(OpKind::AllReduce, 8 << 10, 6, None, true, true, true),
+            Algo::RecursiveDoubling
+        );
+        assert_eq!(
+            choose(OpKind::AllReduce, 1 << 20, 6, None, true, true, false),
+            Algo::Ring
         );
         // Between hosts the chain from 64 KiB (3+ ranks); small ones stay on the tree.
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 10, 3, None, true, true),
+            choose(OpKind::Broadcast, 64 << 10, 3, None, true, true, false),
             Algo::Chain
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 8 << 10, 3, None, true, true),
+            choose(OpKind::Broadcast, 8 << 10, 3, None, true, true, false),
             Algo::Binomial
         );
         assert_eq!(Algo::parse("RD").unwrap(), Algo::RecursiveDoubling);

@@ -14,15 +14,33 @@ fn neighbours(link: &Link<'_>) -> (usize, usize, usize, usize) {
 
 /// In-place allreduce of `buf` (`buf.len() / dtype.size()` elements).
 pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let (r, n, right, left) = neighbours(link);
+    let n = link.size();
     if n == 1 {
         return Ok(());
     }
+    let owned = reduce_scatter_in_place(link, buf, dtype, op)?;
+    if op == ReduceOp::Avg {
+        let es = dtype.size();
+        let mine = block(buf.len() / es, n, owned, es);
+        reduce::divide(&mut buf[mine], dtype, n);
+    }
+    allgather_in_place(link, buf, dtype)
+}
+
+/// The first half of `allreduce`: after n-1 steps this rank holds one
+/// block (n nearly equal ones) reduced over every rank (Avg not yet
+/// divided); returns which block.
+pub fn reduce_scatter_in_place(
+    link: &mut Link<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<usize> {
+    let (r, n, right, left) = neighbours(link);
     let es = dtype.size();
     let count = buf.len() / es;
-    // Reduce-scatter: after n-1 steps rank r holds block r+1 fully reduced.
     // Incoming blocks are combined as they arrive (no staging copy).
-    for s in 0..n - 1 {
+    for s in 0..n.saturating_sub(1) {
         let sb = block(count, n, (r + n - s) % n, es);
         let rb = block(count, n, (r + 2 * n - s - 1) % n, es);
         let (out, into) = split_pair(buf, sb, rb);
@@ -30,11 +48,16 @@ pub fn allreduce(link: &mut Link<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
         let recv = link.recv_reduce_xfer(left, into, dtype, op);
         link.exchange(&mut [send, recv])?;
     }
-    if op == ReduceOp::Avg {
-        reduce::divide(&mut buf[block(count, n, (r + 1) % n, es)], dtype, n);
-    }
-    // Allgather the reduced blocks straight into place.
-    for s in 0..n - 1 {
+    Ok((r + 1) % n)
+}
+
+/// The second half of `allreduce`: every rank holds its block of
+/// `reduce_scatter_in_place`; afterwards every rank holds all of them.
+pub fn allgather_in_place(link: &mut Link<'_>, buf: &mut [u8], dtype: DType) -> Result<()> {
+    let (r, n, right, left) = neighbours(link);
+    let es = dtype.size();
+    let count = buf.len() / es;
+    for s in 0..n.saturating_sub(1) {
         let sb = block(count, n, (r + 1 + n - s) % n, es);
         let rb = block(count, n, (r + n - s) % n, es);
         let (out, into) = split_pair(buf, sb, rb);

@@ -1,9 +1,10 @@
 //! The socket backend: runs each call with the algorithm chosen for it over
 //! the TCP transport, and keeps the counters that label every frame.
 
+use crate::algorithms::hierarchical::Layers;
 use crate::algorithms::{
-    self, binomial, chain, direct, dissemination, halving_doubling, recursive_doubling, ring, Algo,
-    Link,
+    self, binomial, chain, direct, dissemination, halving_doubling, hierarchical,
+    recursive_doubling, ring, Algo, Link,
 };
 use crate::auth::Token;
 use crate::call::{Call, Data, RawBuf};
@@ -70,6 +71,9 @@ pub struct SocketBackend {
     /// channels: a host whose shared memory failed, or that holds one rank
     /// of a multi-host job, must choose as the others do.
     over_tcp: bool,
+    /// This rank's host and cross-host groups, when the job has the
+    /// shape for hierarchical collectives.
+    layers: Option<Layers>,
     rank: usize,
     size: usize,
     roster: Roster,
@@ -211,6 +215,7 @@ impl SocketBackend {
         Ok(SocketBackend {
             across_hosts: !same_host,
             over_tcp: !same_host || settings.transport == TransportKind::Tcp,
+            layers: Layers::of(&roster.hosts, rank),
             transport_detail,
             transport: StreamTransport::new(
                 rank,
@@ -308,6 +313,7 @@ impl SocketBackend {
             self.settings.forced,
             self.over_tcp,
             self.across_hosts,
+            self.layers.is_some(),
         );
         desc.algo = algo as u8;
         (desc, algo)
@@ -362,6 +368,14 @@ impl SocketBackend {
                     Algo::HalvingDoubling => {
                         halving_doubling::allreduce(&mut link, buf, data.dtype, op)
                     }
+                    // Forced where the job has no layers: every rank sees
+                    // the same roster, so every rank falls back alike.
+                    Algo::Hierarchical => match &self.layers {
+                        Some(layers) => {
+                            hierarchical::allreduce(&mut link, buf, data.dtype, op, layers)
+                        }
+                        None => ring::allreduce(&mut link, buf, data.dtype, op),
+                    },
                     _ => ring::allreduce(&mut link, buf, data.dtype, op),
                 }
             }

@@ -1,0 +1,100 @@
+//! Hierarchical allreduce (inside each host, across hosts, inside again)
+//! against an independent reference, on ranks given host ids by option
+//! (threads on loopback: shared memory inside a "host", TCP between), at
+//! sizes that do and do not divide evenly, for every reduction, chosen
+//! automatically (>= 256 KiB) and forced (`algo=hierarchical`).
+
+mod common;
+
+use rdist::{Comm, ReduceOp};
+use std::time::Duration;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `size` ranks on `hosts` host ids, interleaved (rank r on host r % hosts).
+fn run(size: usize, hosts: usize, forced: bool) {
+    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let opts = move |rank: usize| {
+        let mut o = common::opts(30_000);
+        o.set("host_id", &format!("host{}", rank % hosts)).unwrap();
+        if forced {
+            o.set("algo", "hierarchical").unwrap();
+        }
+        o
+    };
+    let value = |r: usize, i: usize| ((r * 7 + i * 13) % 11) as i64 + 1;
+    let results = common::world_with(
+        size,
+        opts(0),
+        Duration::from_secs(120),
+        move |rank, size| Comm::init(&url, rank as i64, size as i64, &opts(rank)),
+        move |comm| {
+            let r = comm.rank();
+            let mut bad = Vec::new();
+            for count in [1usize, 3, 1000, 70_001, 300_000] {
+                if !forced && count < 70_000 {
+                    continue;
+                }
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                    let mut v: Vec<i64> = (0..count).map(|i| value(r, i)).collect();
+                    comm.allreduce(&mut v, op).unwrap();
+                    for (i, got) in v.iter().enumerate() {
+                        let all = (0..comm.size()).map(|q| value(q, i));
+                        let want = match op {
+                            ReduceOp::Sum => all.sum::<i64>(),
+                            ReduceOp::Max => all.max().unwrap(),
+                            _ => all.min().unwrap(),
+                        };
+                        if *got != want {
+                            bad.push(format!("{op:?} count {count} [{i}]: {got} != {want}"));
+                            break;
+                        }
+                    }
+                }
+                let mut f: Vec<f64> = (0..count).map(|i| value(r, i) as f64).collect();
+                comm.allreduce(&mut f, ReduceOp::Avg).unwrap();
+                for (i, got) in f.iter().enumerate() {
+                    let want = (0..comm.size()).map(|q| value(q, i) as f64).sum::<f64>()
+                        / comm.size() as f64;
+                    if (got - want).abs() > 1e-12 {
+                        bad.push(format!("Avg count {count} [{i}]: {got} != {want}"));
+                        break;
+                    }
+                }
+            }
+            bad
+        },
+    );
+    for (rank, bad) in results.iter().enumerate() {
+        assert!(
+            bad.is_empty(),
+            "rank {rank} of {size} on {hosts} hosts: {bad:?}"
+        );
+    }
+}
+
+#[test]
+fn two_hosts_of_two_forced() {
+    run(4, 2, true);
+}
+
+#[test]
+fn three_hosts_of_two_forced() {
+    run(6, 3, true);
+}
+
+#[test]
+fn two_hosts_of_three_chosen_by_size() {
+    run(6, 2, false);
+}
+
+#[test]
+fn forced_on_one_host_it_falls_back_alike_on_every_rank() {
+    run(3, 1, true);
+}
