@@ -21,7 +21,7 @@ echo "== cargo test"
 # --show-output keeps what passing tests print in the log, so that their
 # `skipped:` lines (no torch, no GPU, no namespaces) are shown here.
 cargo test -- --show-output 2>&1 | tee target/cargo-test.log \
-  | grep -E "^(test result|running|     Running)|FAILED|panicked|skipped:" || true
+  | grep -E "^(test result|running|     Running)|FAILED|skipped:" || true
 if grep -q -E "FAILED|error: test failed|could not compile" target/cargo-test.log || ! grep -q "^test result" target/cargo-test.log; then
   echo "cargo test failed; see target/cargo-test.log" >&2
   tail -50 target/cargo-test.log >&2

@@ -70,6 +70,15 @@ pub type P2pPair = (Box<dyn Channel>, Box<dyn Channel>);
 /// Per peer (out, in), and the doorbell (see `Attached::p2p`).
 pub type P2pChannels = (Vec<Option<P2pPair>>, Doorbell);
 
+/// Unlinks a segment's name when dropped.
+struct Unlink<'a>(&'a str);
+
+impl Drop for Unlink<'_> {
+    fn drop(&mut self) {
+        Segment::unlink(self.0);
+    }
+}
+
 fn tcp_channel(stream: TcpStream) -> Result<Box<dyn Channel>> {
     stream
         .set_nonblocking(true)
@@ -132,6 +141,9 @@ pub fn attach(
         // doorbells); 2*size..3*size: from higher to lower. Pages are only
         // allocated when touched.
         let mine = Segment::map(&mine_name, 3 * size, true);
+        // Unlinked however this ends (an error in the agreement below
+        // returns early): a name left in /dev/shm outlives the job.
+        let _unlink = Unlink(&mine_name);
         let created = everyone_ok(&mut streams, mine.is_ok()).map_err(io_err)?;
         let mut theirs: Vec<Option<Arc<Segment>>> = (0..size).map(|_| None).collect();
         let mut opened = created;
