@@ -45,6 +45,9 @@ pub(crate) mod reduce;
 /// cbindgen:ignore
 pub(crate) mod rendezvous;
 /// cbindgen:ignore
+#[cfg(test)]
+mod test_rng;
+/// cbindgen:ignore
 pub(crate) mod trace;
 /// cbindgen:ignore
 pub(crate) mod transport;

@@ -318,19 +318,7 @@ mod tests {
         assert!(rank_and_size(-1, 1, &env(&[])).is_err());
         assert!(rank_and_size(0, -1, &env(&[])).is_err());
     }
-    /// A small seeded generator: the same cases every run.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Property: no init method or option value, however odd, panics; each
     /// is parsed or refused with an error.

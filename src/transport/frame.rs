@@ -205,22 +205,7 @@ mod tests {
         let e = Header::decode(&b, 1).unwrap_err();
         assert!(e.message().contains("padding"), "{e}");
     }
-    /// A small seeded generator: the same cases every run.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Property: any 40 bytes from a peer decode to an error or to a
     /// header that encodes back to a header equal to it; never a panic.

@@ -206,22 +206,7 @@ mod tests {
         h.tag = -4;
         assert!(Header::decode(&h.encode(), 3).is_err());
     }
-    /// A small seeded generator: the same cases every run.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Property: any header bytes decode to an error or a header whose
     /// encoding decodes to the same; never a panic, never a size beyond

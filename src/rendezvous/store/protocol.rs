@@ -426,22 +426,7 @@ mod tests {
             matches!(decode_query(&long_key), Err(Undecodable::Invalid(m)) if m.contains("KiB"))
         );
     }
-    /// A small seeded generator: the same cases every run.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Property: whatever arrives, decoding never panics, never claims
     /// more bytes than it was given, and what it decodes re-encodes to
