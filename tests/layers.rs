@@ -18,7 +18,7 @@ fn layer_of(module: &str) -> Option<u32> {
         "algorithms" => 3,
         "transport" => 2,
         "auth" | "call" | "descriptor" | "dtype" | "reduce" | "copy" | "error" | "options"
-        | "log" | "trace" => 1,
+        | "log" | "trace" | "test_rng" => 1,
         _ => return None,
     })
 }
