@@ -58,6 +58,11 @@ pub struct StreamTransport {
     failed: Option<Error>,
     /// Whether the peers were told about `failed`.
     notified: bool,
+    /// A failure another rank reported to this one, passed on as is: a
+    /// peer that heard it may exit before the reporter's own notice
+    /// reaches everyone, and its closed connection alone would say only
+    /// "exited".
+    heard: Option<Error>,
 }
 
 /// Why a peer can no longer be reached.
@@ -250,6 +255,7 @@ impl StreamTransport {
             progress: Progress::default(),
             failed: None,
             notified: false,
+            heard: None,
         }
     }
 
@@ -681,9 +687,8 @@ impl StreamTransport {
             }
             Target::Descriptor(d) => return self.copy_remote(peer, header, d, xfers, p),
             Target::Control(payload) => {
-                // The reporting rank tells everyone itself; don't echo it.
-                self.notified = true;
                 let (kind, text) = frame::decode_failure(&payload);
+                self.heard = Some(Error::new(kind, text.clone()));
                 // Say what this rank itself was waiting for: in a chain of
                 // waits, the reporting rank names only its neighbour.
                 let waiting = self.waiting_for(p);

@@ -29,11 +29,21 @@ impl StreamTransport {
         }
         if tell_peers && !self.notified {
             self.notified = true;
-            let report = match err.kind() {
-                ErrorKind::Aborted => format!("rank {} aborted the communicator", self.rank),
-                _ => format!("rank {} failed: {}", self.rank, err.message()),
+            // Pass on a report heard from another rank as it was (every
+            // rank that hears it passes it on once, so it reaches the
+            // ranks its author could not tell before its peers exited).
+            let report = match (&self.heard, err.kind()) {
+                (Some(heard), _) => heard.clone(),
+                (None, ErrorKind::Aborted) => Error::new(
+                    err.kind(),
+                    format!("rank {} aborted the communicator", self.rank),
+                ),
+                (None, kind) => Error::new(
+                    kind,
+                    format!("rank {} failed: {}", self.rank, err.message()),
+                ),
             };
-            let payload = frame::encode_failure(&Error::new(err.kind(), report));
+            let payload = frame::encode_failure(&report);
             let header = Header::control(FrameKind::Failure, payload.len()).encode();
             for conn in self.conns.iter_mut().flatten() {
                 if conn.gone.is_none() {
@@ -233,6 +243,51 @@ pub(super) fn cause_of(why: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::cause_of;
+    use super::Gone;
+    use crate::descriptor::{Desc, OpKind};
+    use crate::dtype::DType;
+    use crate::error::{Error, ErrorKind};
+    use crate::transport::stream::progress::tests::tcp_world;
+    use crate::transport::{Transport, Xfer};
+
+    /// Rank 0 fails and its report reaches rank 1 only (its connection to
+    /// rank 2 is already broken); rank 1 passes it on before it leaves, so
+    /// rank 2, waiting on rank 1, learns what happened on rank 0 rather
+    /// than only that rank 1's connection closed (a pulled link in CI:
+    /// "lost its connection to rank 1 ... it exited or crashed").
+    #[test]
+    fn a_heard_failure_is_passed_on() {
+        let mut w = tcp_world(3).into_iter();
+        let (mut t0, mut t1, mut t2) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
+        let desc = Desc::new(OpKind::Broadcast, 1).data(4, DType::Uint8);
+        let waiter = std::thread::spawn(move || {
+            let mut buf = [0u8; 4];
+            let e = t2
+                .exchange(&mut [Xfer::recv(1, &mut buf, desc)])
+                .unwrap_err();
+            e.message().to_string()
+        });
+        t0.conns[2].as_mut().unwrap().gone = Some(Gone::Lost("test".into()));
+        t0.fail(
+            Error::new(ErrorKind::Timeout, "it timed out on rank 0"),
+            true,
+        );
+        let mut buf = [0u8; 4];
+        let e = t1
+            .exchange(&mut [Xfer::recv(0, &mut buf, desc)])
+            .unwrap_err();
+        assert!(
+            e.message().starts_with("rank 0 failed: it timed out"),
+            "{e}"
+        );
+        drop(t1);
+        let heard = waiter.join().unwrap();
+        assert!(
+            heard.starts_with("rank 0 failed: it timed out on rank 0 (rank 2 was in broadcast"),
+            "{heard}"
+        );
+        drop(t0);
+    }
 
     #[test]
     fn a_partition_is_told_apart_from_a_crash() {

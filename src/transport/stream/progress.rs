@@ -254,7 +254,7 @@ impl StreamTransport {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::descriptor::{Desc, OpKind};
     use crate::dtype::DType;
@@ -266,7 +266,7 @@ mod tests {
     use std::sync::Arc;
 
     /// `n` transports connected pairwise over loopback TCP.
-    fn tcp_world(n: usize) -> Vec<StreamTransport> {
+    pub(in crate::transport::stream) fn tcp_world(n: usize) -> Vec<StreamTransport> {
         let mut chans: Vec<Vec<Option<Box<dyn Channel>>>> =
             (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
         for a in 0..n {
