@@ -22,6 +22,12 @@
 #       removes every namespace of the cluster (and with them every link)
 #   scripts/cluster.sh addr K [--name NAME]
 #       prints host K's address
+#   scripts/cluster.sh rsh [--name NAME] ADDR COMMAND...
+#       an rsh agent for MPI launchers (Open MPI's plm_rsh_agent, Hydra's
+#       -launcher-exec): runs COMMAND, a shell command line as ssh would
+#       get it, in the host whose address is ADDR (or named NAME-hK),
+#       under that host's own hostname (NAME-hK, a UTS namespace: MPI
+#       tells hosts apart by hostname and would share memory across them)
 #
 # NAME defaults to "rdc"; the subnet is derived from it, so clusters with
 # different names can exist side by side (parallel tests).
@@ -148,6 +154,20 @@ case "$cmd" in
     done
     addr "$k"
     ;;
+  rsh)
+    while [ "${1:-}" = "--name" ]; do name=$2; shift 2; done
+    target=${1:-}; [ -n "$target" ] || die "rsh needs a host address"
+    shift
+    # Launchers may pass ssh options first (e.g. -x); a shell gets the rest.
+    while [ "${1:-}" != "${1#-}" ]; do shift; done
+    k=""
+    for h in $(hosts); do
+      i=${h##*-h}
+      if [ "$target" = "$(addr "$i")" ] || [ "$target" = "$h" ]; then k=$i; fi
+    done
+    [ -n "$k" ] || die "rsh: no host $target in cluster $name"
+    exec ip netns exec "${name}-h$k" unshare --uts sh -c "hostname ${name}-h$k; $*"
+    ;;
   down)
     while [ $# -gt 0 ]; do
       case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
@@ -156,5 +176,5 @@ case "$cmd" in
       ip netns del "$h" 2>/dev/null || true
     done
     ;;
-  *) die "unknown command $cmd (up, run, exec, link, addr, down)" ;;
+  *) die "unknown command $cmd (up, run, exec, link, addr, rsh, down)" ;;
 esac
