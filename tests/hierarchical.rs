@@ -1,5 +1,5 @@
-//! Hierarchical allreduce (inside each host, across hosts, inside again)
-//! against an independent reference, on ranks given host ids by option
+//! Hierarchical allreduce (inside each host, across hosts, inside again),
+//! allgather and reduce-scatter against an independent reference, on ranks given host ids by option
 //! (threads on loopback: shared memory inside a "host", TCP between), at
 //! sizes that do and do not divide evenly, for every reduction, chosen
 //! automatically (>= 256 KiB) and forced (`algo=hierarchical`).
@@ -55,6 +55,52 @@ fn run(size: usize, hosts: usize, forced: bool) {
                             bad.push(format!("{op:?} count {count} [{i}]: {got} != {want}"));
                             break;
                         }
+                    }
+                }
+                // Allgather and reduce-scatter: `count` elements a rank
+                // (the chosen-by-size case crosses 256 KiB in total).
+                let mine: Vec<i64> = (0..count).map(|i| value(r, i)).collect();
+                let mut all = vec![0i64; count * comm.size()];
+                comm.allgather(&mine, &mut all).unwrap();
+                for (i, got) in all.iter().enumerate() {
+                    let want = value(i / count, i % count);
+                    if *got != want {
+                        bad.push(format!("allgather count {count} [{i}]: {got} != {want}"));
+                        break;
+                    }
+                }
+                let input: Vec<i64> = (0..count * comm.size()).map(|i| value(r, i)).collect();
+                for op in [ReduceOp::Sum, ReduceOp::Max] {
+                    let mut out = vec![0i64; count];
+                    comm.reduce_scatter(&input, &mut out, op).unwrap();
+                    for (i, got) in out.iter().enumerate() {
+                        let all = (0..comm.size()).map(|q| value(q, r * count + i));
+                        let want = match op {
+                            ReduceOp::Sum => all.sum::<i64>(),
+                            _ => all.max().unwrap(),
+                        };
+                        if *got != want {
+                            bad.push(format!(
+                                "reduce_scatter {op:?} count {count} [{i}]: {got} != {want}"
+                            ));
+                            break;
+                        }
+                    }
+                }
+                let finput: Vec<f64> = input.iter().map(|v| *v as f64).collect();
+                let mut fout = vec![0f64; count];
+                comm.reduce_scatter(&finput, &mut fout, ReduceOp::Avg)
+                    .unwrap();
+                for (i, got) in fout.iter().enumerate() {
+                    let want = (0..comm.size())
+                        .map(|q| value(q, r * count + i) as f64)
+                        .sum::<f64>()
+                        / comm.size() as f64;
+                    if (got - want).abs() > 1e-12 {
+                        bad.push(format!(
+                            "reduce_scatter Avg count {count} [{i}]: {got} != {want}"
+                        ));
+                        break;
                     }
                 }
                 let mut f: Vec<f64> = (0..count).map(|i| value(r, i) as f64).collect();

@@ -94,7 +94,7 @@ impl Algo {
             ],
             OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
             OpKind::Reduce => &[Algo::Binomial],
-            OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring],
+            OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring, Algo::Hierarchical],
             OpKind::Barrier => &[Algo::Dissemination],
             _ => &[Algo::Direct],
         }
@@ -151,7 +151,11 @@ pub fn choose(
         return f;
     }
     match kind {
-        OpKind::AllReduce if layered && bytes >= HIERARCHICAL_BYTES => Algo::Hierarchical,
+        OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter
+            if layered && bytes >= HIERARCHICAL_BYTES =>
+        {
+            Algo::Hierarchical
+        }
         OpKind::AllReduce
             if bytes <= SMALL_ALLREDUCE_BYTES
                 || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES =>

@@ -420,14 +420,16 @@ impl SocketBackend {
             }
             Call::AllGather { send, recv, data } => {
                 let d = desc(OpKind::AllGather, data);
-                let (desc, _) = self.label(d, recv.len());
+                let (desc, algo) = self.label(d, recv.len());
                 let bb = send.len();
                 move_bytes(&send, recv.addr() + self.rank * bb, bb);
-                ring::allgather(
-                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
-                    recv.bytes_mut(),
-                    bb,
-                )
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                match (algo, &self.layers) {
+                    (Algo::Hierarchical, Some(layers)) => {
+                        hierarchical::allgather(&mut link, recv.bytes_mut(), bb, layers)
+                    }
+                    _ => ring::allgather(&mut link, recv.bytes_mut(), bb),
+                }
             }
             Call::ReduceScatter {
                 send,
@@ -436,7 +438,7 @@ impl SocketBackend {
                 op,
             } => {
                 let d = desc(OpKind::ReduceScatter, data).reduction(op);
-                let (desc, _) = self.label(d, send.len());
+                let (desc, algo) = self.label(d, send.len());
                 let copy;
                 let input: &[u8] = if send.overlaps(&recv) {
                     copy = send.bytes().to_vec();
@@ -445,7 +447,17 @@ impl SocketBackend {
                     send.bytes()
                 };
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
-                ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op)
+                match (algo, &self.layers) {
+                    (Algo::Hierarchical, Some(layers)) => hierarchical::reduce_scatter(
+                        &mut link,
+                        input,
+                        recv.bytes_mut(),
+                        data.dtype,
+                        op,
+                        layers,
+                    ),
+                    _ => ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op),
+                }
             }
             Call::Gather {
                 send,

@@ -87,9 +87,14 @@ impl Comm {
         joined.finish();
         let local_rank = joined.local_rank;
         let store = joined.lasting_store();
+        let places = std::sync::Arc::new(
+            (joined.roster.hosts.iter().cloned())
+                .zip(joined.roster.addrs.iter().map(|a| a.ip()))
+                .collect(),
+        );
         let comm = Comm::with_engine(rank, size, local_rank, opts.timeout, engine, joined.server);
         if let Some(store) = store {
-            comm.runner.record_to(store, size);
+            comm.runner.record_to(store, size, places);
         }
         Ok(comm)
     }

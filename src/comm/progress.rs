@@ -6,6 +6,7 @@
 //! what they last did. A job that never pauses for a second writes
 //! nothing.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -77,6 +78,48 @@ pub(crate) fn publisher(
     }
 }
 
+/// Where each rank runs: its host id and the address it listens on
+/// (the roster's), to say "every rank on host X" rather than list ranks.
+pub(crate) type Places = Arc<Vec<(String, IpAddr)>>;
+
+/// What a timeout's explanation reads: the store, the world size, and
+/// where each rank runs.
+pub(crate) type Recorder = (Arc<dyn Store>, usize, Places);
+
+/// The hosts all of whose ranks are in `silent` (not this rank's host),
+/// by address, when every silent rank is on one of them; None otherwise.
+fn silent_hosts(silent: &[usize], places: &[(String, IpAddr)], rank: usize) -> Option<Vec<IpAddr>> {
+    let mut hosts: Vec<&String> = Vec::new();
+    for r in silent {
+        let host = &places.get(*r)?.0;
+        if !hosts.contains(&host) {
+            hosts.push(host);
+        }
+    }
+    let whole = |host: &String| {
+        *host != places[rank].0
+            && places
+                .iter()
+                .enumerate()
+                .all(|(r, (h, _))| h != host || silent.contains(&r))
+    };
+    if hosts.is_empty() || !hosts.iter().all(|h| whole(h)) {
+        return None;
+    }
+    Some(
+        hosts
+            .iter()
+            .map(|h| {
+                places
+                    .iter()
+                    .find(|(x, _)| x == *h)
+                    .expect("a rank's host")
+                    .1
+            })
+            .collect(),
+    )
+}
+
 /// Adds to a collective's timeout what the other ranks last published.
 pub(crate) fn explain_timeout(
     e: Error,
@@ -84,6 +127,7 @@ pub(crate) fn explain_timeout(
     rank: usize,
     size: usize,
     board: &Board,
+    places: &[(String, IpAddr)],
 ) -> Error {
     let snapshot = board.snapshot();
     let Some((kind, seq)) = snapshot.current.or(snapshot.last) else {
@@ -153,6 +197,33 @@ pub(crate) fn explain_timeout(
     }
     if !silent.is_empty() && silent.len() < size - 1 {
         let shown: Vec<String> = silent.iter().take(NAMED).map(|r| r.to_string()).collect();
+        let more = match silent.len() > NAMED {
+            true => format!(" (and {} more)", silent.len() - NAMED),
+            false => String::new(),
+        };
+        if let Some(hosts) = silent_hosts(&silent, places, rank) {
+            // A whole host gone quiet at once is its network (or the host),
+            // far more often than all its ranks frozen together.
+            let hosts: Vec<String> = hosts.iter().map(IpAddr::to_string).collect();
+            parts.push(format!(
+                "rank{} {}{more} published nothing: {} of host{} {}, so that host is down or the \
+                 network between it and the others (the store is on rank 0's host) is cut, or \
+                 every rank there is stopped",
+                if silent.len() == 1 { "" } else { "s" },
+                shown.join(", "),
+                if silent.len() == 1 {
+                    "the only rank"
+                } else {
+                    "every rank"
+                },
+                if hosts.len() == 1 { "" } else { "s" },
+                hosts.join(", ")
+            ));
+            return Error::new(
+                ErrorKind::Timeout,
+                format!("{}; {}", e.message(), parts.join("; ")),
+            );
+        }
         parts.push(format!(
             "rank{} {} published nothing, though a rank publishes once it has stood still for \
              a second: stopped or frozen (SIGSTOP, a debugger, an overloaded host), or unable to \
@@ -165,4 +236,33 @@ pub(crate) fn explain_timeout(
         ErrorKind::Timeout,
         format!("{}; {}", e.message(), parts.join("; ")),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::silent_hosts;
+    use std::net::IpAddr;
+
+    fn places(hosts: &[&str]) -> Vec<(String, IpAddr)> {
+        hosts
+            .iter()
+            .map(|h| {
+                let ip = format!("10.0.0.{}", h.trim_start_matches('h'));
+                (h.to_string(), ip.parse().unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_whole_silent_host_is_named_by_its_address() {
+        let p = places(&["h1", "h1", "h2", "h2", "h3", "h3"]);
+        let h3: IpAddr = "10.0.0.3".parse().unwrap();
+        assert_eq!(silent_hosts(&[4, 5], &p, 0), Some(vec![h3]));
+        assert_eq!(silent_hosts(&[2, 3, 4, 5], &p, 0).map(|v| v.len()), Some(2));
+        // Half a host is not its network; nor is this rank's own host.
+        assert_eq!(silent_hosts(&[4], &p, 0), None);
+        assert_eq!(silent_hosts(&[2, 3, 4], &p, 0), None);
+        assert_eq!(silent_hosts(&[1], &p, 0), None);
+        assert_eq!(silent_hosts(&[], &p, 0), None);
+    }
 }

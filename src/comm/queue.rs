@@ -41,8 +41,9 @@ pub(crate) struct Runner {
     has_held: AtomicBool,
     /// What this rank is doing (the flight recorder's board).
     board: Arc<Board>,
-    /// The store the flight recorder publishes to, and the world size.
-    recorder: Mutex<Option<(Arc<dyn Store>, usize)>>,
+    /// The store the flight recorder publishes to, the world size, and
+    /// where each rank runs.
+    recorder: Mutex<Option<super::progress::Recorder>>,
     /// `queue.unfinished`, readable without the lock (written under it):
     /// a blocking call runs inline only when nothing is queued.
     queued: AtomicUsize,
@@ -258,13 +259,18 @@ impl Runner {
 
     /// Turns the flight recorder on: publishes this rank's board to
     /// `store` and reads the others' when a collective times out.
-    pub(crate) fn record_to(&self, store: Arc<dyn Store>, size: usize) {
+    pub(crate) fn record_to(
+        &self,
+        store: Arc<dyn Store>,
+        size: usize,
+        places: super::progress::Places,
+    ) {
         self.mailbox.set_hook(Box::new(super::progress::publisher(
             store.clone(),
             self.rank,
             self.board.clone(),
         )));
-        *lock(&self.recorder) = Some((store, size));
+        *lock(&self.recorder) = Some((store, size, places));
     }
 
     pub(crate) fn timeout(&self) -> Duration {
@@ -471,8 +477,8 @@ impl Runner {
         }
         let recorder = lock(&self.recorder).clone();
         let e = match recorder {
-            Some((store, size)) => {
-                super::progress::explain_timeout(e, &*store, self.rank, size, &self.board)
+            Some((store, size, places)) => {
+                super::progress::explain_timeout(e, &*store, self.rank, size, &self.board, &places)
             }
             None => e,
         };

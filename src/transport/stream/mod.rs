@@ -176,6 +176,9 @@ struct Progress {
     /// inbox): at once for point-to-point calls, else only once the
     /// exchange has stalled (see `READ_AHEAD_AFTER`).
     read_ahead: bool,
+    /// Every transfer of this exchange goes over a socket (TCP): poll()
+    /// wakes when data comes, so spinning helps only a short exchange.
+    sockets_only: bool,
 }
 
 impl Progress {
@@ -295,6 +298,11 @@ impl StreamTransport {
         // Point-to-point sends may all go before any receive (both ranks
         // send first): their frames must be taken in as they come.
         p.read_ahead = xfers.iter().any(|x| x.desc.kind == OpKind::Send);
+        p.sockets_only = xfers.iter().all(|x| {
+            self.conns[x.peer]
+                .as_ref()
+                .is_some_and(|c| c.chan.copies_through_kernel())
+        });
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
