@@ -8,7 +8,18 @@
 # setup installed it), Open MPI (shared memory and TCP), MPICH from PyPI
 # (shared memory and TCP) when it installs. Takes ~10 min (~14 with torch).
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
+#   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
+#       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
+#       with shaped links; rdist, Gloo and Open MPI native workers
+#       (scripts/cluster_compare.py); writes build/compare/cluster-<date>.*
+#       (~4 min for 3 hosts)
 set -euo pipefail
+cluster_args=()
+if [ "${1:-}" = "--cluster" ]; then
+  shift
+  cluster_args=("$@")
+  [ ${#cluster_args[@]} -gt 0 ] || cluster_args=(--hosts 3 --per-host 2 --rate 1gbit)
+fi
 cd "$(dirname "$0")/.."
 root=$(pwd)
 peers_src=$root/bench/peers
@@ -50,6 +61,11 @@ if [ -x "$PEERS_HOME/.venv/bin/python" ] && "$PEERS_HOME/.venv/bin/python" -c "i
   peers=$peers,torch-gloo
 else
   echo "compare: torch is not installed (WITH_TORCH=1 scripts/compare.sh installs it); running without torch-gloo"
+fi
+
+if [ ${#cluster_args[@]} -gt 0 ]; then
+  exec /usr/bin/python3 scripts/cluster_compare.py --bin "$PEERS_HOME/build" \
+    --lib "$root/target/release" --outdir build/compare "${cluster_args[@]}"
 fi
 
 args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
