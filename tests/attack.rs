@@ -18,14 +18,6 @@ use std::time::{Duration, Instant};
 
 const JOB_SECONDS: f64 = 14.0;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// (threads, descriptors, resident KiB) of this process.
 fn usage() -> (usize, usize, usize) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -265,7 +257,7 @@ fn attack(store: SocketAddr, ranks: Vec<SocketAddr>, thrown: Arc<Thrown>, until:
 
 #[test]
 fn a_live_job_survives_thousands_of_hostile_connections() {
-    let port = free_port();
+    let port = common::free_port();
     let mut ranks: Vec<Child> = (0..4).map(|r| spawn_rank(r, port)).collect();
     // Wait for rank 0 to be running its loop.
     let mut out0 = BufReader::new(ranks[0].stdout.take().unwrap());

@@ -8,14 +8,6 @@ mod common;
 use rdist::{Comm, ErrorKind, Options, ReduceOp};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn with_token(token: Option<&str>, timeout_ms: u64) -> Options {
     let mut o = common::opts(timeout_ms);
     if let Some(t) = token {
@@ -34,7 +26,7 @@ fn ranks_with_the_token_meet_and_every_connection_proves_it() {
             o.set("transport", transport).unwrap();
             o
         };
-        let url = format!("tcp://127.0.0.1:{}", free_port());
+        let url = format!("tcp://127.0.0.1:{}", common::free_port());
         let results = common::world_with(
             3,
             opts(),
@@ -61,7 +53,7 @@ fn ranks_with_the_token_meet_and_every_connection_proves_it() {
 #[test]
 fn a_stranger_claiming_a_rank_is_refused_and_the_job_goes_on() {
     for stranger_token in [Some("guess"), None] {
-        let port = free_port();
+        let port = common::free_port();
         let url = format!("tcp://127.0.0.1:{port}");
         // Rank 0 hosts the store with the token.
         let hosts = {
@@ -101,7 +93,7 @@ fn a_stranger_claiming_a_rank_is_refused_and_the_job_goes_on() {
 
 #[test]
 fn a_token_where_the_others_have_none_is_named() {
-    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let url = format!("tcp://127.0.0.1:{}", common::free_port());
     let host = {
         let url = url.clone();
         std::thread::spawn(move || Comm::init(&url, 0, 2, &with_token(None, 3_000)).err())

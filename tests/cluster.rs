@@ -101,14 +101,6 @@ impl Drop for Cluster {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn three_hosts_run_a_job_and_leave_nothing_behind() {
     need_namespaces!();
@@ -126,7 +118,7 @@ fn three_hosts_run_a_job_and_leave_nothing_behind() {
          --nproc-per-node 2 --master-addr $CLUSTER_MASTER --master-port {} \
          --auth-token cluster-secret {} alone 1.5 2",
         bin_dir().display(),
-        free_port(),
+        common::free_port(),
         prog.display()
     );
     let (ok, text) = cluster.run(&command, Duration::from_secs(120));
@@ -184,7 +176,7 @@ fn a_pulled_link_fails_every_rank_on_every_host() {
          --auth-token t --report-s 8 {bin}/rdist-bench --op allreduce --min-bytes 64K \
          --max-bytes 64K --seconds 1 --reps 100 --no-check",
         bin = bin_dir().display(),
-        port = free_port()
+        port = common::free_port()
     );
     let start = std::time::Instant::now();
     let (ok, text) = cluster.run(&command, Duration::from_secs(90));

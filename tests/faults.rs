@@ -8,14 +8,6 @@ use rdist::{Comm, ErrorKind, Options, ReduceOp};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// This test binary, set to run only the test `name` in role `role`.
 fn this_binary_as(name: &str, role: &str) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
@@ -81,7 +73,7 @@ fn worker_process() {
 #[test]
 fn a_crashed_rank_fails_every_other_rank_quickly() {
     let segments_before = rdist_segments();
-    let port = free_port();
+    let port = common::free_port();
     let workers: Vec<_> = (0..3).map(|r| spawn_worker("crash", r, 3, port)).collect();
     let start = Instant::now();
     let mut outputs = Vec::new();
@@ -242,7 +234,7 @@ fn a_port_in_use_is_a_clear_error_naming_the_address() {
 
 #[test]
 fn late_ranks_still_meet_even_when_rank_0_is_last() {
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let handles: Vec<_> = (0..3)
         .map(|r| {
@@ -269,7 +261,7 @@ fn late_ranks_still_meet_even_when_rank_0_is_last() {
 
 #[test]
 fn a_missing_rank_is_named_when_rendezvous_times_out() {
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let handles: Vec<_> = (0..2)
         .map(|r| {
@@ -290,7 +282,7 @@ fn a_missing_rank_is_named_when_rendezvous_times_out() {
 
 #[test]
 fn two_processes_claiming_one_rank_are_refused() {
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let handles: Vec<_> = [0, 1, 1]
         .into_iter()
@@ -314,7 +306,7 @@ fn two_processes_claiming_one_rank_are_refused() {
 fn world_size_disagreement_is_reported() {
     // Every rank says so, at once (not only the one that reads the other's
     // size, while the other waits for a rank that will never come).
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let start = Instant::now();
     let handles: Vec<_> = [(0, 2), (1, 3)]
@@ -489,7 +481,7 @@ fn no_spinning_still_makes_progress_on_shared_memory() {
 /// tearing the last one down).
 #[test]
 fn five_hundred_cycles_on_one_port() {
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let start = Instant::now();
     let handles: Vec<_> = (0..3)
@@ -522,7 +514,7 @@ fn five_hundred_cycles_on_one_port() {
 /// linger), freeing the port; and it listens only where MASTER_ADDR points.
 #[test]
 fn the_store_listens_only_on_the_master_address_and_closes_when_unused() {
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     // Another of this host's addresses, when it has one.
     let other = std::net::UdpSocket::bind("0.0.0.0:0")
@@ -577,7 +569,7 @@ fn the_store_listens_only_on_the_master_address_and_closes_when_unused() {
 /// job running.
 #[test]
 fn a_forked_child_cannot_use_its_parents_communicator() {
-    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let url = format!("tcp://127.0.0.1:{}", common::free_port());
     let results = common::world_with(
         2,
         common::opts(20_000),
@@ -643,7 +635,7 @@ fn a_forked_child_cannot_use_its_parents_communicator() {
 #[test]
 fn silent_strangers_at_the_listeners_do_not_fail_init() {
     use rdist::store::{Store, TcpStoreClient};
-    let port = free_port();
+    let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
     let early: Vec<_> = (0..2)
         .map(|r| {
@@ -699,7 +691,7 @@ fn silent_strangers_at_the_listeners_do_not_fail_init() {
 /// never reached it and what that rank last did (the flight recorder).
 #[test]
 fn a_timeout_names_the_rank_that_never_came_and_what_it_last_did() {
-    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let url = format!("tcp://127.0.0.1:{}", common::free_port());
     let results = common::world_with(
         3,
         common::opts(4_000),
@@ -743,7 +735,7 @@ fn a_timeout_names_the_rank_that_never_came_and_what_it_last_did() {
 fn a_stopped_rank_is_named_by_the_others() {
     for stopped in [1usize, 0] {
         let role = format!("stop{stopped}");
-        let port = free_port();
+        let port = common::free_port();
         let mut workers: Vec<_> = (0..3).map(|r| spawn_worker(&role, r, 3, port)).collect();
         let start = Instant::now();
         let mut said = Vec::new();

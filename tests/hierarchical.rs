@@ -9,17 +9,9 @@ mod common;
 use rdist::{Comm, ReduceOp};
 use std::time::Duration;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `size` ranks on `hosts` host ids, interleaved (rank r on host r % hosts).
 fn run(size: usize, hosts: usize, forced: bool) {
-    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let url = format!("tcp://127.0.0.1:{}", common::free_port());
     let opts = move |rank: usize| {
         let mut o = common::opts(30_000);
         o.set("host_id", &format!("host{}", rank % hosts)).unwrap();

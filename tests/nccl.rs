@@ -40,14 +40,6 @@ fn wheel_library() -> Option<PathBuf> {
     None
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs this test binary as `worker_process` in `role`, with `env` added
 /// and RDIST_NCCL_LIBRARY / RDIST_DEBUG / RDIST_BACKEND cleared unless
 /// given; fails past 60 s.
@@ -170,7 +162,7 @@ fn worker_process() {
         }
         // backend=auto: runs (on sockets) and says why at INFO.
         "auto" => {
-            let port = free_port();
+            let port = common::free_port();
             let comm = Comm::init(
                 &format!("tcp://127.0.0.1:{port}"),
                 0,
@@ -313,7 +305,7 @@ fn backend_nccl_fails_with_unavailable_and_the_reason() {
     let mut o = Options::default();
     o.set("backend", "nccl").unwrap();
     o.set("timeout_ms", "5000").unwrap();
-    let port = free_port();
+    let port = common::free_port();
     let t = Instant::now();
     let e = match Comm::init(&format!("tcp://127.0.0.1:{port}"), 0, 1, &o) {
         Ok(_) => panic!("backend=nccl must fail in this build"),
@@ -346,7 +338,7 @@ fn backend_nccl_through_the_c_api_is_rdist_err_unavailable() {
         rdist_options_set(opts, key.as_ptr(), value.as_ptr()) as i32,
         0
     );
-    let method = CString::new(format!("tcp://127.0.0.1:{}", free_port())).unwrap();
+    let method = CString::new(format!("tcp://127.0.0.1:{}", common::free_port())).unwrap();
     let mut comm = std::ptr::null_mut();
     let rc = rdist_init(&mut comm, method.as_ptr(), 0, 1, opts);
     // SAFETY: rdist_last_error never returns NULL.

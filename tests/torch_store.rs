@@ -181,20 +181,12 @@ fn lib_dir() -> PathBuf {
         .to_path_buf()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn torchrun_launches_c_ranks_that_init_with_env() {
     let python = need_torch!();
     let torchrun = python.parent().unwrap().join("torchrun");
     let prog = ranks_program();
-    let endpoint = format!("127.0.0.1:{}", free_port());
+    let endpoint = format!("127.0.0.1:{}", common::free_port());
     let launches: [Vec<String>; 2] = [
         vec!["--standalone".into(), "--nproc-per-node".into(), "3".into()],
         vec![

@@ -97,6 +97,17 @@ fn within<T>(
     f(&mut sub_link)
 }
 
+/// The reduction each phase runs: Avg is summed in every phase (a
+/// sub-group's Avg would divide by its own size) and divided once, by the
+/// whole world, at the end.
+fn summed(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
 /// In-place allreduce of `buf` over every rank of `link`, by layers.
 pub fn allreduce(
     link: &mut Link<'_>,
@@ -113,13 +124,7 @@ pub fn allreduce(
         ring::reduce_scatter_in_place(l, buf, dtype, op)
     })?;
     let mine = block(count, layers.host.len(), owned, es);
-    // Avg is summed in every phase (a sub-group's Avg would divide by its
-    // own size) and divided once, by everyone, below.
-    let across_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let across_op = summed(op);
     within(link, &layers.across, me, |l| {
         let part = &mut buf[mine.clone()];
         if part.len() <= super::SMALL_ALLREDUCE_BYTES {
@@ -211,12 +216,7 @@ pub fn reduce_scatter(
             crate::copy::copy(&mut stage[at..at + bb], &input[r * bb..(r + 1) * bb]);
         }
     }
-    // Avg is summed in both phases and divided once, by the whole world.
-    let phase_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let phase_op = summed(op);
     let mut mine = vec![0u8; seg];
     within(link, &layers.host, me, |l| {
         ring::reduce_scatter(l, &stage[..locals * seg], &mut mine, dtype, phase_op)

@@ -166,3 +166,12 @@ pub fn compile_c(src: &str, out: &Path, lib_dir: &Path) {
         .expect("cc runs");
     assert!(status.success(), "compiling {src} failed");
 }
+
+/// A port the OS just handed out (and released), so tests run in parallel.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
