@@ -160,6 +160,11 @@ impl SocketBackend {
             comm_id: roster.comm_id,
             deadline: Instant::now() + timeout,
             token: settings.token.clone(),
+            far: roster
+                .hosts
+                .iter()
+                .map(|h| *h != roster.hosts[rank])
+                .collect(),
         };
         let mesh = mesh::connect(listener, &spec)?;
         let streams = mesh.streams;
@@ -262,6 +267,9 @@ impl SocketBackend {
                 comm_id: self.roster.comm_id,
                 deadline: Instant::now(),
                 token: self.settings.token.clone(),
+                far: (self.roster.hosts.iter())
+                    .map(|h| *h != self.roster.hosts[self.rank])
+                    .collect(),
             },
             listener,
             early,

@@ -53,6 +53,9 @@ pub struct MeshSpec {
     pub deadline: Instant,
     /// The job's shared secret, when it has one.
     pub token: Option<Token>,
+    /// Per rank: on another host than this rank (its connections get
+    /// keepalive, see `configure`).
+    pub far: Vec<bool>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -113,13 +116,28 @@ fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, V
     Ok(rank)
 }
 
-/// No delay, and keepalive to notice a vanished host.
-pub fn configure(stream: &TcpStream) {
-    let _ = stream.set_nodelay(true);
+impl MeshSpec {
+    /// Sets up a connection to `peer`: no delay, and keepalive when the
+    /// peer is on another host.
+    pub fn configure(&self, stream: &TcpStream, peer: usize) {
+        let _ = stream.set_nodelay(true);
+        if self.far.get(peer).copied().unwrap_or(true) {
+            // Spread over 5 s: a wide job makes its connections within a
+            // second, and probes all sent at once overflow a queue.
+            let idle = 10 + (self.rank * 31 + peer * 17) % 5;
+            keep_alive(stream, idle as i32);
+        }
+    }
+}
+
+/// Keepalive finds peers whose host vanished without closing the
+/// connection (a crash of the machine, a cable): probes after `idle_s`
+/// quiet seconds, then every 2 s, 3 unanswered end it. Only across hosts:
+/// a process on this host that dies closes its sockets, and at 256 ranks
+/// on one host the 65,000 sockets' probes, all due at once, overflowed
+/// loopback's queue and timed healthy connections out.
+fn keep_alive(stream: &TcpStream, idle_s: i32) {
     let fd = stream.as_raw_fd();
-    // Keepalive finds peers whose host vanished without closing the
-    // connection (a crash of the machine, a cable); a process crash is
-    // seen at once anyway.
     let set = |level: i32, name: i32, value: i32| {
         // SAFETY: setsockopt on our own socket with a live i32.
         unsafe {
@@ -133,7 +151,7 @@ pub fn configure(stream: &TcpStream) {
         };
     };
     set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle_s);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 2);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
 }
@@ -190,7 +208,7 @@ pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
                 ),
             )
         })?;
-        configure(&s);
+        spec.configure(&s, peer);
         greeting::introduce(&mut s, &me, spec.token.as_ref(), spec.deadline).map_err(|e| {
             match e {
                 Refusal::Auth(why) => Error::new(
@@ -319,7 +337,7 @@ fn accept_higher(
                     let (b, mut s) = greetings.swap_remove(i).finish();
                     if let Some(rank) = judge_p2p(spec, &b) {
                         // A peer that finished connecting already sends point-to-point.
-                        configure(&s);
+                        spec.configure(&s, rank);
                         early_p2p.push((rank, s));
                         continue;
                     }
@@ -327,7 +345,7 @@ fn accept_higher(
                         Ok(rank) if streams[rank].is_none() => {
                             s.write_all(&[Verdict::Welcome as u8])
                                 .map_err(|e| Error::system(format!("answering rank {rank}"), &e))?;
-                            configure(&s);
+                            spec.configure(&s, rank);
                             streams[rank] = Some(s);
                             have += 1;
                         }
@@ -377,5 +395,66 @@ fn accept_all(listener: &TcpListener, greetings: &mut Vec<Greeting>, strays: &mu
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => return, // WouldBlock, or a transient error (out of fds)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keepalive_of(s: &TcpStream) -> (i32, i32) {
+        let get = |level: i32, name: i32| {
+            let mut v: i32 = -1;
+            let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+            // SAFETY: getsockopt into a live i32 on our own socket.
+            unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    level,
+                    name,
+                    (&mut v as *mut i32).cast(),
+                    &mut len,
+                )
+            };
+            v
+        };
+        (
+            get(libc::SOL_SOCKET, libc::SO_KEEPALIVE),
+            get(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+        )
+    }
+
+    /// 256 ranks on one host failed ~17 s after connecting: every one of
+    /// the 65,000 loopback sockets sent its keepalive probes at once, the
+    /// queue dropped them, and healthy connections timed out. Peers on
+    /// this host get no keepalive; those on other hosts get it, spread.
+    #[test]
+    fn keepalive_only_across_hosts_and_spread() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let spec = MeshSpec {
+            rank: 0,
+            size: 4,
+            addrs: vec![l.local_addr().unwrap(); 4],
+            job: [0; 16],
+            comm_id: 0,
+            deadline: Instant::now(),
+            token: None,
+            far: vec![false, false, true, true],
+        };
+        let near = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        spec.configure(&near, 1);
+        assert_eq!(keepalive_of(&near).0, 0, "no keepalive on this host");
+        let idles: Vec<i32> = [2, 3]
+            .iter()
+            .map(|&peer| {
+                let far = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+                spec.configure(&far, peer);
+                let (on, idle) = keepalive_of(&far);
+                assert_eq!(on, 1, "keepalive to another host");
+                assert!((10..15).contains(&idle), "{idle}");
+                idle
+            })
+            .collect();
+        assert_ne!(idles[0], idles[1], "probes spread over time");
     }
 }

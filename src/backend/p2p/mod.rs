@@ -604,7 +604,7 @@ impl Mailbox {
         let limit = sh.timeout.min(Duration::from_secs(10));
         let hello = mesh::hello_for(&sh.mesh, Context::P2p);
         let made = TcpStream::connect_timeout(&addr, limit).and_then(|mut s| {
-            mesh::configure(&s);
+            sh.mesh.configure(&s, peer);
             let deadline = Instant::now() + limit;
             greeting::introduce(&mut s, &hello, sh.mesh.token.as_ref(), deadline).map_err(|e| {
                 match e {
@@ -1305,7 +1305,7 @@ fn install(sh: &Shared, st: &mut State, g: Greeting) {
     if p.inc.is_some() || p.gone.is_some() {
         return; // one connection per pair and direction
     }
-    mesh::configure(&s);
+    sh.mesh.configure(&s, rank);
     if let Ok(c) = Conn::new(s) {
         p.inc = Some(c);
     }
@@ -1737,6 +1737,7 @@ mod tests {
                 comm_id: 0,
                 deadline: Instant::now(),
                 token: None,
+                far: vec![false],
             },
             listener: l,
             early: Vec::new(),
