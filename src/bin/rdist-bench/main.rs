@@ -3,7 +3,7 @@
 //!   rdistrun --nproc-per-node 4 rdist-bench [--op allreduce,broadcast|all]
 //!       [--min-bytes 8] [--max-bytes 64M] [--factor 4] [--dtype float32]
 //!       [--redop sum] [--root 0] [--seconds 0.2] [--reps 5] [--no-check]
-//!       [--json FILE] [--device [--nccl-direct]]
+//!       [--json FILE] [--device [--nccl-direct]] [--resources]
 //!
 //! --device: allreduce on device buffers on a CUDA stream (NCCL when the
 //! communicator has it, else staged through the sockets); --nccl-direct
@@ -85,6 +85,8 @@ struct Args {
     /// Device buffers (allreduce only).
     device: bool,
     nccl_direct: bool,
+    /// Report init time, descriptors and memory per rank.
+    resources: bool,
 }
 
 fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -114,6 +116,7 @@ fn parse_args() -> Result<Args, String> {
         json: None,
         device: false,
         nccl_direct: false,
+        resources: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -159,6 +162,7 @@ fn parse_args() -> Result<Args, String> {
             "--no-check" => a.check = false,
             "--device" => a.device = true,
             "--nccl-direct" => a.nccl_direct = true,
+            "--resources" => a.resources = true,
             "--json" => a.json = Some(value()?),
             "-h" | "--help" => {
                 println!(
@@ -304,6 +308,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let started = std::time::Instant::now();
     let comm = match Comm::init("env://", -1, -1, &Options::default()) {
         Ok(c) => c,
         Err(e) => {
@@ -325,10 +330,80 @@ fn main() {
             }
         }
     }
+    let joined = started.elapsed();
+    let after_init = a.resources.then(Usage::now);
     if let Err(e) = bench(&a, &comm) {
         eprintln!("rdist-bench: rank {}: {e}", comm.rank());
         std::process::exit(1);
     }
+    if let Some(after_init) = after_init {
+        if let Err(e) = report_usage(&comm, joined, after_init, Usage::now()) {
+            eprintln!("rdist-bench: rank {}: {e}", comm.rank());
+            std::process::exit(1);
+        }
+    }
+    drop(comm);
+}
+
+/// What a rank holds: open descriptors and resident memory.
+#[derive(Clone, Copy)]
+struct Usage {
+    fds: u64,
+    rss_kib: u64,
+}
+
+impl Usage {
+    fn now() -> Usage {
+        let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+        let rss_kib = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_string();
+                line.split_whitespace().nth(1)?.parse().ok()
+            })
+            .unwrap_or(0);
+        Usage { fds, rss_kib }
+    }
+}
+
+/// Prints (rank 0) the slowest and mean init time, and descriptors and
+/// resident memory per rank after init and after the benchmark.
+fn report_usage(
+    comm: &Comm,
+    joined: std::time::Duration,
+    after_init: Usage,
+    after_run: Usage,
+) -> rdist::Result<()> {
+    let mine = [
+        joined.as_micros() as u64,
+        after_init.fds,
+        after_init.rss_kib,
+        after_run.fds,
+        after_run.rss_kib,
+    ];
+    let mut max = mine;
+    let mut sum = mine;
+    comm.allreduce(&mut max, ReduceOp::Max)?;
+    comm.allreduce(&mut sum, ReduceOp::Sum)?;
+    let n = comm.size() as f64;
+    if comm.rank() == 0 {
+        let mean = |i: usize| sum[i] as f64 / n;
+        println!(
+            "# resources: {} ranks; init {:.2} s (slowest rank), {:.2} s mean; after init {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max) per rank; after the run {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max)",
+            comm.size(),
+            max[0] as f64 / 1e6,
+            mean(0) / 1e6,
+            mean(1),
+            max[1],
+            mean(2) / 1024.0,
+            max[2] as f64 / 1024.0,
+            mean(3),
+            max[3],
+            mean(4) / 1024.0,
+            max[4] as f64 / 1024.0,
+        );
+    }
+    Ok(())
 }
 
 fn bench(a: &Args, comm: &Comm) -> rdist::Result<()> {
