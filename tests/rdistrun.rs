@@ -914,3 +914,55 @@ fn a_launched_job_gets_a_fresh_auth_token_unless_told_otherwise() {
     assert_eq!(multi, ["none"]);
     assert!(warning.contains("--auth-token"), "{warning}");
 }
+
+/// Runs `ranks` rdist-bench barriers under rdistrun in a shell that first
+/// sets descriptor limits with `ulimit_args`, with info logging.
+fn bench_with_limits(ulimit_args: &str, ranks: usize) -> Finished {
+    let script = format!(
+        "ulimit {ulimit_args} && exec \"$0\" --nproc-per-node {ranks} \"$1\" --op barrier --seconds 0.01 --reps 1"
+    );
+    let mut command = Command::new("sh");
+    command
+        .args([
+            "-c",
+            &script,
+            env!("CARGO_BIN_EXE_rdistrun"),
+            env!("CARGO_BIN_EXE_rdist-bench"),
+        ])
+        .env("RDIST_DEBUG", "info")
+        .env("RDIST_TIMEOUT_MS", "15000");
+    Launcher::spawn(command).finish()
+}
+
+/// A soft descriptor limit too low for the world is raised towards the
+/// hard one (a wide job on one host passes the common 1024); a hard limit
+/// too low fails every rank at once with a message that names it, rather
+/// than accept() failing quietly until the peers time out.
+#[test]
+fn descriptor_limits_are_raised_or_named() {
+    // 24 ranks want 2 * 24 + 256 descriptors; a soft limit of 100 is raised.
+    let raised = bench_with_limits("-Sn 100", 24);
+    assert_eq!(raised.code(), Some(0), "{}", raised.stderr);
+    assert!(
+        raised
+            .stderr
+            .contains("raised the soft descriptor limit from 100 to"),
+        "{}",
+        raised.stderr
+    );
+    // 64 ranks need at least 2 * 64 + 32; a hard limit of 120 cannot do.
+    let refused = bench_with_limits("-n 120", 64);
+    assert_eq!(refused.code(), Some(1), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains(
+            "needs about 160 file descriptors for a world of 64 ranks, but this process may open at most 120"
+        ),
+        "{}",
+        refused.stderr
+    );
+    assert!(
+        refused.elapsed < Duration::from_secs(10),
+        "refused at once, not at the timeout: {:?}",
+        refused.elapsed
+    );
+}

@@ -125,6 +125,7 @@ pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Resu
         let master = method::env_master(&crate::options::process_env)?;
         return join(&Meeting::Method(master), rank, size, opts);
     }
+    crate::transport::mesh::reserve_descriptors(rank, size)?;
     // On failure the lease goes, but the store lingers (see
     // store::hosted), so the other ranks can still ask it who is missing.
     let mut server = None;

@@ -182,6 +182,62 @@ pub fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     }
 }
 
+/// Makes room for a rank's descriptors: one connection per peer (shared
+/// memory keeps it too, to notice the peer's exit), plus a margin for the
+/// process's own. Raises the soft RLIMIT_NOFILE towards the hard one when
+/// it is too low (a wide job on one host passes the common soft limit of
+/// 1024 at ~1000 ranks); fails, saying so, when even the hard limit is too
+/// low, instead of letting accept() fail quietly and the peers time out.
+/// Rank 0 also serves every rank's store connection: two per rank, and
+/// a margin of 32 at least, 256 when the hard limit allows.
+pub fn reserve_descriptors(rank: usize, size: usize) -> Result<()> {
+    let need = (2 * size + 32) as libc::rlim_t;
+    let want = need + 224;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a live struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= want {
+        return Ok(());
+    }
+    if lim.rlim_max < need {
+        return Err(Error::new(
+            ErrorKind::System,
+            format!(
+                "rank {} needs about {need} file descriptors for a world of {} ranks, but this process may open at most {} (RLIMIT_NOFILE hard limit): raise it (ulimit -Hn, or LimitNOFILE in systemd/containers)",
+                rank, size, lim.rlim_max
+            ),
+        ));
+    }
+    let raised = libc::rlimit {
+        rlim_cur: want.max(lim.rlim_cur.saturating_mul(2)).min(lim.rlim_max),
+        rlim_max: lim.rlim_max,
+    };
+    if raised.rlim_cur <= lim.rlim_cur {
+        return Ok(()); // enough, if not the margin we would like
+    }
+    // SAFETY: as above.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(Error::system(
+            format!(
+                "raising the descriptor limit from {} to {} for a world of {} ranks",
+                lim.rlim_cur, raised.rlim_cur, size
+            ),
+            &io::Error::last_os_error(),
+        ));
+    }
+    crate::log::emit(
+        crate::options::LogLevel::Info,
+        Some(rank),
+        &format!(
+            "raised the soft descriptor limit from {} to {} for {size} ranks",
+            lim.rlim_cur, raised.rlim_cur
+        ),
+    );
+    Ok(())
+}
+
 /// Connects this rank to every other.
 pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
     let mut streams: Vec<Option<TcpStream>> = (0..spec.size).map(|_| None).collect();

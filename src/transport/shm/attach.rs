@@ -181,9 +181,10 @@ pub fn attach(
                     continue;
                 };
                 let theirs = theirs[peer].as_ref().expect("mapped above");
+                let stream = Arc::new(stream);
                 let pid = pids.as_ref().map(|p: &Vec<i32>| p[peer]);
-                // The liveness connection is shared (a duplicate descriptor:
-                // both notice the peer's exit).
+                // The liveness connection is shared: all three channels
+                // notice the peer's exit on it.
                 let (up, down) = (size, 2 * size);
                 let (out_base, in_base) = if rank < peer { (up, down) } else { (down, up) };
                 let p2p_channel = |base: usize| -> io::Result<Box<dyn Channel>> {
@@ -192,7 +193,7 @@ pub fn attach(
                         theirs,
                         rank,
                         peer,
-                        stream.try_clone()?,
+                        stream.clone(),
                         pid,
                         asymmetric,
                         base,

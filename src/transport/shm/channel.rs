@@ -16,8 +16,11 @@ pub struct ShmChannel {
     to_peer: Ring,
     /// Rung after every transfer, so a sleeping peer wakes.
     peer_bell: Doorbell,
-    /// Kept open only so the peer's exit shows as end-of-stream.
-    liveness: TcpStream,
+    /// Kept open only so the peer's exit shows as end-of-stream; shared
+    /// by the pair's channels (collectives and point-to-point), so a
+    /// local peer costs one descriptor, not three (at 256 ranks on a host,
+    /// three put every rank past the common limit of 1024).
+    liveness: Arc<TcpStream>,
     peer_closed: bool,
     asked: u32,
     /// The peer's pid when single-copy reads work.
@@ -35,7 +38,7 @@ impl ShmChannel {
         theirs: &Arc<Segment>,
         rank: usize,
         peer: usize,
-        liveness: TcpStream,
+        liveness: Arc<TcpStream>,
         cma_pid: Option<i32>,
         asymmetric: bool,
         base: usize,
