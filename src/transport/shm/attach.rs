@@ -4,7 +4,7 @@
 
 use super::channel::ShmChannel;
 use super::doorbell::{register_membarrier, Doorbell};
-use super::segment::{segment_name, Segment};
+use super::segment::{ring_bytes_for, segment_name, Segment};
 use crate::error::{Error, Result};
 use crate::options::ShmTuning;
 use crate::transport::channel::Channel;
@@ -140,7 +140,9 @@ pub fn attach(
         // point messages from lower to higher ranks (and the context's
         // doorbells); 2*size..3*size: from higher to lower. Pages are only
         // allocated when touched.
-        let mine = Segment::map(&mine_name, 3 * size, true);
+        // Smaller rings on a crowded host (see ring_bytes_for).
+        let ring_bytes = ring_bytes_for(1 + local.iter().filter(|l| **l).count());
+        let mine = Segment::map(&mine_name, 3 * size, ring_bytes, true);
         // Unlinked however this ends (an error in the agreement below
         // returns early): a name left in /dev/shm outlives the job.
         let _unlink = Unlink(&mine_name);
@@ -150,7 +152,12 @@ pub fn attach(
         if created {
             for (peer, slot) in theirs.iter_mut().enumerate() {
                 if peer != rank && streams[peer].is_some() {
-                    match Segment::map(&segment_name(job, comm_id, peer), 3 * size, false) {
+                    match Segment::map(
+                        &segment_name(job, comm_id, peer),
+                        3 * size,
+                        ring_bytes,
+                        false,
+                    ) {
                         Ok(seg) => *slot = Some(Arc::new(seg)),
                         Err(_) => opened = false,
                     }

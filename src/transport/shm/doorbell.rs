@@ -2,7 +2,7 @@
 //! (a futex word in its own segment), and the membarrier registration
 //! that lets ringing it skip a fence.
 
-use super::segment::{Segment, SLOT_BYTES};
+use super::segment::Segment;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,11 +11,11 @@ impl Segment {
     /// The doorbell of the rank that owns this segment (in its own slot).
     pub fn doorbell(self: &Arc<Self>, owner: usize, asymmetric: bool) -> Doorbell {
         assert!(
-            (owner + 1) * SLOT_BYTES <= self.len,
+            (owner + 1) * self.slot_bytes() <= self.len,
             "doorbell slot out of the segment"
         );
         // SAFETY: inside the mapping; the two words sit on separate lines.
-        let ctl = unsafe { self.base.add(owner * SLOT_BYTES) };
+        let ctl = unsafe { self.base.add(owner * self.slot_bytes()) };
         Doorbell {
             _segment: self.clone(),
             bell: ctl.cast(),

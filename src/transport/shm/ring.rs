@@ -2,7 +2,7 @@
 //! record format, writing, reading (copied, lent whole or combined in
 //! place) and freeing space.
 
-use super::segment::{Segment, CTL_BYTES, RING_BYTES, SLOT_BYTES};
+use super::segment::{Segment, CTL_BYTES};
 use crate::copy;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,13 +11,14 @@ use std::sync::Arc;
 impl Segment {
     pub(super) fn ring(self: &Arc<Self>, slot: usize) -> Ring {
         assert!(
-            (slot + 1) * SLOT_BYTES <= self.len,
+            (slot + 1) * self.slot_bytes() <= self.len,
             "ring slot out of the segment"
         );
         // SAFETY: inside the mapping (checked above).
-        let ctl = unsafe { self.base.add(slot * SLOT_BYTES) };
+        let ctl = unsafe { self.base.add(slot * self.slot_bytes()) };
         Ring {
             _segment: self.clone(),
+            bytes: self.ring_bytes,
             // SAFETY: the tail word sits 64 bytes in, inside the control block.
             tail: unsafe { ctl.add(64) }.cast(),
             // SAFETY: the data area follows the control block.
@@ -40,6 +41,8 @@ impl Segment {
 /// tells the writer which space it may reuse.
 pub(super) struct Ring {
     _segment: Arc<Segment>,
+    /// Bytes of the data area (a multiple of `RECORD_ALIGN`).
+    bytes: usize,
     tail: *const AtomicU64,
     data: *mut u8,
     /// The writer's last reading of `tail` (never ahead of the real one).
@@ -80,12 +83,12 @@ impl Ring {
 
     /// The word of the record starting at byte `at` of the ring.
     fn word(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: `at % RING_BYTES` is a multiple of 64, inside the data
+        // SAFETY: `at % bytes` is a multiple of 64, inside the data
         // area, so the word is aligned and mapped.
         unsafe {
             &*self
                 .data
-                .add((at % RING_BYTES as u64) as usize)
+                .add((at % self.bytes as u64) as usize)
                 .cast::<AtomicU64>()
         }
     }
@@ -107,8 +110,8 @@ impl Ring {
 
     /// Copies `len` bytes starting at ring byte `from` (wrapping) into `to`.
     fn copy_out(&self, from: u64, to: &mut [u8]) {
-        let at = (from % RING_BYTES as u64) as usize;
-        let first = to.len().min(RING_BYTES - at);
+        let at = (from % self.bytes as u64) as usize;
+        let first = to.len().min(self.bytes - at);
         // SAFETY: both ranges lie inside the data area, in a published
         // record that the writer does not touch until `tail` passes it.
         unsafe {
@@ -121,8 +124,8 @@ impl Ring {
 
     /// Copies `from` into the ring starting at ring byte `to` (wrapping).
     fn copy_in(&self, to: u64, from: &[u8]) {
-        let at = (to % RING_BYTES as u64) as usize;
-        let first = from.len().min(RING_BYTES - at);
+        let at = (to % self.bytes as u64) as usize;
+        let first = from.len().min(self.bytes - at);
         // SAFETY: the range lies in space the reader has freed and that no
         // published record covers until the word below is stored.
         unsafe {
@@ -180,8 +183,8 @@ impl Ring {
             let Some(len) = self.next_record() else { break };
             let at = self.at.get();
             let taken = self.taken.get();
-            let from = ((at + (RECORD_WORD + taken) as u64) % RING_BYTES as u64) as usize;
-            let contiguous = (len - taken).min(RING_BYTES - from);
+            let from = ((at + (RECORD_WORD + taken) as u64) % self.bytes as u64) as usize;
+            let contiguous = (len - taken).min(self.bytes - from);
             let n = contiguous.min(dst.len() - done);
             let n = n - n % unit;
             if n == 0 {
@@ -205,8 +208,8 @@ impl Ring {
             return None;
         }
         let len = self.next_record()?;
-        let from = ((self.at.get() + RECORD_WORD as u64) % RING_BYTES as u64) as usize;
-        if from + len > RING_BYTES {
+        let from = ((self.at.get() + RECORD_WORD as u64) % self.bytes as u64) as usize;
+        if from + len > self.bytes {
             return None;
         }
         // SAFETY: inside the data area, in a published record that the
@@ -223,9 +226,9 @@ impl Ring {
         }
         let need = record_end(0, len) as usize;
         let at = self.at.get();
-        if RING_BYTES - ((at - self.tail_seen.get()) as usize) < need {
+        if self.bytes - ((at - self.tail_seen.get()) as usize) < need {
             self.tail_seen.set(self.tail().load(Ordering::Acquire));
-            if RING_BYTES - ((at - self.tail_seen.get()) as usize) < need {
+            if self.bytes - ((at - self.tail_seen.get()) as usize) < need {
                 return false;
             }
         }
@@ -243,10 +246,10 @@ impl Ring {
         // The reader's tail lives on a line the reader keeps writing: read
         // it (one cache-line transfer) only when the last value seen leaves
         // too little room.
-        let mut free = RING_BYTES - (at - self.tail_seen.get()) as usize;
+        let mut free = self.bytes - (at - self.tail_seen.get()) as usize;
         if free < want {
             self.tail_seen.set(self.tail().load(Ordering::Acquire));
-            free = RING_BYTES - (at - self.tail_seen.get()) as usize;
+            free = self.bytes - (at - self.tail_seen.get()) as usize;
         }
         if free < RECORD_ALIGN as usize {
             return 0;
@@ -270,15 +273,15 @@ impl Ring {
         // record, which is such a word.
         let mut lines = self.payload_lines.borrow_mut();
         if lines.is_empty() {
-            lines.resize(RING_BYTES / RECORD_ALIGN as usize, 0);
+            lines.resize(self.bytes / RECORD_ALIGN as usize, 0);
         }
-        let line = |pos: u64| ((pos % RING_BYTES as u64) / RECORD_ALIGN) as usize;
+        let line = |pos: u64| ((pos % self.bytes as u64) / RECORD_ALIGN) as usize;
         let next_line = line(next);
         if lines[next_line] != 0 {
-            if next - self.tail_seen.get() >= RING_BYTES as u64 {
+            if next - self.tail_seen.get() >= self.bytes as u64 {
                 self.tail_seen.set(self.tail().load(Ordering::Acquire));
             }
-            if next - self.tail_seen.get() < RING_BYTES as u64 {
+            if next - self.tail_seen.get() < self.bytes as u64 {
                 let not_next = !number.wrapping_add(1);
                 self.word(next)
                     .store(u64::from(not_next), Ordering::Relaxed);
@@ -306,27 +309,39 @@ impl Ring {
 
 #[cfg(test)]
 mod tests {
+    use super::super::segment::{MIN_RING_BYTES, RING_BYTES};
     use super::*;
 
     /// Two views of one ring in a fresh, already unlinked segment (the
     /// rings keep it mapped): one to write, one to read.
     fn ring_pair(tag: &str) -> (Ring, Ring) {
-        let name = format!("/rdist-test-{tag}{}", std::process::id());
-        let seg = Arc::new(Segment::map(&name, 2, true).unwrap());
+        ring_pair_of(tag, RING_BYTES)
+    }
+
+    fn ring_pair_of(tag: &str, ring_bytes: usize) -> (Ring, Ring) {
+        let name = format!("/rdist-test-{tag}{ring_bytes}-{}", std::process::id());
+        let seg = Arc::new(Segment::map(&name, 2, ring_bytes, true).unwrap());
         Segment::unlink(&name);
         (seg.ring(1), seg.ring(1))
     }
 
     #[test]
     fn rings_carry_bytes_across_wraparound() {
-        let (writer, reader) = ring_pair("wrap-");
-        let pattern: Vec<u8> = (0..8 * RING_BYTES).map(|i| (i % 251) as u8).collect();
+        // The largest ring, and the smallest (wide hosts).
+        for ring_bytes in [RING_BYTES, MIN_RING_BYTES] {
+            wraparound(ring_bytes);
+        }
+    }
+
+    fn wraparound(ring_bytes: usize) {
+        let (writer, reader) = ring_pair_of("wrap-", ring_bytes);
+        let pattern: Vec<u8> = (0..8 * ring_bytes).map(|i| (i % 251) as u8).collect();
         let (mut sent, mut got) = (0usize, 0usize);
         let mut out = vec![0u8; 200_000];
         // Writes of every size (tiny to several records), reads of every
         // size (a few bytes of a record up to many records at once).
         let (mut w, mut r) = (1usize, 1usize);
-        while got < 6 * RING_BYTES {
+        while got < 6 * ring_bytes {
             w = (w * 7 + 3) % 300_000;
             r = (r * 13 + 5) % out.len();
             let rest = &pattern[sent..];
