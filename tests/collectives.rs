@@ -517,6 +517,60 @@ fn large_broadcasts_pipeline_along_a_chain() {
     }
 }
 
+/// Large reduces run along a chain that ends at the root (forced on
+/// shared memory and TCP; chosen by default over TCP from 16 MiB), with
+/// more chunks than ranks, not a multiple of one; every root position,
+/// sum and max on integral floats, avg on integers: exact against the
+/// reference, and the send buffers untouched.
+#[test]
+fn large_reduces_pipeline_along_a_chain() {
+    for (n, algo, transport, bytes) in [
+        (3, "chain", "auto", 5 << 20),
+        (4, "auto", "tcp", 16 << 20),
+        (5, "chain", "tcp", 3 << 20),
+    ] {
+        let mut o = common::opts(60_000);
+        o.set("algo", algo).unwrap();
+        o.set("transport", transport).unwrap();
+        common::world(n, o, Duration::from_secs(120), move |comm| {
+            let r = comm.rank();
+            let len = bytes / 4 + 3;
+            for (root, op) in [
+                (0, ReduceOp::Sum),
+                (n - 1, ReduceOp::Max),
+                (1, ReduceOp::Sum),
+            ] {
+                let value = |q: usize, i: usize| ((i * 7 + q * 13 + root) % 1000) as f32;
+                let send: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                let mut recv = vec![-1.0f32; if r == root { len } else { 0 }];
+                comm.reduce(&send, &mut recv, op, root).unwrap();
+                assert!(send.iter().enumerate().all(|(i, v)| *v == value(r, i)));
+                if r == root {
+                    for (i, got) in recv.iter().enumerate() {
+                        let all = (0..n).map(|q| value(q, i));
+                        let want = match op {
+                            ReduceOp::Max => all.fold(f32::MIN, f32::max),
+                            _ => all.sum(),
+                        };
+                        assert_eq!(*got, want, "n {n} {algo} root {root} {op:?} element {i}");
+                    }
+                }
+            }
+            let root = n / 2;
+            let send: Vec<i32> = (0..len as i32).map(|i| i % 977 - 400 + r as i32).collect();
+            let mut recv = vec![0i32; if r == root { len } else { 0 }];
+            comm.reduce(&send, &mut recv, ReduceOp::Avg, root).unwrap();
+            if r == root {
+                for (i, got) in recv.iter().enumerate() {
+                    let sum: i64 = (0..n as i64).map(|q| (i as i64 % 977) - 400 + q).sum();
+                    let want = (sum / n as i64) as i32;
+                    assert_eq!(*got, want, "n {n} {algo} avg element {i}");
+                }
+            }
+        });
+    }
+}
+
 /// Large allreduces over TCP with 4 ranks go by halving-doubling by default,
 /// as forced elsewhere on other world sizes: the sum is checked against
 /// the reference, and every rank must hold the very same bits as rank 0

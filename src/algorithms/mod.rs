@@ -93,7 +93,7 @@ impl Algo {
                 Algo::Hierarchical,
             ],
             OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
-            OpKind::Reduce => &[Algo::Binomial],
+            OpKind::Reduce => &[Algo::Binomial, Algo::Chain],
             OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring, Algo::Hierarchical],
             OpKind::Barrier => &[Algo::Dissemination],
             _ => &[Algo::Direct],
@@ -170,8 +170,14 @@ pub fn choose(
         {
             Algo::HalvingDoubling
         }
-        OpKind::Broadcast if over_tcp && size >= 3 && bytes >= CHAIN_BROADCAST_BYTES => Algo::Chain,
-        OpKind::Broadcast if across_hosts && size >= 3 && bytes >= CHAIN_ACROSS_HOSTS_BYTES => {
+        OpKind::Broadcast | OpKind::Reduce
+            if over_tcp && size >= 3 && bytes >= CHAIN_BROADCAST_BYTES =>
+        {
+            Algo::Chain
+        }
+        OpKind::Broadcast | OpKind::Reduce
+            if across_hosts && size >= 3 && bytes >= CHAIN_ACROSS_HOSTS_BYTES =>
+        {
             Algo::Chain
         }
         _ => options[0],
@@ -423,6 +429,32 @@ mod tests {
         assert_eq!(
             choose(OpKind::Broadcast, 8 << 10, 3, None, true, true, false),
             Algo::Binomial
+        );
+        // Reduce mirrors broadcast: a chain over TCP from 16 MiB, between
+        // hosts from 64 KiB; the tree on shared memory and for small ones.
+        for (bytes, over_tcp, across, want) in [
+            (16 << 20, true, false, Algo::Chain),
+            (64 << 20, false, false, Algo::Binomial),
+            (64 << 10, true, true, Algo::Chain),
+            (8 << 10, true, true, Algo::Binomial),
+        ] {
+            assert_eq!(
+                choose(OpKind::Reduce, bytes, 4, None, over_tcp, across, false),
+                want,
+                "{bytes} over_tcp {over_tcp} across {across}"
+            );
+        }
+        assert_eq!(
+            choose(
+                OpKind::Reduce,
+                1 << 20,
+                4,
+                Some(Algo::Chain),
+                false,
+                false,
+                false
+            ),
+            Algo::Chain
         );
         assert_eq!(Algo::parse("RD").unwrap(), Algo::RecursiveDoubling);
         assert!(Algo::parse("bogus").unwrap_err().message().contains("ring"));

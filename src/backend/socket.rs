@@ -416,14 +416,18 @@ impl SocketBackend {
                 root,
             } => {
                 let d = desc(OpKind::Reduce, data).reduction(op).root(root);
-                let (desc, _) = self.label(d, send.len());
+                let (desc, algo) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let run = match algo {
+                    Algo::Chain => chain::reduce,
+                    _ => binomial::reduce,
+                };
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
-                    binomial::reduce(&mut link, recv.bytes_mut(), data.dtype, op, root)
+                    run(&mut link, recv.bytes_mut(), data.dtype, op, root)
                 } else {
                     let mut acc = send.bytes().to_vec();
-                    binomial::reduce(&mut link, &mut acc, data.dtype, op, root)
+                    run(&mut link, &mut acc, data.dtype, op, root)
                 }
             }
             Call::AllGather { send, recv, data } => {
