@@ -23,6 +23,13 @@
 # runs them anyway (each then skips itself or runs what needs no GPU).
 # Logs: ${CARGO_TARGET_DIR:-target}/gpu-check/. GPU_CHECK_BENCH_MAX_BYTES
 # (default 256M) bounds the benchmark's sizes.
+#
+# A GPU machine with no Rust toolchain (or no network for setup.sh):
+# build a bundle where there is one, `bash scripts/gpu-bundle.sh DIR`, copy
+# the checkout with DIR to the GPU machine and run
+# `GPU_CHECK_PREBUILT=DIR bash scripts/gpu-check.sh` there: setup.sh and
+# the build are skipped, NCCL is whatever the loader finds (an installed
+# wheel, ldconfig) unless RDIST_TEST_NCCL_DIR names one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -55,11 +62,31 @@ for candidate in ${PYTHON:-python3 /usr/bin/python3}; do
 done
 probe_python="${python:-${PYTHON:-python3}}"
 
-echo "== scripts/setup.sh"
-if ! bash scripts/setup.sh >"$logs/setup.log" 2>&1; then
-  echo "setup.sh failed (see $logs/setup.log); carrying on with what is there"
+prebuilt="${GPU_CHECK_PREBUILT:-}"
+if [ -n "$prebuilt" ]; then
+  echo "== prebuilt: $prebuilt (scripts/gpu-bundle.sh); no setup.sh, no build"
+  if ! [ -f "$prebuilt/test-binaries" ] || ! [ -f "$prebuilt/build-root" ]; then
+    echo "$prebuilt is not a bundle made by scripts/gpu-bundle.sh" >&2
+    exit 2
+  fi
+  cp -a "$prebuilt/target/." "$target/"
+  # The test binaries hold the build checkout's absolute path (the crate
+  # root, the launcher's path): make it lead here.
+  build_root="$(cat "$prebuilt/build-root")"
+  if [ "$(cd "$build_root" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
+    if [ -e "$build_root" ]; then
+      echo "the bundle was built in $build_root, which exists here and is another folder" >&2
+      exit 2
+    fi
+    mkdir -p "$(dirname "$build_root")" && ln -s "$root" "$build_root"
+  fi
+else
+  echo "== scripts/setup.sh"
+  if ! bash scripts/setup.sh >"$logs/setup.log" 2>&1; then
+    echo "setup.sh failed (see $logs/setup.log); carrying on with what is there"
+  fi
+  cat "$logs/setup.log"
 fi
-cat "$logs/setup.log"
 
 # ---- is there a GPU? (the CUDA driver, as rdist loads it) ---------------------
 gpu_reason="$("$probe_python" - 2>&1 <<'EOF'
@@ -111,23 +138,29 @@ if [ "$devices" -eq 0 ] && [ "${GPU_CHECK_FORCE:-0}" != 1 ]; then
 fi
 
 # ---- build ------------------------------------------------------------------------
-echo "== cargo build (tests, the library for Python, the release benchmark)"
-if ! { cargo build && cargo test --no-run --test gpu_stub --test nccl \
-        && cargo build --release --bins; } >"$logs/build.log" 2>&1; then
-  tail -30 "$logs/build.log"
-  for c in "${checks[@]}"; do fail "$c" "the build failed (see $logs/build.log)"; done
-  print_report
-  exit 1
+# test_binaries: "FILE PATH" per line, the test executables to run.
+if [ -n "$prebuilt" ]; then
+  test_binaries="$(cat "$prebuilt/test-binaries")"
+else
+  echo "== bash scripts/gpu-bundle.sh (the build: tests, the library for Python, the release benchmark)"
+  if ! bash scripts/gpu-bundle.sh --build-only >"$logs/build.log" 2>&1; then
+    tail -30 "$logs/build.log"
+    for c in "${checks[@]}"; do fail "$c" "the build failed (see $logs/build.log)"; done
+    print_report
+    exit 1
+  fi
+  test_binaries="$(grep '^test-binary ' "$logs/build.log" | cut -d' ' -f2-)"
 fi
 
 # ---- Rust tests, one by one: passed, failed, or skipped with the reason it printed -----
-# run_rust FILE NAME: runs one test of tests/FILE.rs.
+# run_rust FILE BINARY NAME: runs one test of tests/FILE.rs (as cargo test
+# would: from the crate root).
 run_rust() {
-  local file="$1" name="$2" log start secs why
+  local file="$1" bin="$2" name="$3" log start secs why
   log="$logs/rust-$file-$name.log"
   start=$(date +%s)
   echo "-- cargo test --test $file -- --exact $name"
-  timeout 900 cargo test -q --test "$file" -- --exact "$name" --nocapture --test-threads 1 >"$log" 2>&1
+  timeout 900 "$bin" --exact "$name" --nocapture --test-threads 1 >"$log" 2>&1
   local rc=$?
   secs=$(($(date +%s) - start))
   if [ $rc -ne 0 ]; then
@@ -142,14 +175,20 @@ run_rust() {
 }
 
 for file in gpu_stub nccl; do
-  names=$(cargo test -q --test "$file" -- --list 2>/dev/null | sed -n 's/: test$//p')
+  bin=$(awk -v f="$file" '$1 == f { print $2 }' <<<"$test_binaries")
+  case "$bin" in /*) ;; ?*) bin="$root/$bin" ;; esac
+  if [ -z "$bin" ] || ! [ -x "$bin" ]; then
+    fail "rust $file" "no test binary for tests/$file.rs (${bin:-none built})"
+    continue
+  fi
+  names=$("$bin" --list 2>/dev/null | sed -n 's/: test$//p')
   [ "$file" = gpu_stub ] && names=$(grep '^real_gpu_' <<<"$names")
   names=$(grep -v '^worker_process$' <<<"$names")  # the child processes' body, not a test
   if [ -z "$names" ]; then
     fail "rust $file" "no tests listed (cargo test --test $file -- --list)"
     continue
   fi
-  for name in $names; do run_rust "$file" "$name"; done
+  for name in $names; do run_rust "$file" "$bin" "$name"; done
 done
 
 # ---- the Python binding's device tests ---------------------------------------------------

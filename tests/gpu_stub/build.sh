@@ -19,6 +19,10 @@ CFLAGS=(-O1 -g -fPIC -Wall -Wextra -Werror -pthread)
 # nodelete: a dlclose (cudarc probes libcuda.so with open-then-close)
 # must not drop the stubs' state.
 LIBFLAGS=(-shared -Wl,--no-undefined -Wl,-z,nodelete)
+# DT_RPATH, not DT_RUNPATH: it is searched before LD_LIBRARY_PATH, so the
+# stub NCCL and the smoke test find the stub driver beside them even where
+# LD_LIBRARY_PATH leads to a real libcuda.so.1 (as on GPU machines).
+RPATH=(-Wl,--disable-new-dtags -Wl,-rpath,'$ORIGIN')
 
 # Each output is written under a temporary name and renamed, so a failed
 # or concurrent build never leaves a half-written library behind.
@@ -29,11 +33,11 @@ ln -sfn libcuda.so.1 "$OUT/libcuda.so"
 
 "$CC" "${CFLAGS[@]}" "${LIBFLAGS[@]}" -Wl,-soname,libnccl.so.2 \
     -o "$OUT/libnccl.so.2.tmp" "$SRC/nccl_stub.c" \
-    -L"$OUT" -lcuda -Wl,-rpath,'$ORIGIN'
+    -L"$OUT" -lcuda "${RPATH[@]}"
 mv -f "$OUT/libnccl.so.2.tmp" "$OUT/libnccl.so.2"
 
 "$CC" "${CFLAGS[@]}" -o "$OUT/smoke.tmp" "$SRC/smoke.c" \
-    -L"$OUT" -lcuda "$OUT/libnccl.so.2" -ldl -Wl,-rpath,'$ORIGIN'
+    -L"$OUT" -lcuda "$OUT/libnccl.so.2" -ldl "${RPATH[@]}"
 mv -f "$OUT/smoke.tmp" "$OUT/smoke"
 
 # Every entry point rdist (or cudarc) may resolve must be exported.

@@ -19,8 +19,10 @@
  *    returns ncclInProgress and the next poll reports ncclSuccess. Using a
  *    communicator before a poll said ncclSuccess is ncclInvalidArgument,
  *    as in NCCL's ncclCommEnsureReady. A non-blocking ncclCommSplit keeps
- *    *newcomm NULL and stores the child through it when the parent's
- *    next poll reports ncclSuccess, as NCCL's split thread does.
+ *    *newcomm NULL, reports progress on the parent, and stores the child
+ *    through it from a thread of its own 20 ms after the parent's poll
+ *    reported ncclSuccess; the child then reports ncclInProgress for two
+ *    polls (NCCL 2.28 on an H100 stored it after the parent was idle).
  *  - faults, read at each call: RDIST_STUB_NCCL_HANG=1 stalls the stream
  *    of every operation (ncclCommAbort un-stalls them, as a real abort
  *    ends the kernels); RDIST_STUB_NCCL_ASYNC_ERROR=<code> makes the
@@ -104,8 +106,8 @@ struct nccl_comm {
     void *hung[MAX_HUNG]; /* streams stalled by RDIST_STUB_NCCL_HANG */
     int nhung;
     /* A non-blocking ncclCommSplit in flight: as in NCCL, *newcomm stays
-     * NULL until the parent is polled to ncclSuccess, then the child is
-     * stored through the caller's pointer (which must still be valid). */
+     * NULL until after the parent is polled to ncclSuccess, then the child
+     * is stored through the caller's pointer (which must still be valid). */
     struct nccl_comm **split_slot, *split_child;
 };
 
@@ -442,6 +444,42 @@ EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUni
     return comm_init(comm, nranks, id, rank, config, "ncclCommInitRankConfig");
 }
 
+struct late_store {
+    struct nccl_comm **slot, *child;
+};
+
+static void *late_store_run(void *arg)
+{
+    struct late_store *job = arg;
+    usleep(20000);
+    lock();
+    job->child->busy = 1;
+    job->child->polls_left = 2;
+    unlock();
+    __atomic_store_n(job->slot, job->child, __ATOMIC_RELEASE);
+    stub_log("split-stored comm=%p", (void *)job->child);
+    free(job);
+    return NULL;
+}
+
+/* NCCL's split thread: the child reaches *slot only after the parent is
+ * idle again. Called with the lock held. */
+static void store_child_later(struct nccl_comm **slot, struct nccl_comm *child)
+{
+    struct late_store *job = malloc(sizeof *job);
+    pthread_t thread;
+    if (job) {
+        job->slot = slot;
+        job->child = child;
+        if (pthread_create(&thread, NULL, late_store_run, job) == 0) {
+            pthread_detach(thread);
+            return;
+        }
+        free(job);
+    }
+    *slot = child; /* no thread: store at once */
+}
+
 EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError)
 {
     if (!asyncError)
@@ -463,7 +501,7 @@ EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncEr
         comm->busy = 0;
         *asyncError = ncclSuccess;
         if (comm->split_slot) {
-            *comm->split_slot = comm->split_child;
+            store_child_later(comm->split_slot, comm->split_child);
             comm->split_slot = NULL;
             comm->split_child = NULL;
         }

@@ -499,8 +499,28 @@ impl NcclComm {
             self.watchdog.fail(e.clone());
             return Err(e);
         }
-        // SAFETY: NCCL is done with the slot (the parent is idle again).
-        let comm = unsafe { *Box::from_raw(slot_ptr) };
+        let comm = if shape.is_none() {
+            // An opted-out rank's slot was set to NULL in the call itself
+            // and NCCL never writes it again: freeing it is safe.
+            // SAFETY: see above.
+            unsafe { *Box::from_raw(slot_ptr) }
+        } else {
+            // NCCL stores the child only when its own init thread ends,
+            // which may be after the parent is idle again (NCCL 2.28 does
+            // this): wait for the store (then for the child, below).
+            match Self::await_split_child(slot_ptr, deadline) {
+                Ok(comm) => {
+                    // SAFETY: the store was NCCL's last touch of the slot.
+                    drop(unsafe { Box::from_raw(slot_ptr) });
+                    comm
+                }
+                Err(e) => {
+                    // The slot stays leaked: NCCL may still write it.
+                    self.watchdog.fail(e.clone());
+                    return Err(e);
+                }
+            }
+        };
         if comm.is_null() {
             return match shape {
                 None => Ok(None),
@@ -520,6 +540,15 @@ impl NcclComm {
                 "NCCL made a communicator for a rank that opted out of the split",
             ));
         };
+        // The child's own state reads ncclInProgress until its init is done.
+        let settled = raw
+            .hold()
+            .and_then(|h| h.settle("ncclCommSplit", abi::NCCL_IN_PROGRESS, deadline));
+        if let Err(e) = settled {
+            raw.abort();
+            self.watchdog.fail(e.clone());
+            return Err(e);
+        }
         let watchdog = Watchdog::start(raw.clone(), self.context, self.timeout, rank)?;
         Ok(Some(NcclComm {
             raw,
@@ -532,6 +561,31 @@ impl NcclComm {
             barrier: None,
             finished: false,
         }))
+    }
+
+    /// Waits (until `deadline`) for NCCL to store a split's child in
+    /// `slot`; returns the child (whose init may still be running).
+    fn await_split_child(slot: *mut ncclComm_t, deadline: Instant) -> Result<ncclComm_t> {
+        // SAFETY: the slot is a live, aligned heap word that NCCL's init
+        // thread writes with an atomic store.
+        let cell = unsafe { std::sync::atomic::AtomicPtr::from_ptr(slot) };
+        let mut pause = Duration::from_micros(1);
+        let child = loop {
+            let child = cell.load(std::sync::atomic::Ordering::Acquire);
+            if !child.is_null() {
+                break child;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "ncclCommSplit had made no communicator by the timeout",
+                ));
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        };
+        Ok(child)
     }
 
     /// Aborts NCCL's side (from any thread; see `Raw::abort`).

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs: the GPU test binaries
+# (tests/gpu_stub.rs, tests/nccl.rs), the debug library and launcher they
+# use, and the release launcher and benchmark.
+#
+#   scripts/gpu-bundle.sh --build-only   build in place; print one line
+#                                        `test-binary FILE PATH` per test file
+#   scripts/gpu-bundle.sh DIR            build, then copy all of it (debug
+#                                        info stripped) into DIR, for a GPU
+#                                        machine with no Rust toolchain:
+#                                        GPU_CHECK_PREBUILT=DIR scripts/gpu-check.sh
+#
+# The bundle runs on a machine of the same architecture with a glibc at
+# least as new as this one's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+target="${CARGO_TARGET_DIR:-$root/target}"
+
+if [ $# -ne 1 ]; then
+  echo "usage: $0 --build-only | DIR" >&2
+  exit 2
+fi
+
+cargo build
+# The test executables, from cargo's own account of what it built.
+tests_json="$(cargo test --no-run --test gpu_stub --test nccl --message-format=json)"
+cargo build --release --bins
+binaries="$(grep '"kind":\["test"\]' <<<"$tests_json" | grep '"executable":"' \
+  | sed -n 's/.*"target":{[^}]*"name":"\([a-z_]*\)".*"executable":"\([^"]*\)".*/\1 \2/p')"
+for file in gpu_stub nccl; do
+  grep -q "^$file " <<<"$binaries" || { echo "cargo built no test binary for tests/$file.rs" >&2; exit 1; }
+done
+
+if [ "$1" = --build-only ]; then
+  sed 's/^/test-binary /' <<<"$binaries"
+  exit 0
+fi
+
+out="$1"
+rm -rf "$out"
+mkdir -p "$out/target/debug/deps" "$out/target/release"
+copy() { cp "$1" "$2" && strip --strip-debug "$2"; }
+for f in librdist.so rdistrun rdist-bench; do copy "$target/debug/$f" "$out/target/debug/$f"; done
+for f in rdistrun rdist-bench; do copy "$target/release/$f" "$out/target/release/$f"; done
+: >"$out/test-binaries"
+while read -r file path; do
+  copy "$path" "$out/target/debug/deps/$(basename "$path")"
+  echo "$file target/debug/deps/$(basename "$path")" >>"$out/test-binaries"
+done <<<"$binaries"
+# The crate root compiled into the tests (env!("CARGO_MANIFEST_DIR")).
+echo "$root" >"$out/build-root"
+du -sh "$out"
