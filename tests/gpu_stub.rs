@@ -867,6 +867,28 @@ fn worker_process() {
             println!("ERROR {}", err.message());
             println!("AFTER {:.1}", started.elapsed().as_secs_f64());
         }
+        // A burst of calls whose last one stalls, and then nothing: the
+        // watchdog must still see the last one (the calls share events).
+        "stall_last" => {
+            let comm = nccl_world_of_one(Some("1500"));
+            let stream = device::stream();
+            let buf = device::Buffer::zeroed(64);
+            let call = in_place_sum(&buf, 16);
+            let burst: usize = std::env::var("BURST").unwrap().parse().unwrap();
+            let started = Instant::now();
+            for _ in 0..burst {
+                // SAFETY: the buffer outlives the communicator's work.
+                unsafe { comm.run_on(call, Stream(stream)) }.expect("enqueueing succeeds");
+            }
+            println!("BURST {:.6}", started.elapsed().as_secs_f64());
+            // No call after the burst: only the watchdog can notice.
+            std::thread::sleep(Duration::from_millis(3000));
+            // SAFETY: as above.
+            let err =
+                unsafe { comm.run_on(call, Stream(stream)) }.expect_err("the watchdog failed it");
+            println!("KIND {:?}", err.kind());
+            println!("ERROR {}", err.message());
+        }
         // An asynchronous NCCL error (the doubles inject a remote error).
         "async_error" => {
             let comm = nccl_world_of_one(None);
@@ -1296,6 +1318,30 @@ fn a_stalled_nccl_operation_times_out_and_is_aborted() {
     let aborts = nccl_lines(&log, "abort");
     assert_eq!(aborts.len(), 1, "ncclCommAbort must be called once:\n{log}");
     assert!(aborts[0].contains("result=0"), "{log}");
+}
+
+#[test]
+fn the_last_of_a_burst_of_calls_is_watched_too() {
+    // Calls close together share one watched event (re-recorded for each):
+    // a stall in the last of them, with no call after it, still times out.
+    let burst = 40;
+    let (out, log) = run_role(
+        "stall_last",
+        &[
+            ("RDIST_STUB_NCCL_HANG", &format!("from:{burst}")),
+            ("BURST", &burst.to_string()),
+        ],
+        true,
+    );
+    let text = stdout(&out);
+    assert!(text.contains("KIND Timeout"), "{text}\n{}", stderr(&out));
+    assert!(text.contains("has not finished on the GPU"), "{text}");
+    assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
+    // The burst was quick enough to share events (else this tests less).
+    assert!(
+        number_after(&text, "BURST") < 0.001 * burst as f64,
+        "{text}"
+    );
 }
 
 #[test]

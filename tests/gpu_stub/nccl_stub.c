@@ -24,7 +24,7 @@
  *    reported ncclSuccess; the child then reports ncclInProgress for two
  *    polls (NCCL 2.28 on an H100 stored it after the parent was idle).
  *  - faults, read at each call: RDIST_STUB_NCCL_HANG=1 stalls the stream
- *    of every operation (ncclCommAbort un-stalls them, as a real abort
+ *    of every operation (=from:N: of the N-th and later ones) (ncclCommAbort un-stalls them, as a real abort
  *    ends the kernels); RDIST_STUB_NCCL_ASYNC_ERROR=<code> makes the
  *    communicator report <code> asynchronously after its first operation.
  *    RDIST_STUB_NCCL_ENQUEUE_BLOCK=1 makes an operation outside a group
@@ -228,9 +228,16 @@ EXPORT ncclResult_t ncclGetVersion(int *version)
 /* Fault injection                                                     */
 /* ------------------------------------------------------------------ */
 
+/* RDIST_STUB_NCCL_HANG=1 stalls every operation; =from:N the N-th
+ * operation of the process (counting from 1) and every one after it.
+ * Called once per operation, lock held. */
 static int env_hang(void)
 {
+    static long operations;
     const char *v = getenv("RDIST_STUB_NCCL_HANG");
+    operations++;
+    if (v && strncmp(v, "from:", 5) == 0)
+        return operations >= atol(v + 5);
     return v && strcmp(v, "1") == 0;
 }
 

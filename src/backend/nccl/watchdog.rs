@@ -16,6 +16,13 @@ use std::time::{Duration, Instant};
 /// How often the watchdog looks.
 const PERIOD: Duration = Duration::from_millis(20);
 
+/// Calls on one stream within this span of the first share one watched
+/// event, recorded again for each (a timeout may then come this much
+/// early for the last of them). An event per call cost more than the
+/// call's own enqueue in NCCL: creating and destroying them, and the
+/// watchdog querying thousands while the caller waited for the queue.
+const COALESCE: Duration = Duration::from_millis(1);
+
 /// How long work may be in flight before the watchdog also asks whether a
 /// peer's connection closed (a dead peer leaves NCCL's kernels waiting
 /// forever; the sockets know within moments).
@@ -52,8 +59,30 @@ struct Inner {
 
 struct Pending {
     event: Event,
+    stream: Stream,
+    /// When the first call it covers was enqueued.
     since: Instant,
-    what: String,
+    /// The first call it covers.
+    what: Watched,
+    /// Calls after the first that it covers.
+    later: usize,
+}
+
+/// A call watched on the GPU, as a timeout names it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Watched {
+    pub name: &'static str,
+    pub bytes: usize,
+}
+
+impl Pending {
+    fn describe(&self) -> String {
+        let first = format!("NCCL {} ({} bytes)", self.what.name, self.what.bytes);
+        match self.later {
+            0 => first,
+            n => format!("{first} and the {n} call(s) after it on its stream"),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -100,12 +129,35 @@ impl Watchdog {
         *lock(&self.inner.probe) = Some(f);
     }
 
-    /// Records an event on `stream` and watches the work before it
-    /// (named `what` in a timeout). Reuses finished events.
-    pub fn watch_stream(&self, stream: Stream, what: String) -> Result<()> {
+    /// Watches the work on `stream` so far (`what` names the call just
+    /// enqueued): records the stream's latest watched event again when
+    /// that one began under `COALESCE` ago, else a new or reused event.
+    pub fn watch_stream(&self, stream: Stream, what: Watched) -> Result<()> {
+        {
+            // Under the lock, so that the watchdog cannot retire the event
+            // between the choice and the record.
+            let mut pending = lock(&self.inner.pending);
+            let recent = pending
+                .iter_mut()
+                .rev()
+                .take(8)
+                .find(|p| p.stream == stream)
+                .filter(|p| p.since.elapsed() < COALESCE);
+            if let Some(p) = recent {
+                p.event.record_on(stream)?;
+                p.later += 1;
+                return Ok(());
+            }
+        }
         let event = self.event()?;
         event.record_on(stream)?;
-        self.watch(event, what);
+        lock(&self.inner.pending).push_back(Pending {
+            event,
+            stream,
+            since: Instant::now(),
+            what,
+            later: 0,
+        });
         Ok(())
     }
 
@@ -125,15 +177,6 @@ impl Watchdog {
             Some(e) => Ok(e),
             None => Event::new(),
         }
-    }
-
-    /// Watches work up to `event` (named `what` in a timeout).
-    pub fn watch(&self, event: Event, what: String) {
-        lock(&self.inner.pending).push_back(Pending {
-            event,
-            since: Instant::now(),
-            what,
-        });
     }
 
     pub fn failure(&self) -> Option<Error> {
@@ -218,7 +261,7 @@ impl Inner {
                             format!(
                                 "rank {}: rank {peer}'s connection closed while {} was in flight on the GPU ({:.1} s); the NCCL communicator was aborted",
                                 self.rank,
-                                p.what,
+                                p.describe(),
                                 p.since.elapsed().as_secs_f64()
                             ),
                         ));
@@ -231,7 +274,7 @@ impl Inner {
                         format!(
                             "rank {}: {} enqueued {:.1} s ago has not finished on the GPU (timeout {:.1} s; a peer may have died, not made the same call, or run it on the sockets because its buffers were host memory); the NCCL communicator was aborted",
                             self.rank,
-                            p.what,
+                            p.describe(),
                             p.since.elapsed().as_secs_f64(),
                             self.timeout.as_secs_f64()
                         ),

@@ -9,7 +9,7 @@ pub use abi::{abi_constants, config_layout, REQUIRED};
 pub(crate) use handle::Raw;
 
 use super::loader::{NcclLibrary, RawResult};
-use super::watchdog::Watchdog;
+use super::watchdog::{Watchdog, Watched};
 use crate::backend::cuda::{self, ContextGuard, Stream};
 use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
@@ -650,7 +650,10 @@ fn block(b: RawBuf, i: usize, data: Data) -> RawBuf {
 }
 
 /// What the watchdog names when an operation stalls.
-fn describe(call: &Call) -> String {
+fn describe(call: &Call) -> Watched {
     let [(a, _), (b, _)] = call.buffers();
-    format!("NCCL {} ({} bytes)", call.name(), a.len().max(b.len()))
+    Watched {
+        name: call.name(),
+        bytes: a.len().max(b.len()),
+    }
 }
