@@ -9,6 +9,9 @@
 #                                        info stripped) into DIR, for a GPU
 #                                        machine with no Rust toolchain:
 #                                        GPU_CHECK_PREBUILT=DIR scripts/gpu-check.sh
+#   --debug-only (first)                 without the release binaries (the
+#                                        benchmark check then has none: for
+#                                        machines with no GPU, as in CI)
 #
 # The bundle runs on a machine of the same architecture with a glibc at
 # least as new as this one's.
@@ -17,15 +20,20 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 target="${CARGO_TARGET_DIR:-$root/target}"
 
+release=1
+if [ "${1:-}" = --debug-only ]; then
+  release=0
+  shift
+fi
 if [ $# -ne 1 ]; then
-  echo "usage: $0 --build-only | DIR" >&2
+  echo "usage: $0 [--debug-only] --build-only | DIR" >&2
   exit 2
 fi
 
 cargo build
 # The test executables, from cargo's own account of what it built.
 tests_json="$(cargo test --no-run --test gpu_stub --test nccl --message-format=json)"
-cargo build --release --bins
+[ $release = 1 ] && cargo build --release --bins
 binaries="$(grep '"kind":\["test"\]' <<<"$tests_json" | grep '"executable":"' \
   | sed -n 's/.*"target":{[^}]*"name":"\([a-z_]*\)".*"executable":"\([^"]*\)".*/\1 \2/p')"
 for file in gpu_stub nccl; do
@@ -42,7 +50,9 @@ rm -rf "$out"
 mkdir -p "$out/target/debug/deps" "$out/target/release"
 copy() { cp "$1" "$2" && strip --strip-debug "$2"; }
 for f in librdist.so rdistrun rdist-bench; do copy "$target/debug/$f" "$out/target/debug/$f"; done
-for f in rdistrun rdist-bench; do copy "$target/release/$f" "$out/target/release/$f"; done
+if [ $release = 1 ]; then
+  for f in rdistrun rdist-bench; do copy "$target/release/$f" "$out/target/release/$f"; done
+fi
 : >"$out/test-binaries"
 while read -r file path; do
   copy "$path" "$out/target/debug/deps/$(basename "$path")"

@@ -41,5 +41,14 @@ for extra in scripts/test-native.sh scripts/test-python.sh; do
     total=$((total + ${n:-0}))
   fi
 done
+# The GPU checks as a GPU machine with no Rust runs them (a bundle): here,
+# with no GPU, the checks that need none run and the rest say `skipped:`.
+echo "== scripts/gpu-check.sh on a bundle from scripts/gpu-bundle.sh"
+bash scripts/gpu-bundle.sh --debug-only target/gpu-bundle >target/gpu-bundle.log 2>&1 \
+  || { tail -30 target/gpu-bundle.log >&2; exit 1; }
+GPU_CHECK_PREBUILT=target/gpu-bundle GPU_CHECK_FORCE=1 bash scripts/gpu-check.sh >target/gpu-check.log 2>&1 \
+  || { cat target/gpu-check.log >&2; exit 1; }
+# (Not added to the total: these tests also ran above, built by cargo.)
+sed -n '/== gpu-check report/,$p' target/gpu-check.log
 echo "every suite passed in $(( $(date +%s) - start )) s"
 echo "all: $total passed, 0 failed"
