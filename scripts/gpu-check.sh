@@ -31,6 +31,10 @@
 # the build are skipped, NCCL is whatever the loader finds (an installed
 # wheel, ldconfig) unless RDIST_TEST_NCCL_DIR names one.
 set -uo pipefail
+# The bundle's folder as given, relative to where this was started.
+if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
+  GPU_CHECK_PREBUILT="$(cd "$GPU_CHECK_PREBUILT" && pwd)" || exit 2
+fi
 cd "$(dirname "$0")/.."
 root="$PWD"
 target="${CARGO_TARGET_DIR:-$root/target}"
@@ -69,16 +73,20 @@ if [ -n "$prebuilt" ]; then
     echo "$prebuilt is not a bundle made by scripts/gpu-bundle.sh" >&2
     exit 2
   fi
-  cp -a "$prebuilt/target/." "$target/"
   # The test binaries hold the build checkout's absolute path (the crate
-  # root, the launcher's path): make it lead here.
+  # root, the launcher's path): on another machine, make it lead here and
+  # put the bundle where they look (where it was built, it is there).
   build_root="$(cat "$prebuilt/build-root")"
   if [ "$(cd "$build_root" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
     if [ -e "$build_root" ]; then
       echo "the bundle was built in $build_root, which exists here and is another folder" >&2
       exit 2
     fi
-    mkdir -p "$(dirname "$build_root")" && ln -s "$root" "$build_root"
+    if ! { mkdir -p "$(dirname "$build_root")" && ln -s "$root" "$build_root"; }; then
+      echo "cannot make $build_root lead to $root (the bundle's tests look there)" >&2
+      exit 2
+    fi
+    cp -a "$prebuilt/target/." "$target/"
   fi
 else
   echo "== scripts/setup.sh"
@@ -233,8 +241,12 @@ fi
 
 # ---- rdist against NCCL called directly, on device buffers -------------------------------
 check="bench rdist-bench --device --nccl-direct"
+release="$target/release"
+[ -n "$prebuilt" ] && release="$prebuilt/target/release"
 if [ "$devices" -eq 0 ]; then
   skip "$check" "no GPU: $gpu_reason"
+elif ! [ -x "$release/rdist-bench" ] || ! [ -x "$release/rdistrun" ]; then
+  skip "$check" "no release build in $release (scripts/gpu-bundle.sh --debug-only makes none)"
 elif [ ! -f "$nccl_lib" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
   skip "$check" "NCCL not installed ($nccl_lib missing; scripts/setup.sh installs it)"
 else
@@ -242,8 +254,8 @@ else
   [ -f "$nccl_lib" ] && export RDIST_NCCL_LIBRARY="$nccl_lib"
   echo "-- rdistrun --nproc-per-node $devices rdist-bench --device --nccl-direct (one rank per GPU)"
   start=$(date +%s)
-  RDIST_TIMEOUT_MS=120000 timeout 600 "$target/release/rdistrun" --nproc-per-node "$devices" \
-    "$target/release/rdist-bench" --device --nccl-direct --max-bytes "${GPU_CHECK_BENCH_MAX_BYTES:-256M}" \
+  RDIST_TIMEOUT_MS=120000 timeout 600 "$release/rdistrun" --nproc-per-node "$devices" \
+    "$release/rdist-bench" --device --nccl-direct --max-bytes "${GPU_CHECK_BENCH_MAX_BYTES:-256M}" \
     --seconds 0.2 --reps 3 >"$log" 2>&1
   rc=$?
   secs=$(($(date +%s) - start))

@@ -332,6 +332,9 @@ pub struct Event {
 
 // SAFETY: CUDA events may be used from any thread.
 unsafe impl Send for Event {}
+// SAFETY: the driver's event calls are thread-safe (the watchdog's queue
+// holds an event that a caller may be recording again).
+unsafe impl Sync for Event {}
 
 impl Event {
     /// A new event, not recorded yet.

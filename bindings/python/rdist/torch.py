@@ -696,31 +696,32 @@ class _AllOf(Work):
         return torch.futures.collect_all(futures).then(lambda _: result)
 
 
-def _python_backends_supported():
-    """Whether this torch lets Python subclass its c10d ``Backend``:
-    torch 2.11 (seen on the GPU image) binds it with no constructor, so
-    ``super().__init__`` fails with pybind's bare "No constructor defined!"."""
+def _python_backend_refused():
+    """Why this torch does not let Python subclass its c10d ``Backend``
+    (torch 2.11, seen on the GPU image, binds it with no constructor:
+    pybind's bare "No constructor defined!"), or None when it does."""
 
     class _Probe(_C10dBackend):
         pass
 
     try:
         _Probe(0, 1)
-    except TypeError:
-        return False
-    return True
+    except TypeError as error:
+        return str(error)
+    return None
 
 
 def create_backend(store, rank, size, timeout):
     """The creator torch.distributed calls (``register_backend``): an rdist
     communicator made through torch's store, bounded by torch's timeout."""
-    if not _python_backends_supported():
+    refused = _python_backend_refused()
+    if refused:
         # Before the rendezvous, so that no communicator is left behind.
         raise UnavailableError(
             f"rdist.torch: torch {torch.__version__} does not let Python subclass "
-            "torch._C._distributed_c10d.Backend (its binding has no constructor), so no "
-            "Python backend can run on it; rdist.torch is tested with torch 2.15.0. Upgrade "
-            "torch, or use rdist's own API (rdist.init_from_store) beside torch.distributed"
+            f"torch._C._distributed_c10d.Backend ({refused}), so no Python backend can run "
+            "on it. Use a newer torch (scripts/torch-env.sh names the one rdist's tests use), "
+            "or rdist's own API (rdist.init_from_store) beside torch.distributed"
         )
     timeout_ms = None
     if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:

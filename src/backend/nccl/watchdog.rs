@@ -8,7 +8,7 @@ use super::communicator::Raw;
 use crate::backend::cuda::{ContextGuard, Event, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -52,13 +52,19 @@ struct Inner {
     /// Finished events, for reuse (creating one per call costs more than
     /// recording it).
     spare: Mutex<Vec<Event>>,
+    next_id: AtomicU64,
     stopping: AtomicBool,
     on_failure: Mutex<Option<OnFailure>>,
     probe: Mutex<Option<ProbePeers>>,
 }
 
 struct Pending {
-    event: Event,
+    /// Tells it apart while its event is being recorded again.
+    id: u64,
+    /// Shared with a caller recording it again (`recording`).
+    event: Arc<Event>,
+    /// A caller is recording the event again: not done, not to retire.
+    recording: bool,
     stream: Stream,
     /// When the first call it covers was enqueued.
     since: Instant,
@@ -104,6 +110,7 @@ impl Watchdog {
             changed: Condvar::new(),
             failed: Mutex::new(None),
             spare: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
             on_failure: Mutex::new(None),
             probe: Mutex::new(None),
@@ -133,26 +140,39 @@ impl Watchdog {
     /// enqueued): records the stream's latest watched event again when
     /// that one began under `COALESCE` ago, else a new or reused event.
     pub fn watch_stream(&self, stream: Stream, what: Watched) -> Result<()> {
-        {
-            // Under the lock, so that the watchdog cannot retire the event
-            // between the choice and the record.
-            let mut pending = lock(&self.inner.pending);
-            let recent = pending
-                .iter_mut()
-                .rev()
-                .take(8)
-                .find(|p| p.stream == stream)
-                .filter(|p| p.since.elapsed() < COALESCE);
-            if let Some(p) = recent {
-                p.event.record_on(stream)?;
-                p.later += 1;
-                return Ok(());
+        // CU_STREAM_PER_THREAD names another stream on each thread.
+        let shareable = stream != Stream(2);
+        let claimed = shareable
+            .then(|| {
+                lock(&self.inner.pending)
+                    .iter_mut()
+                    .rev()
+                    .take(8)
+                    .find(|p| p.stream == stream)
+                    .filter(|p| !p.recording && p.since.elapsed() < COALESCE)
+                    .map(|p| {
+                        p.recording = true;
+                        (p.id, p.event.clone())
+                    })
+            })
+            .flatten();
+        if let Some((id, event)) = claimed {
+            // Outside the lock: a record can block behind a full launch
+            // queue (a stalled peer), and the watchdog must still be able
+            // to time the entry out and abort, which ends the wait.
+            let recorded = event.record_on(stream);
+            if let Some(p) = lock(&self.inner.pending).iter_mut().find(|p| p.id == id) {
+                p.recording = false;
+                p.later += recorded.is_ok() as usize;
             }
+            return recorded;
         }
         let event = self.event()?;
         event.record_on(stream)?;
         lock(&self.inner.pending).push_back(Pending {
-            event,
+            id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+            event: Arc::new(event),
+            recording: false,
             stream,
             since: Instant::now(),
             what,
@@ -245,10 +265,16 @@ impl Inner {
         }
         let mut pending = lock(&self.pending);
         while let Some(p) = pending.front() {
-            match p.event.done() {
+            let done = match p.recording {
+                true => Ok(false),
+                false => p.event.done(),
+            };
+            match done {
                 Ok(true) => {
                     if let Some(p) = pending.pop_front() {
-                        self.recycle(p.event);
+                        if let Ok(event) = Arc::try_unwrap(p.event) {
+                            self.recycle(event);
+                        }
                     }
                 }
                 Ok(false)

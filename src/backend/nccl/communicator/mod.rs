@@ -499,16 +499,21 @@ impl NcclComm {
             self.watchdog.fail(e.clone());
             return Err(e);
         }
-        let comm = if shape.is_none() {
-            // An opted-out rank's slot was set to NULL in the call itself
-            // and NCCL never writes it again: freeing it is safe.
-            // SAFETY: see above.
-            unsafe { *Box::from_raw(slot_ptr) }
-        } else {
+        if color == NCCL_SPLIT_NOCOLOR {
+            // NCCL's init thread may still store NULL through the slot
+            // after the parent is idle: it is left to it (8 bytes).
+            return match shape {
+                None => Ok(None),
+                Some(_) => Err(Error::internal(
+                    "a rank that takes part in a split opted out of NCCL's",
+                )),
+            };
+        }
+        let comm = {
             // NCCL stores the child only when its own init thread ends,
             // which may be after the parent is idle again (NCCL 2.28 does
             // this): wait for the store (then for the child, below).
-            match Self::await_split_child(slot_ptr, deadline) {
+            match self.await_split_child(slot_ptr, deadline) {
                 Ok(comm) => {
                     // SAFETY: the store was NCCL's last touch of the slot.
                     drop(unsafe { Box::from_raw(slot_ptr) });
@@ -521,18 +526,6 @@ impl NcclComm {
                 }
             }
         };
-        if comm.is_null() {
-            return match shape {
-                None => Ok(None),
-                Some(_) => Err(Error::new(
-                    ErrorKind::Backend,
-                    format!(
-                        "ncclCommSplit made no communicator for rank {} (color {color})",
-                        self.rank
-                    ),
-                )),
-            };
-        }
         let raw = Arc::new(Raw::new(lib, comm, self.context));
         let Some((rank, size)) = shape else {
             raw.abort();
@@ -564,8 +557,9 @@ impl NcclComm {
     }
 
     /// Waits (until `deadline`) for NCCL to store a split's child in
-    /// `slot`; returns the child (whose init may still be running).
-    fn await_split_child(slot: *mut ncclComm_t, deadline: Instant) -> Result<ncclComm_t> {
+    /// `slot`; returns the child (whose init may still be running). An
+    /// error on the parent, or an abort, ends the wait.
+    fn await_split_child(&self, slot: *mut ncclComm_t, deadline: Instant) -> Result<ncclComm_t> {
         // SAFETY: the slot is a live, aligned heap word that NCCL's init
         // thread writes with an atomic store.
         let cell = unsafe { std::sync::atomic::AtomicPtr::from_ptr(slot) };
@@ -574,6 +568,10 @@ impl NcclComm {
             let child = cell.load(std::sync::atomic::Ordering::Acquire);
             if !child.is_null() {
                 break child;
+            }
+            // A failed split may never store: NCCL reports it on the parent.
+            if let Some(Err(e)) = self.raw.try_async_state() {
+                return Err(e.context("ncclCommSplit"));
             }
             let now = Instant::now();
             if now >= deadline {
