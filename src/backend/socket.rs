@@ -12,16 +12,16 @@ use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
-use crate::transport::mesh::{self, MeshSpec};
+use crate::transport::link::Links;
+use crate::transport::mesh::MeshSpec;
 use crate::transport::roster::{fnv1a, Roster};
-use crate::transport::shm;
 use crate::transport::signal::AbortSignal;
 use crate::transport::stream::{StreamTransport, Tuning};
 use crate::transport::{Transport, Xfer};
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How a communicator's backend behaves (inherited by splits).
 #[derive(Clone, Debug)]
@@ -82,22 +82,10 @@ pub struct SocketBackend {
     scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
     to_self: VecDeque<Vec<u8>>,
-    /// What the point-to-point context starts from: the listener (kept
-    /// for the peers' point-to-point connections) and those that came
-    /// early (see `mesh::Mesh::early_p2p`).
-    p2p: Option<P2pStart>,
-    /// Whether point-to-point payloads to each rank may be read by it
-    /// straight from this process's memory (same host, single copy on).
-    p2p_single_copy: Vec<Option<usize>>,
+    /// What the point-to-point context starts from: the listener, whose
+    /// thread also admits the peers' collectives connections (`links`).
+    p2p: Option<(TcpListener, Arc<Links>)>,
 }
-
-/// What the point-to-point context starts from: the listener, the
-/// connections that came early, and its shared-memory channels if any.
-type P2pStart = (
-    TcpListener,
-    Vec<(usize, std::net::TcpStream)>,
-    Option<shm::P2pChannels>,
-);
 
 /// The receive blocks of an uneven collective, as disjoint slices of
 /// `buf` (blocks may come in any order; overlapping ones are refused).
@@ -158,7 +146,6 @@ impl SocketBackend {
             addrs: roster.addrs.clone(),
             job: roster.job,
             comm_id: roster.comm_id,
-            deadline: Instant::now() + timeout,
             token: settings.token.clone(),
             far: roster
                 .hosts
@@ -166,73 +153,53 @@ impl SocketBackend {
                 .map(|h| *h != roster.hosts[rank])
                 .collect(),
         };
-        let mesh = mesh::connect(listener, &spec)?;
-        let streams = mesh.streams;
         let p2p_listener = listener
             .try_clone()
             .map_err(|e| Error::system("keeping the listener", &e))?;
-        let early_p2p = mesh.early_p2p;
         let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
-        // Shared memory with the ranks of this host, TCP with the others.
-        let local: Vec<bool> = (0..size)
-            .map(|p| p != rank && roster.hosts[p] == roster.hosts[rank])
-            .collect();
-        let want_shm = settings.transport == TransportKind::Auto;
-        let attached = shm::attach(
-            rank,
-            streams,
-            &local,
-            &roster.job,
-            roster.comm_id,
-            want_shm,
-            settings.shm,
-        )?;
-        let p2p_shm = attached.p2p;
         let local_ranks = roster
             .hosts
             .iter()
             .filter(|h| **h == roster.hosts[rank])
             .count();
+        // Shared memory with the ranks of this host, TCP with the others,
+        // each pair agreeing when it connects (on first use).
+        let want_shm = settings.transport == TransportKind::Auto;
+        let links = Arc::new(Links::new(spec, want_shm, settings.shm)?);
+        let shm_here = links.doorbell().is_some();
         let cores = online_cores();
         let oversubscribed = local_ranks > cores;
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
-        // Point-to-point follows the collectives' choice (single copy from
-        // `single_copy_min`, by default only when oversubscribed).
-        let p2p_single_copy: Vec<Option<usize>> = (0..size)
-            .map(|p| {
-                (attached.single_copy
-                    && single_copy_min != usize::MAX
-                    && roster.hosts[p] == roster.hosts[rank])
-                    .then_some(single_copy_min)
-            })
-            .collect();
-        let mut transport_detail = format!(
-            "{}, {local_ranks} ranks on {cores} cores here",
-            attached.name
-        );
-        if attached.name != "tcp" {
-            transport_detail += &match (attached.single_copy, single_copy_min) {
-                (false, _) => ", single copy unavailable (process_vm_readv refused on some rank, or RDIST_NO_SINGLE_COPY)".to_string(),
+        let name = match (shm_here, same_host) {
+            (false, _) => "tcp",
+            (true, true) => "shared memory",
+            (true, false) => "shared memory on this host, tcp to the others",
+        };
+        let mut transport_detail = format!("{name}, {local_ranks} ranks on {cores} cores here");
+        if shm_here {
+            transport_detail += &match (settings.shm.single_copy, single_copy_min) {
+                (false, _) => ", single copy unavailable (RDIST_NO_SINGLE_COPY)".to_string(),
                 (true, usize::MAX) => ", single copy off".to_string(),
-                (true, n) => format!(", single copy from {n} B"),
+                (true, n) => format!(", single copy from {n} B where a pair can read each other"),
             };
         }
+        let mixed = shm_here && !same_host;
         Ok(SocketBackend {
             across_hosts: !same_host,
             over_tcp: !same_host || settings.transport == TransportKind::Tcp,
             layers: Layers::of(&roster.hosts, rank),
             transport_detail,
-            transport: StreamTransport::new(
+            transport: StreamTransport::on_demand(
                 rank,
-                attached.channels,
-                attached.doorbell,
+                size,
+                links.clone(),
                 signal,
                 Tuning {
                     timeout,
                     spin: settings.spin,
                     yield_when_idle: oversubscribed,
                     single_copy_min,
-                    mixed: attached.mixed,
+                    mixed,
                 },
             ),
             rank,
@@ -240,8 +207,7 @@ impl SocketBackend {
             roster,
             settings,
             to_self: VecDeque::new(),
-            p2p: Some((p2p_listener, early_p2p, p2p_shm)),
-            p2p_single_copy,
+            p2p: Some((p2p_listener, links)),
             scratch: Vec::new(),
         })
     }
@@ -257,26 +223,13 @@ impl SocketBackend {
         timeout: Duration,
         signal: Arc<AbortSignal>,
     ) -> Option<crate::backend::p2p::MailboxSpec> {
-        let (listener, early, shm) = self.p2p.take()?;
+        let (listener, links) = self.p2p.take()?;
         Some(crate::backend::p2p::MailboxSpec {
-            mesh: MeshSpec {
-                rank: self.rank,
-                size: self.size,
-                addrs: self.roster.addrs.clone(),
-                job: self.roster.job,
-                comm_id: self.roster.comm_id,
-                deadline: Instant::now(),
-                token: self.settings.token.clone(),
-                far: (self.roster.hosts.iter())
-                    .map(|h| *h != self.roster.hosts[self.rank])
-                    .collect(),
-            },
+            mesh: links.spec.clone(),
             listener,
-            early,
+            links,
             timeout,
             spin: self.settings.spin,
-            single_copy: self.p2p_single_copy.clone(),
-            shm,
             signal,
         })
     }
@@ -685,6 +638,7 @@ impl SocketBackend {
         let ip = self.roster.addrs[self.rank].ip();
         let listener = TcpListener::bind((ip, 0))
             .map_err(|e| Error::system(format!("binding a listener on {ip} for comm_split"), &e))?;
+        crate::transport::mesh::widen_backlog(&listener, self.size);
         let port = listener
             .local_addr()
             .map_err(|e| Error::system("local_addr", &e))?

@@ -252,15 +252,7 @@ fn join_hosting(
     };
     let listener = TcpListener::bind((ip, 0))
         .map_err(|e| Error::system(format!("binding a listener on {ip}"), &e))?;
-    // Every higher rank dials this one at once in a wide job: a backlog
-    // of std's 128 reset dialers at 256 ranks. Listening again widens it
-    // (the kernel caps it at net.core.somaxconn).
-    {
-        use std::os::fd::AsRawFd;
-        let backlog = libc::c_int::try_from(size.max(128)).unwrap_or(libc::c_int::MAX);
-        // SAFETY: the descriptor is the listening socket just bound.
-        unsafe { libc::listen(listener.as_raw_fd(), backlog) };
-    }
+    crate::transport::mesh::widen_backlog(&listener, size);
     let addr = listener
         .local_addr()
         .map_err(|e| Error::system("local_addr", &e))?;

@@ -1,14 +1,12 @@
-//! Connecting every pair of ranks: rank i dials every lower rank and accepts
-//! every higher one. Each connection starts with a hello naming the job, the
-//! communicator and the rank (with an `auth_token`, inside the
-//! challenge-response of `greeting`), answered by a one-byte verdict.
-//! Accepted connections are greeted side by side without blocking, each
-//! with a short deadline, so stray or silent connections delay no rank. Point-to-point connections (see
-//! backend/p2p) start with the same hello, marked with their context, and
-//! are made later, on first use; one that arrives while this rank is still
-//! connecting its mesh is kept for them (`Mesh::early_p2p`).
+//! Who may connect, and how: the hello that starts every connection
+//! between ranks (job, communicator, rank, world size and context, inside
+//! the challenge-response of `greeting` when there is an `auth_token`),
+//! the one-byte verdict that answers it, dialing a peer, and the socket
+//! settings of a connection. Pairs connect on first use (see `link`):
+//! the higher rank of a pair dials the collectives' connection, the
+//! sender a point-to-point one.
 
-use super::greeting::{self, Greeted, Greeting, Refusal, HELLO_DEADLINE};
+use super::greeting::{self, Refusal};
 use crate::auth::Token;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
@@ -23,23 +21,15 @@ pub use super::greeting::HELLO_BYTES;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Context {
-    /// The collectives' mesh, made at init.
+    /// The collectives' connection of a pair, dialed by its higher rank
+    /// on first use.
     Collectives = 0,
     /// Point-to-point messages, one connection per ordered pair, dialed
     /// by the sender on first use.
     P2p = 1,
 }
 
-/// The connected mesh.
-pub struct Mesh {
-    /// Index = peer rank; `None` for self.
-    pub streams: Vec<Option<TcpStream>>,
-    /// Point-to-point connections that peers dialed (their ranks) while
-    /// this rank was still accepting its mesh.
-    pub early_p2p: Vec<(usize, TcpStream)>,
-}
-
-/// Who is connecting to whom.
+/// Who this rank is, and how it reaches its peers.
 #[derive(Clone, Debug)]
 pub struct MeshSpec {
     pub rank: usize,
@@ -50,7 +40,6 @@ pub struct MeshSpec {
     pub job: [u8; 16],
     /// Distinguishes communicators of one job (the world, each split).
     pub comm_id: u64,
-    pub deadline: Instant,
     /// The job's shared secret, when it has one.
     pub token: Option<Token>,
     /// Per rank: on another host than this rank (its connections get
@@ -60,7 +49,7 @@ pub struct MeshSpec {
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
-enum Verdict {
+pub enum Verdict {
     Welcome = 0,
     OtherJob = 1,
     OtherWorld = 2,
@@ -98,7 +87,8 @@ pub fn judge_p2p(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> Option<usize> {
     ok.then_some(rank)
 }
 
-/// Judges a hello; returns the dialing rank when it belongs here.
+/// Judges a collectives hello; returns the dialing rank when it belongs
+/// here (a higher rank of this communicator).
 fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, Verdict> {
     let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
     if u32_at(0) != HELLO_MAGIC || b[4..20] != spec.job {
@@ -162,24 +152,117 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// Dials `addr` until `deadline`, retrying while nobody listens yet.
-pub fn dial(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
-    let mut pause = Duration::from_millis(5);
-    loop {
-        match TcpStream::connect_timeout(&addr, left(deadline)) {
-            Ok(s) => return Ok(s),
-            Err(e) if Instant::now() + pause < deadline => {
-                if e.kind() != io::ErrorKind::ConnectionRefused
-                    && e.kind() != io::ErrorKind::TimedOut
-                {
-                    return Err(e);
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(100));
+/// Dials `peer` for the pair's collectives connection and waits for its
+/// verdict, bounded by `deadline`. One attempt: every rank listens from
+/// before the roster is published, and its point-to-point thread answers,
+/// so a refusal means the peer is gone (exited, or destroyed its
+/// communicator).
+pub fn dial_collectives(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<TcpStream> {
+    let addr = spec.addrs[peer];
+    let rank = spec.rank;
+    let mut s = TcpStream::connect_timeout(&addr, left(deadline)).map_err(|e| {
+        let why = match e.kind() {
+            io::ErrorKind::ConnectionRefused => {
+                "nobody listens there: it exited, or destroyed its communicator".to_string()
             }
-            Err(e) => return Err(e),
-        }
+            _ => describe_io(&e),
+        };
+        Error::new(
+            ErrorKind::PeerLost,
+            format!("rank {rank} cannot connect to rank {peer} at {addr}: {why}"),
+        )
+    })?;
+    spec.configure(&s, peer);
+    greeting::introduce(&mut s, &hello(spec), spec.token.as_ref(), deadline).map_err(|e| match e {
+        Refusal::Auth(why) => Error::new(
+            ErrorKind::Auth,
+            format!("rank {rank} cannot join rank {peer} at {addr}: {why}"),
+        ),
+        Refusal::Io(e) => Error::new(
+            ErrorKind::PeerLost,
+            format!(
+                "rank {rank} lost its connection to rank {peer} at {addr} during the handshake ({}){}",
+                describe_io(&e),
+                if spec.token.is_some() { "; does that rank have the same auth token?" } else { "" }
+            ),
+        ),
+    })?;
+    s.set_read_timeout(Some(left(deadline)))
+        .map_err(|e| Error::system("set_read_timeout", &e))?;
+    let mut verdict = [0u8; 1];
+    if let Err(e) = s.read_exact(&mut verdict) {
+        let timed_out = matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        );
+        return Err(match timed_out {
+            true => Error::new(
+                ErrorKind::Timeout,
+                format!("rank {rank} timed out connecting to rank {peer} at {addr}: it never answered the hello"),
+            ),
+            false => Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "rank {peer} closed the connection from rank {rank} during the handshake ({})",
+                    describe_io(&e)
+                ),
+            ),
+        });
     }
+    if let Some(why) = greeting::describe_status(verdict[0]) {
+        return Err(Error::new(
+            ErrorKind::Auth,
+            format!("rank {rank} cannot join rank {peer}: {why}"),
+        ));
+    }
+    match verdict[0] {
+        v if v == Verdict::Welcome as u8 => Ok(s),
+        v if v == Verdict::OtherJob as u8 => Err(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "rank {peer} at {addr} belongs to another job and refused rank {rank} (two jobs sharing a MASTER_PORT?)"
+            ),
+        )),
+        _ => Err(Error::new(
+            ErrorKind::Mismatch,
+            format!(
+                "rank {peer} refused rank {rank}: it expects a different communicator or world size (world size {} here)",
+                spec.size
+            ),
+        )),
+    }
+}
+
+/// Answers a greeted collectives hello: the verdict, then (welcomed) the
+/// connection's settings. Returns the dialing rank when welcomed.
+pub fn answer_collectives(
+    spec: &MeshSpec,
+    b: &[u8; HELLO_BYTES],
+    s: &mut TcpStream,
+) -> Option<usize> {
+    let verdict = judge(spec, b);
+    let byte = match verdict {
+        Ok(_) => Verdict::Welcome,
+        Err(v) => v,
+    };
+    s.write_all(&[byte as u8]).ok()?;
+    let rank = verdict.ok()?;
+    spec.configure(s, rank);
+    Some(rank)
+}
+
+/// Whether a greeted hello is for the collectives (else point-to-point).
+pub fn is_collectives(b: &[u8; HELLO_BYTES]) -> bool {
+    b[36] == Context::Collectives as u8
+}
+
+/// Widens a listener's backlog to `size` dialers at least (std listens
+/// with 128; the kernel caps it at net.core.somaxconn): in a wide job
+/// many ranks dial one at once.
+pub fn widen_backlog(listener: &TcpListener, size: usize) {
+    let backlog = libc::c_int::try_from(size.max(128)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: listen() again on a bound, listening socket only widens it.
+    unsafe { libc::listen(listener.as_raw_fd(), backlog) };
 }
 
 /// Makes room for a rank's descriptors: one connection per peer (shared
@@ -238,222 +321,6 @@ pub fn reserve_descriptors(rank: usize, size: usize) -> Result<()> {
     Ok(())
 }
 
-/// Connects this rank to every other.
-pub fn connect(listener: &TcpListener, spec: &MeshSpec) -> Result<Mesh> {
-    let mut streams: Vec<Option<TcpStream>> = (0..spec.size).map(|_| None).collect();
-    let mut early_p2p = Vec::new();
-    let me = hello(spec);
-    let timed_out = |what: String| {
-        Error::new(
-            ErrorKind::Timeout,
-            format!(
-                "rank {} timed out connecting to its peers: {what}",
-                spec.rank
-            ),
-        )
-    };
-    for (peer, slot) in streams.iter_mut().enumerate().take(spec.rank) {
-        let addr = spec.addrs[peer];
-        let mut s = dial(addr, spec.deadline).map_err(|e| {
-            Error::new(
-                ErrorKind::PeerLost,
-                format!(
-                    "rank {} cannot connect to rank {peer} at {addr}: {}",
-                    spec.rank,
-                    describe_io(&e)
-                ),
-            )
-        })?;
-        spec.configure(&s, peer);
-        greeting::introduce(&mut s, &me, spec.token.as_ref(), spec.deadline).map_err(|e| {
-            match e {
-                Refusal::Auth(why) => Error::new(
-                    ErrorKind::Auth,
-                    format!("rank {} cannot join rank {peer} at {addr}: {why}", spec.rank),
-                ),
-                Refusal::Io(e) => Error::new(
-                    ErrorKind::PeerLost,
-                    format!(
-                        "rank {} lost its connection to rank {peer} at {addr} during the handshake ({}){}",
-                        spec.rank,
-                        describe_io(&e),
-                        if spec.token.is_some() { "; does that rank have the same auth token?" } else { "" }
-                    ),
-                ),
-            }
-        })?;
-        *slot = Some(s);
-    }
-    accept_higher(listener, spec, &mut streams, &mut early_p2p, &timed_out)?;
-    for (peer, slot) in streams.iter_mut().enumerate().take(spec.rank) {
-        let s = slot.as_mut().expect("dialed above");
-        s.set_read_timeout(Some(left(spec.deadline)))
-            .map_err(|e| Error::system("set_read_timeout", &e))?;
-        let mut verdict = [0u8; 1];
-        match s.read_exact(&mut verdict) {
-            Ok(()) => {}
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut =>
-            {
-                return Err(timed_out(format!("rank {peer} never answered the hello")));
-            }
-            Err(e) => {
-                return Err(Error::new(
-                    ErrorKind::PeerLost,
-                    format!(
-                        "rank {peer} closed the connection during the handshake ({})",
-                        describe_io(&e)
-                    ),
-                ))
-            }
-        }
-        if let Some(why) = greeting::describe_status(verdict[0]) {
-            return Err(Error::new(
-                ErrorKind::Auth,
-                format!("rank {} cannot join rank {peer}: {why}", spec.rank),
-            ));
-        }
-        match verdict[0] {
-            0 => {}
-            1 => {
-                return Err(Error::new(
-                    ErrorKind::Auth,
-                    format!(
-                        "rank {peer} at {} belongs to another job and refused this rank (two jobs sharing a MASTER_PORT?)",
-                        spec.addrs[peer]
-                    ),
-                ))
-            }
-            _ => {
-                return Err(Error::new(
-                    ErrorKind::Mismatch,
-                    format!(
-                        "rank {peer} refused this rank: it expects a different communicator or world size (world size {} here)",
-                        spec.size
-                    ),
-                ))
-            }
-        }
-        s.set_read_timeout(None)
-            .map_err(|e| Error::system("set_read_timeout", &e))?;
-    }
-    Ok(Mesh { streams, early_p2p })
-}
-
-/// Most connections greeted at once; more make the oldest go.
-const MAX_GREETINGS: usize = 1024;
-
-fn accept_higher(
-    listener: &TcpListener,
-    spec: &MeshSpec,
-    streams: &mut [Option<TcpStream>],
-    early_p2p: &mut Vec<(usize, TcpStream)>,
-    timed_out: &dyn Fn(String) -> Error,
-) -> Result<()> {
-    let expected = spec.size - 1 - spec.rank;
-    let mut have = 0;
-    let mut greetings: Vec<Greeting> = Vec::new();
-    let mut strays = 0usize;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::system("set_nonblocking", &e))?;
-    while have < expected {
-        let now = Instant::now();
-        if now >= spec.deadline {
-            let missing: Vec<String> = (spec.rank + 1..spec.size)
-                .filter(|r| streams[*r].is_none())
-                .map(|r| r.to_string())
-                .collect();
-            let strays = if strays > 0 {
-                format!(" ({strays} other connections came and were dropped: strangers, or ranks with another auth token)")
-            } else {
-                String::new()
-            };
-            return Err(timed_out(format!(
-                "ranks {} never connected to {}{strays}",
-                missing.join(", "),
-                spec.addrs[spec.rank]
-            )));
-        }
-        let limit = HELLO_DEADLINE.min(spec.deadline.saturating_duration_since(now));
-        let before = greetings.len();
-        greetings.retain(|g| !g.expired(now, limit));
-        strays += before - greetings.len();
-        wait_for_bytes(listener, &greetings, spec.deadline);
-        accept_all(listener, &mut greetings, &mut strays);
-        let mut i = 0;
-        while i < greetings.len() {
-            match greetings[i].advance(spec.token.as_ref()) {
-                Greeted::Pending => i += 1,
-                Greeted::Dropped => {
-                    greetings.swap_remove(i);
-                    strays += 1;
-                }
-                Greeted::Ready => {
-                    let (b, mut s) = greetings.swap_remove(i).finish();
-                    if let Some(rank) = judge_p2p(spec, &b) {
-                        // A peer that finished connecting already sends point-to-point.
-                        spec.configure(&s, rank);
-                        early_p2p.push((rank, s));
-                        continue;
-                    }
-                    match judge(spec, &b) {
-                        Ok(rank) if streams[rank].is_none() => {
-                            s.write_all(&[Verdict::Welcome as u8])
-                                .map_err(|e| Error::system(format!("answering rank {rank}"), &e))?;
-                            spec.configure(&s, rank);
-                            streams[rank] = Some(s);
-                            have += 1;
-                        }
-                        Ok(_) => {
-                            let _ = s.write_all(&[Verdict::OtherWorld as u8]);
-                            strays += 1;
-                        }
-                        Err(v) => {
-                            let _ = s.write_all(&[v as u8]);
-                            strays += 1;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Sleeps until the listener or a greeting has bytes (at most 100 ms).
-fn wait_for_bytes(listener: &TcpListener, greetings: &[Greeting], deadline: Instant) {
-    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
-        .chain(greetings.iter().map(Greeting::fd))
-        .map(|fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let ms = left(deadline).as_millis().min(100) as i32;
-    // SAFETY: `fds` is a live array of fds.len() pollfd.
-    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms.max(1)) };
-}
-
-/// Accepts every waiting connection into a greeting.
-fn accept_all(listener: &TcpListener, greetings: &mut Vec<Greeting>, strays: &mut usize) {
-    loop {
-        match listener.accept() {
-            Ok((s, _)) => {
-                if greetings.len() >= MAX_GREETINGS {
-                    // The oldest has had the longest to speak.
-                    greetings.remove(0);
-                    *strays += 1;
-                }
-                greetings.extend(Greeting::new(s));
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return, // WouldBlock, or a transient error (out of fds)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -493,7 +360,6 @@ mod tests {
             addrs: vec![l.local_addr().unwrap(); 4],
             job: [0; 16],
             comm_id: 0,
-            deadline: Instant::now(),
             token: None,
             far: vec![false, false, true, true],
         };

@@ -5,6 +5,7 @@ pub mod channel;
 pub mod frame;
 pub mod greeting;
 pub mod iface;
+pub mod link;
 pub mod mesh;
 pub(crate) mod roster;
 pub mod shm;

@@ -19,6 +19,7 @@ use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::transport::channel::read_remote;
 use crate::transport::channel::{Channel, TcpChannel};
 use crate::transport::greeting::{self, Greeted, Greeting, HELLO_DEADLINE};
+use crate::transport::link::Links;
 use crate::transport::mesh::{self, Context, MeshSpec};
 use crate::transport::shm::Doorbell;
 use crate::transport::signal::AbortSignal;
@@ -136,17 +137,12 @@ pub struct Incoming {
 pub(crate) struct MailboxSpec {
     pub mesh: MeshSpec,
     pub listener: TcpListener,
-    pub early: Vec<(usize, TcpStream)>,
+    /// Where the collectives' connections that peers dial are admitted
+    /// (this thread serves the listener for both contexts).
+    pub links: Arc<Links>,
     pub timeout: Duration,
     /// How long a waiting caller drives progress itself before sleeping.
     pub spin: Duration,
-    /// Per rank: from which payload size it copies messages straight from
-    /// this process's memory (same host, process_vm_readv allowed, and
-    /// `single_copy_min` says so); None: never.
-    pub single_copy: Vec<Option<usize>>,
-    /// Shared-memory channels to every peer and the doorbell they ring,
-    /// when every rank is on this host (then no connection is dialed).
-    pub shm: Option<crate::transport::shm::P2pChannels>,
     pub signal: Arc<AbortSignal>,
 }
 
@@ -167,6 +163,8 @@ pub(crate) struct Mailbox {
 struct Shared {
     rank: usize,
     mesh: MeshSpec,
+    /// Where greeted collectives connections go (see transport::link).
+    links: Arc<Links>,
     timeout: Duration,
     spin: Duration,
     signal: Arc<AbortSignal>,
@@ -190,6 +188,8 @@ struct State {
     listener: Option<TcpListener>,
     /// Accepted connections that have not said hello yet.
     greeting: Vec<Greeting>,
+    /// Greeted collectives connections, admitted outside the lock.
+    admitting: Vec<([u8; mesh::HELLO_BYTES], TcpStream)>,
     peers: Vec<Peer>,
     matching: Matching,
     next_id: u64,
@@ -318,13 +318,6 @@ impl Conn {
         Ok(Conn::over(Box::new(TcpChannel(stream))))
     }
 
-    fn over_shm(chan: Box<dyn Channel>) -> Conn {
-        Conn {
-            shm: true,
-            ..Conn::over(chan)
-        }
-    }
-
     fn over(chan: Box<dyn Channel>) -> Conn {
         Conn {
             chan,
@@ -351,25 +344,8 @@ impl Shared {
 impl Mailbox {
     pub(crate) fn new(spec: MailboxSpec) -> Result<Arc<Mailbox>> {
         let size = spec.mesh.size;
-        let mut peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
-        for (p, ok) in peers.iter_mut().zip(&spec.single_copy) {
-            p.single_copy = *ok;
-        }
-        let mut bell = None;
-        if let Some((channels, doorbell)) = spec.shm {
-            for (p, pair) in peers.iter_mut().zip(channels) {
-                if let Some((out, inc)) = pair {
-                    p.out = Some(Conn::over_shm(out));
-                    p.inc = Some(Conn::over_shm(inc));
-                }
-            }
-            bell = Some(Bell(doorbell));
-        }
-        for (rank, s) in spec.early {
-            if let Ok(c) = Conn::new(s) {
-                peers[rank].inc = Some(c);
-            }
-        }
+        let peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
+        let bell: Option<Bell> = None;
         spec.listener
             .set_nonblocking(true)
             .map_err(|e| Error::system("set_nonblocking", &e))?;
@@ -377,6 +353,7 @@ impl Mailbox {
             shared: Arc::new(Shared {
                 rank: spec.mesh.rank,
                 mesh: spec.mesh,
+                links: spec.links,
                 timeout: spec.timeout,
                 spin: spec.spin,
                 signal: spec.signal,
@@ -388,6 +365,7 @@ impl Mailbox {
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
                     greeting: Vec::new(),
+                    admitting: Vec::new(),
                     peers,
                     matching: Matching::default(),
                     next_id: 0,
@@ -1235,6 +1213,11 @@ fn progress(sh: &Shared) {
         if st.failed.is_some() && st.closing {
             return;
         }
+        let admitting = std::mem::take(&mut st.admitting);
+        drop(st);
+        for (hello, s) in admitting {
+            sh.links.admit(&hello, s);
+        }
     }
 }
 
@@ -1298,6 +1281,10 @@ fn accept_all(st: &mut State) {
 /// belongs to this communicator and the pair has none.
 fn install(sh: &Shared, st: &mut State, g: Greeting) {
     let (hello, s) = g.finish();
+    if mesh::is_collectives(&hello) {
+        st.admitting.push((hello, s));
+        return;
+    }
     let Some(rank) = mesh::judge_p2p(&sh.mesh, &hello) else {
         return; // a stranger, or another communicator: dropped
     };
@@ -1728,23 +1715,23 @@ mod tests {
     fn a_send_to_self_is_buffered_whatever_its_size() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
+        let mesh = MeshSpec {
+            rank: 0,
+            size: 1,
+            addrs: vec![addr],
+            job: [1; 16],
+            comm_id: 0,
+            token: None,
+            far: vec![false],
+        };
+        let shm = crate::options::Tuning::default().shm;
+        let links = Links::new(mesh.clone(), false, shm).unwrap();
         let m = Mailbox::new(MailboxSpec {
-            mesh: MeshSpec {
-                rank: 0,
-                size: 1,
-                addrs: vec![addr],
-                job: [1; 16],
-                comm_id: 0,
-                deadline: Instant::now(),
-                token: None,
-                far: vec![false],
-            },
+            mesh,
             listener: l,
-            early: Vec::new(),
+            links: Arc::new(links),
             timeout: Duration::from_secs(5),
             spin: Duration::from_micros(50),
-            single_copy: vec![None],
-            shm: None,
             signal: Arc::new(AbortSignal::new().unwrap()),
         })
         .unwrap();

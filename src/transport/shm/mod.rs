@@ -4,12 +4,9 @@
 //! with the ring to it, and keeps the TCP connection to that peer only to
 //! notice its death (shared memory has no end-of-stream).
 //!
-//! Point-to-point (backend/p2p) has rings of its own in the same segments
-//! (see attach), so its traffic never mixes with the collectives'.
-//!
-//! Segments are created under /dev/shm with names from the job id and are
-//! unlinked as soon as every peer has mapped them, so nothing is left
-//! behind even when a rank crashes later.
+//! A pair agrees on its rings when it connects, on first use (see attach).
+//! Segments have no name (memfd): nothing is ever left behind in /dev/shm,
+//! even when a rank crashes. Point-to-point messages go over TCP.
 
 mod attach;
 mod channel;
@@ -17,5 +14,5 @@ mod doorbell;
 mod ring;
 mod segment;
 
-pub use attach::{attach, P2pChannels};
+pub use attach::{answer, offer, Home};
 pub use doorbell::Doorbell;

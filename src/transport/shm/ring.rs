@@ -319,9 +319,8 @@ mod tests {
     }
 
     fn ring_pair_of(tag: &str, ring_bytes: usize) -> (Ring, Ring) {
-        let name = format!("/rdist-test-{tag}{ring_bytes}-{}", std::process::id());
-        let seg = Arc::new(Segment::map(&name, 2, ring_bytes, true).unwrap());
-        Segment::unlink(&name);
+        let _ = tag;
+        let seg = Arc::new(Segment::create_private(2, ring_bytes).unwrap().0);
         (seg.ring(1), seg.ring(1))
     }
 

@@ -2,8 +2,8 @@
 //! and ring per rank), naming, creating or opening, mapping and unlinking.
 
 use crate::error::{Error, Result};
-use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// Bytes of one ring's data area, with few ranks on the host.
 pub const RING_BYTES: usize = 1 << 20;
@@ -52,74 +52,95 @@ impl Drop for Segment {
     }
 }
 
-/// The /dev/shm name of `rank`'s segment in a communicator.
-pub fn segment_name(job: &[u8; 16], comm_id: u64, rank: usize) -> String {
-    let hex: String = job[..8].iter().map(|b| format!("{b:02x}")).collect();
-    format!("/rdist-{hex}-{comm_id:016x}-{rank}")
-}
-
 impl Segment {
     /// Bytes of one slot: a control block and a ring.
     pub(super) fn slot_bytes(&self) -> usize {
         CTL_BYTES + self.ring_bytes
     }
 
-    /// Creates (or, with `create == false`, opens) a segment of `slots`
-    /// rings of `ring_bytes` each.
-    pub fn map(name: &str, slots: usize, ring_bytes: usize, create: bool) -> Result<Segment> {
+    /// Creates a segment that has no name at all (memfd): peers open it
+    /// through /proc/<pid>/fd/<fd> (see `open_of`), so nothing is ever left
+    /// in /dev/shm, whenever and however the rank ends. Returns the
+    /// descriptor, which must stay open for peers to find it.
+    pub fn create_private(slots: usize, ring_bytes: usize) -> Result<(Segment, OwnedFd)> {
         let len = slots * (CTL_BYTES + ring_bytes);
-        let cname = CString::new(name).map_err(|_| Error::internal("segment name has a NUL"))?;
-        let flags = if create {
-            libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
-        } else {
-            libc::O_RDWR
-        };
-        // SAFETY: plain libc calls on a valid C string; every result checked.
-        unsafe {
-            let fd = libc::shm_open(cname.as_ptr(), flags | libc::O_CLOEXEC, 0o600);
-            if fd < 0 {
-                return Err(Error::system(
-                    format!("shm_open {name}"),
-                    &io::Error::last_os_error(),
-                ));
-            }
-            if create && libc::ftruncate(fd, len as libc::off_t) != 0 {
-                let e = io::Error::last_os_error();
-                libc::close(fd);
-                libc::shm_unlink(cname.as_ptr());
-                return Err(Error::system(
-                    format!("sizing shared memory {name} ({len} bytes)"),
-                    &e,
-                ));
-            }
-            let base = libc::mmap(
+        // SAFETY: memfd_create with a valid C string; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"rdist-rings".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::system(
+                "memfd_create for shared memory",
+                &io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a fresh descriptor owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on our own descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Error::system(
+                format!("sizing shared memory ({len} bytes)"),
+                &io::Error::last_os_error(),
+            ));
+        }
+        let seg = Segment::map_fd(fd.as_raw_fd(), len, ring_bytes)?;
+        Ok((seg, fd))
+    }
+
+    /// Maps the segment that process `pid` created with `create_private`
+    /// and holds open as descriptor `fd`, when this process may (same
+    /// user, same PID namespace). Fails on a size other than the layout's,
+    /// so a stale or foreign descriptor is never taken for rings; the
+    /// caller checks the owner's cookie too (see shm::attach).
+    pub fn open_of(pid: i32, fd: i32, slots: usize, ring_bytes: usize) -> Result<Segment> {
+        let len = slots * (CTL_BYTES + ring_bytes);
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::system(format!("opening {path}"), &e))?;
+        let size = file
+            .metadata()
+            .map_err(|e| Error::system(format!("stat {path}"), &e))?
+            .len();
+        if size != len as u64 {
+            return Err(Error::internal(format!(
+                "{path} has {size} bytes, not the {len} of a segment"
+            )));
+        }
+        Segment::map_fd(file.as_raw_fd(), len, ring_bytes)
+    }
+
+    fn map_fd(fd: i32, len: usize, ring_bytes: usize) -> Result<Segment> {
+        // SAFETY: maps `len` bytes of a descriptor we hold; checked below.
+        let base = unsafe {
+            libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd,
                 0,
-            );
-            libc::close(fd);
-            if base == libc::MAP_FAILED {
-                return Err(Error::system(
-                    format!("mapping shared memory {name}"),
-                    &io::Error::last_os_error(),
-                ));
-            }
-            Ok(Segment {
-                base: base.cast(),
-                len,
-                ring_bytes,
-            })
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::system(
+                "mapping shared memory",
+                &io::Error::last_os_error(),
+            ));
         }
+        Ok(Segment {
+            base: base.cast(),
+            len,
+            ring_bytes,
+        })
     }
 
-    pub fn unlink(name: &str) {
-        if let Ok(c) = CString::new(name) {
-            // SAFETY: valid C string.
-            unsafe { libc::shm_unlink(c.as_ptr()) };
-        }
+    /// The unused ring area of `slot` (a rank's own slot holds only its
+    /// doorbell): where the owner leaves its cookie.
+    pub(super) fn spare(&self, slot: usize, bytes: usize) -> *mut u8 {
+        assert!(bytes <= self.ring_bytes && (slot + 1) * self.slot_bytes() <= self.len);
+        // SAFETY: inside the mapping (checked above).
+        unsafe { self.base.add(slot * self.slot_bytes() + CTL_BYTES) }
     }
 }
 

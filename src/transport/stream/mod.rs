@@ -9,6 +9,7 @@
 //! core between checks) for up to `spin` before sleeping in poll() on the
 //! sockets with short, growing timeouts.
 
+mod connect;
 mod notice;
 mod progress;
 mod single_copy;
@@ -16,6 +17,7 @@ mod small;
 
 use super::channel::Channel;
 use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES};
+use super::link::Links;
 use super::shm::Doorbell;
 use super::signal::AbortSignal;
 use super::{Dir, Transport, Xfer};
@@ -58,6 +60,9 @@ pub struct StreamTransport {
     failed: Option<Error>,
     /// Whether the peers were told about `failed`.
     notified: bool,
+    /// How channels to peers are made on first use (None: every channel
+    /// was given at construction).
+    links: Option<Arc<Links>>,
     /// A failure another rank reported to this one, passed on as is: a
     /// peer that heard it may exit before the reporter's own notice
     /// reaches everyone, and its closed connection alone would say only
@@ -223,25 +228,7 @@ impl StreamTransport {
             mixed,
         } = tuning;
         let size = channels.len();
-        let conns = channels
-            .into_iter()
-            .map(|c| {
-                c.map(|chan| Conn {
-                    chan,
-                    inbox: VecDeque::new(),
-                    incoming: Incoming::Header {
-                        buf: [0; HEADER_BYTES],
-                        got: 0,
-                    },
-                    unfinished_out: 0,
-                    stage: Vec::new(),
-                    staged: 0,
-                    acks_out: Vec::new(),
-                    gone: None,
-                    connected_at: Instant::now(),
-                })
-            })
-            .collect();
+        let conns = channels.into_iter().map(|c| c.map(Conn::new)).collect();
         StreamTransport {
             rank,
             size,
@@ -259,7 +246,29 @@ impl StreamTransport {
             failed: None,
             notified: false,
             heard: None,
+            links: None,
         }
+    }
+
+    /// A transport with no channel yet: each is made when an exchange
+    /// first names its peer (see `transport::link`).
+    pub fn on_demand(
+        rank: usize,
+        size: usize,
+        links: Arc<Links>,
+        signal: Arc<AbortSignal>,
+        tuning: Tuning,
+    ) -> StreamTransport {
+        let doorbell = links.doorbell();
+        let mut t = StreamTransport::new(
+            rank,
+            (0..size).map(|_| None).collect(),
+            doorbell,
+            signal,
+            tuning,
+        );
+        t.links = Some(links);
+        t
     }
 
     fn conn(&mut self, peer: usize) -> &mut Conn {
@@ -734,6 +743,9 @@ impl Transport for StreamTransport {
                 ),
             ));
         }
+        if let Err(e) = self.connect_peers(xfers) {
+            return Err(self.fail(e, true));
+        }
         let done = self.exchange_whole(xfers);
         if done == all_of(xfers.len()) && !xfers.is_empty() {
             return Ok(());
@@ -756,6 +768,23 @@ impl Drop for StreamTransport {
 }
 
 impl Conn {
+    fn new(chan: Box<dyn Channel>) -> Conn {
+        Conn {
+            chan,
+            inbox: VecDeque::new(),
+            incoming: Incoming::Header {
+                buf: [0; HEADER_BYTES],
+                got: 0,
+            },
+            unfinished_out: 0,
+            stage: Vec::new(),
+            staged: 0,
+            acks_out: Vec::new(),
+            gone: None,
+            connected_at: Instant::now(),
+        }
+    }
+
     /// True when no frame is partly read.
     fn between_frames(&self) -> bool {
         matches!(self.incoming, Incoming::Header { got: 0, .. })

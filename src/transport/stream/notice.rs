@@ -29,6 +29,8 @@ impl StreamTransport {
         }
         if tell_peers && !self.notified {
             self.notified = true;
+            // Peers that connected but were never needed hear it too.
+            self.take_arrived();
             // Pass on a report heard from another rank as it was (every
             // rank that hears it passes it on once, so it reaches the
             // ranks its author could not tell before its peers exited).
@@ -58,6 +60,7 @@ impl StreamTransport {
     /// error), lets the kernel deliver what was already sent, and closes
     /// every connection.
     pub fn close(&mut self) {
+        self.take_arrived();
         let (header, payload) = match &self.failed {
             None => (Header::control(FrameKind::Bye, 0).encode(), Vec::new()),
             Some(e) => {
