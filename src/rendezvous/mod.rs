@@ -266,20 +266,22 @@ fn join_hosting(
         .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
-    for (r, key) in keys.iter().enumerate() {
-        let v =
-            String::from_utf8_lossy(&store.get(key, left(deadline).max(Duration::from_millis(1)))?)
-                .into_owned();
+    let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
+    for (r, v) in values.iter().enumerate() {
+        let v = String::from_utf8_lossy(v);
         let mut parts = v.split(' ');
         let (their_size, their_addr, their_host) = (parts.next(), parts.next(), parts.next());
         if their_size != Some(&size.to_string()) {
-            return Err(Error::new(
+            let e = Error::new(
                 ErrorKind::Mismatch,
                 format!(
                     "rank {r} was started with world size {} but rank {rank} with {size}",
                     their_size.unwrap_or("?")
                 ),
-            ));
+            );
+            // The ranks still waiting (for ranks of the larger world) hear it.
+            let _ = store.set(FAILED_KEY, e.message().as_bytes());
+            return Err(e);
         }
         addrs.push(
             their_addr.and_then(|a| a.parse().ok()).ok_or_else(|| {
@@ -337,9 +339,16 @@ fn wait_for_ranks(
                 .into_owned();
             return Err(Error::new(ErrorKind::Mismatch, text));
         }
-        if let Some(mismatch) = other_world_size(store, rank, size)? {
-            let _ = store.set(FAILED_KEY, mismatch.message().as_bytes());
-            return Err(mismatch);
+        // Every rank sets "world_size": a value other than ours means some
+        // rank has another (the last to set it stays). Only then is every
+        // rank's key read, to name it (a read of every key by every rank,
+        // on every slice, was most of a wide job's rendezvous).
+        let last = store.get("world_size", Duration::from_secs(1))?;
+        if last != size.to_string().as_bytes() {
+            if let Some(mismatch) = other_world_size(store, rank, size)? {
+                let _ = store.set(FAILED_KEY, mismatch.message().as_bytes());
+                return Err(mismatch);
+            }
         }
         if left(deadline).is_zero() {
             return Err(e);

@@ -21,7 +21,6 @@ use crate::transport::channel::{Channel, TcpChannel};
 use crate::transport::greeting::{self, Greeted, Greeting, HELLO_DEADLINE};
 use crate::transport::link::Links;
 use crate::transport::mesh::{self, Context, MeshSpec};
-use crate::transport::shm::Doorbell;
 use crate::transport::signal::AbortSignal;
 use matching::{Arrival, Envelope, Matching, PostedRecv};
 use std::collections::{HashMap, VecDeque};
@@ -146,14 +145,6 @@ pub(crate) struct MailboxSpec {
     pub signal: Arc<AbortSignal>,
 }
 
-/// A doorbell shared by the callers and the progress thread.
-struct Bell(Doorbell);
-
-// SAFETY: a Doorbell is two atomic words in shared memory plus futex
-// calls on them; every method takes &self and is safe to call from any
-// thread at once.
-unsafe impl Sync for Bell {}
-
 /// One communicator's point-to-point context.
 pub(crate) struct Mailbox {
     shared: Arc<Shared>,
@@ -175,9 +166,6 @@ struct Shared {
     drivers: std::sync::atomic::AtomicUsize,
     /// Bytes moved on any connection, so a driving caller sees progress.
     moved: std::sync::atomic::AtomicU64,
-    /// Shared memory: what the progress thread sleeps on (peers ring it
-    /// when they write to or free space in a ring shared with this rank).
-    bell: Option<Bell>,
     /// Run on every pass of the progress thread (the flight recorder's
     /// publisher); it limits itself.
     hook: Mutex<Option<Box<dyn FnMut() + Send>>>,
@@ -240,9 +228,6 @@ enum Target {
 
 struct Conn {
     chan: Box<dyn Channel>,
-    /// Shared memory: data shows in no descriptor (its fd only reports
-    /// the peer's exit); the doorbell says when to look.
-    shm: bool,
     out: VecDeque<Frame>,
     /// Bytes of `out.front()` written.
     written: usize,
@@ -321,7 +306,6 @@ impl Conn {
     fn over(chan: Box<dyn Channel>) -> Conn {
         Conn {
             chan,
-            shm: false,
             out: VecDeque::new(),
             written: 0,
             head: [0; HEADER_BYTES],
@@ -335,9 +319,6 @@ impl Shared {
     /// Wakes the progress thread (posts, closing).
     fn nudge(&self) {
         self.wake.abort();
-        if let Some(b) = &self.bell {
-            b.0.ring();
-        }
     }
 }
 
@@ -345,7 +326,6 @@ impl Mailbox {
     pub(crate) fn new(spec: MailboxSpec) -> Result<Arc<Mailbox>> {
         let size = spec.mesh.size;
         let peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
-        let bell: Option<Bell> = None;
         spec.listener
             .set_nonblocking(true)
             .map_err(|e| Error::system("set_nonblocking", &e))?;
@@ -360,7 +340,6 @@ impl Mailbox {
                 wake: AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?,
                 drivers: Default::default(),
                 moved: Default::default(),
-                bell,
                 hook: Mutex::new(None),
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
@@ -1097,7 +1076,7 @@ fn progress(sh: &Shared) {
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
             for (peer, p) in st.peers.iter().enumerate() {
                 if let Some(c) = &p.out {
-                    let w = if c.out.is_empty() || c.shm {
+                    let w = if c.out.is_empty() {
                         0
                     } else {
                         libc::POLLOUT
@@ -1105,7 +1084,7 @@ fn progress(sh: &Shared) {
                     add(c.chan.fd(), libc::POLLIN | w, Slot::Out(peer));
                 }
                 if let Some(c) = &p.inc {
-                    let w = if c.out.is_empty() || c.shm {
+                    let w = if c.out.is_empty() {
                         0
                     } else {
                         libc::POLLOUT
@@ -1119,53 +1098,16 @@ fn progress(sh: &Shared) {
                 }
             }
         }
-        // Shared memory shows in no descriptor: look without waiting, and
-        // sleep on the doorbell below instead.
-        let wait_ms = if sh.bell.is_some() { 0 } else { 100 };
         // SAFETY: fds is a live array of pollfd.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
         if n < 0 {
             continue; // EINTR
         }
         let driven = sh.drivers.load(std::sync::atomic::Ordering::Relaxed) > 0;
-        if (n > 0 || sh.bell.is_some()) && driven {
+        if n > 0 && driven {
             // A waiting caller is moving the bytes; look again shortly.
             std::thread::sleep(Duration::from_micros(50));
             continue;
-        }
-        if let Some(bell) = &sh.bell {
-            if !service_shm(sh, &mut lock(&sh.state)) && n == 0 {
-                // Nothing moved: sleep until a peer rings (it does after
-                // every write to, or read from, a ring shared with this
-                // rank) or a caller does, or a short while passes (for
-                // what only descriptors show: a peer's exit, strangers).
-                let seen = bell.0.prepare();
-                let (busy, idle) = {
-                    let st = lock(&sh.state);
-                    let busy = st.peers.iter().any(|p| {
-                        [p.out.as_ref(), p.inc.as_ref()]
-                            .into_iter()
-                            .flatten()
-                            .any(|c| c.shm && c.chan.has_data())
-                    });
-                    // Nothing posted, nothing greeted: only a stranger at
-                    // the listener could want this thread, and it can wait.
-                    let idle = !st.sends_in_flight()
-                        && st.matching.posted.is_empty()
-                        && st.greeting.is_empty();
-                    (busy, idle)
-                };
-                if busy {
-                    bell.0.done();
-                } else {
-                    let nap = if idle { 50 } else { 2 };
-                    bell.0.sleep(seen, Duration::from_millis(nap));
-                }
-                continue;
-            }
-            if n == 0 {
-                continue;
-            }
         }
         let mut st = lock(&sh.state);
         let mut greet_now = false;
@@ -1219,26 +1161,6 @@ fn progress(sh: &Shared) {
             sh.links.admit(&hello, s);
         }
     }
-}
-
-/// One pass over the shared-memory connections (reads and writes that
-/// can go on now); true when anything moved.
-fn service_shm(sh: &Shared, st: &mut State) -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    let before = sh.moved.load(Relaxed);
-    st.frame_sends();
-    for peer in 0..st.peers.len() {
-        for out in [true, false] {
-            if !conn(st, peer, out).is_some_and(|c| c.shm) {
-                continue;
-            }
-            if let Err(e) = service(sh, st, peer, out, libc::POLLIN | libc::POLLOUT) {
-                st.fail_peer(peer, e);
-            }
-        }
-    }
-    st.frame_sends();
-    sh.moved.load(Relaxed) != before
 }
 
 /// Accepts what waits on the listener and reads the hellos that arrived.

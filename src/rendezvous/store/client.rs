@@ -562,6 +562,10 @@ impl Store for TcpStoreClient {
         self.with_reply(&Query::Add(&k, delta), read_i64)
     }
 
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.multi_get(keys, timeout)
+    }
+
     fn check(&self, keys: &[&str]) -> Result<bool> {
         let full = keys
             .iter()

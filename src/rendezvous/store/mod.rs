@@ -42,6 +42,12 @@ pub trait Store: Send + Sync {
     fn check(&self, keys: &[&str]) -> Result<bool>;
     /// Waits until all keys exist, up to `timeout`.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// The values of `keys`, which all exist: one query where the store
+    /// has one (a wide job's roster is every rank reading every rank's
+    /// key; one round trip each made that quadratic).
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        keys.iter().map(|k| self.get(k, timeout)).collect()
+    }
     /// Ranks below `size` that joined this store more often than this
     /// meeting counts: two processes were given the same rank. (Stores
     /// that do not count meetings know none.)
@@ -187,6 +193,12 @@ impl Store for PrefixStore {
         let full = self.full_keys(keys);
         let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         self.inner.wait(&refs, timeout)
+    }
+
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let full = self.full_keys(keys);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.get_all(&refs, timeout)
     }
 }
 
