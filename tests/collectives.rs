@@ -450,6 +450,19 @@ fn every_allreduce_algorithm_forced() {
     }
 }
 
+/// Bruck's allgather (chosen for small ones) and the ring, forced at
+/// every size, against the reference: worlds of powers of two and not.
+#[test]
+fn every_allgather_algorithm_forced() {
+    for algo in ["ring", "bruck"] {
+        for n in [3, 5, 8] {
+            let mut o = common::opts(60_000);
+            o.set("algo", algo).unwrap();
+            common::world(n, o, Duration::from_secs(120), |comm| movement(&comm));
+        }
+    }
+}
+
 // Single-copy transfers (process_vm_readv), off by default: forced on from
 // 4 KiB so that every collective's large payloads take that path.
 #[test]

@@ -770,3 +770,38 @@ fn a_stopped_rank_is_named_by_the_others() {
         }
     }
 }
+
+/// Pairs connect on first use, so a rank that never makes a call is
+/// missed as a connection that never came: every rank that needs it times
+/// out within the timeout, naming it and the call, while it is alive and
+/// listening (its point-to-point thread admits connections for it).
+#[test]
+fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
+    // Sockets only: with backend auto, init's agreement on NCCL (an
+    // allgather) connects some pairs already.
+    let mut o = common::opts(1_500);
+    o.set("backend", "socket").unwrap();
+    let results = common::world(3, o, Duration::from_secs(20), |comm| {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(2_500));
+            return None;
+        }
+        let t = Instant::now();
+        let e = comm.allreduce(&mut [1u32; 8], ReduceOp::Sum).unwrap_err();
+        Some((e.kind(), t.elapsed(), e.to_string()))
+    });
+    for (rank, r) in results.iter().take(2).enumerate() {
+        let (kind, took, msg) = r.clone().unwrap();
+        assert!(
+            matches!(kind, ErrorKind::Timeout | ErrorKind::PeerLost),
+            "rank {rank}: {msg}"
+        );
+        assert!(took < Duration::from_secs(4), "rank {rank}: {took:?}");
+    }
+    // A rank that waited for rank 2 itself says so (the other may wait
+    // for that rank instead, or hear of it from it first).
+    let waited = results.iter().take(2).flatten().any(|(kind, _, msg)| {
+        *kind == ErrorKind::Timeout && msg.contains("waiting for rank 2 to connect")
+    });
+    assert!(waited, "{results:?}");
+}

@@ -3,6 +3,7 @@
 //! knows about sockets or C.
 
 pub mod binomial;
+pub mod bruck;
 pub mod chain;
 pub mod direct;
 pub mod dissemination;
@@ -33,10 +34,12 @@ pub enum Algo {
     /// Inside each host, then across hosts, then inside again (see
     /// `hierarchical`).
     Hierarchical = 8,
+    /// Allgather in ceil(log2 n) rounds (see `bruck`).
+    Bruck = 9,
 }
 
 impl Algo {
-    pub const ALL: [Algo; 8] = [
+    pub const ALL: [Algo; 9] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Binomial,
@@ -45,6 +48,7 @@ impl Algo {
         Algo::Chain,
         Algo::HalvingDoubling,
         Algo::Hierarchical,
+        Algo::Bruck,
     ];
 
     pub fn name(self) -> &'static str {
@@ -57,6 +61,7 @@ impl Algo {
             Algo::Chain => "chain",
             Algo::HalvingDoubling => "halving_doubling",
             Algo::Hierarchical => "hierarchical",
+            Algo::Bruck => "bruck",
         }
     }
 
@@ -94,7 +99,8 @@ impl Algo {
             ],
             OpKind::Broadcast => &[Algo::Binomial, Algo::Chain],
             OpKind::Reduce => &[Algo::Binomial, Algo::Chain],
-            OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Ring, Algo::Hierarchical],
+            OpKind::AllGather => &[Algo::Ring, Algo::Bruck, Algo::Hierarchical],
+            OpKind::ReduceScatter => &[Algo::Ring, Algo::Hierarchical],
             OpKind::Barrier => &[Algo::Dissemination],
             _ => &[Algo::Direct],
         }
@@ -104,6 +110,11 @@ impl Algo {
 /// Small allreduces are latency-bound (recursive doubling: log2(n) steps);
 /// large ones bandwidth-bound (ring: 2(n-1)/n of the data per rank).
 const SMALL_ALLREDUCE_BYTES: usize = 64 << 10;
+
+/// Allgathers up to this size (the whole result) take ceil(log2 n) rounds
+/// (Bruck) instead of the ring's n - 1: latency-bound, like small
+/// allreduces.
+const SMALL_ALLGATHER_BYTES: usize = 64 << 10;
 
 /// Broadcasts from this size go along a pipelined chain over TCP (3+
 /// ranks): every link carries the message once, where the binomial tree's
@@ -156,6 +167,7 @@ pub fn choose(
         {
             Algo::Hierarchical
         }
+        OpKind::AllGather if bytes <= SMALL_ALLGATHER_BYTES && size > 2 => Algo::Bruck,
         OpKind::AllReduce
             if bytes <= SMALL_ALLREDUCE_BYTES
                 || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES =>

@@ -3,7 +3,7 @@
 
 use crate::algorithms::hierarchical::Layers;
 use crate::algorithms::{
-    self, binomial, chain, direct, dissemination, halving_doubling, hierarchical,
+    self, binomial, bruck, chain, direct, dissemination, halving_doubling, hierarchical,
     recursive_doubling, ring, Algo, Link,
 };
 use crate::auth::Token;
@@ -393,6 +393,7 @@ impl SocketBackend {
                     (Algo::Hierarchical, Some(layers)) => {
                         hierarchical::allgather(&mut link, recv.bytes_mut(), bb, layers)
                     }
+                    (Algo::Bruck, _) => bruck::allgather(&mut link, recv.bytes_mut(), bb),
                     _ => ring::allgather(&mut link, recv.bytes_mut(), bb),
                 }
             }
@@ -649,7 +650,8 @@ impl SocketBackend {
         mine[0..4].copy_from_slice(&color.to_le_bytes());
         mine[4..8].copy_from_slice(&key.to_le_bytes());
         mine[8..10].copy_from_slice(&port.to_le_bytes());
-        ring::allgather(
+        // Few bytes per rank: latency-bound whatever the world (Bruck).
+        bruck::allgather(
             &mut Link::new(&mut self.transport, desc, &mut self.scratch),
             &mut all,
             REC,

@@ -260,13 +260,25 @@ fn join_hosting(
     let me = format!("{size} {addr} {host} {}", std::process::id());
     store.set(&format!("rank/{rank}"), me.as_bytes())?;
 
-    let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    wait_for_ranks(&*store, &key_refs, rank, size, deadline)
+    // The rank that completes the count gathers every rank's key into one
+    // value, which the others wait for: one key per rank to wait on, not
+    // every rank's (a thousand ranks each waiting on a thousand keys kept
+    // the store's one thread busy for seconds, as NCCL's and PyTorch's
+    // bootstraps found before).
+    if store.add("joined", 1)? == size as i64 {
+        let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
+        store.set(ROSTER_KEY, &pack(&values))?;
+    }
+    wait_for_ranks(&*store, &[ROSTER_KEY], rank, size, deadline)
         .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+    let packed = store.get(ROSTER_KEY, left(deadline).max(Duration::from_millis(1)))?;
+    let values = unpack(&packed)
+        .filter(|v| v.len() == size)
+        .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
-    let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
     for (r, v) in values.iter().enumerate() {
         let v = String::from_utf8_lossy(v);
         let mut parts = v.split(' ');
@@ -359,6 +371,29 @@ fn wait_for_ranks(
 
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";
+
+/// Every rank's key, gathered by the last rank to join.
+const ROSTER_KEY: &str = "roster";
+
+/// Values as one: each with its length (4 bytes, little endian) first.
+fn pack(values: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.iter().map(|v| v.len() + 4).sum());
+    for v in values {
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(v);
+    }
+    out
+}
+
+fn unpack(mut bytes: &[u8]) -> Option<Vec<&[u8]>> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        out.push(bytes.get(4..4 + len)?);
+        bytes = &bytes[4 + len..];
+    }
+    Some(out)
+}
 
 /// A rank that already joined with another world size than `size`.
 fn other_world_size(store: &dyn Store, rank: usize, size: usize) -> Result<Option<Error>> {

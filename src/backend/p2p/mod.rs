@@ -1076,19 +1076,11 @@ fn progress(sh: &Shared) {
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
             for (peer, p) in st.peers.iter().enumerate() {
                 if let Some(c) = &p.out {
-                    let w = if c.out.is_empty() {
-                        0
-                    } else {
-                        libc::POLLOUT
-                    };
+                    let w = if c.out.is_empty() { 0 } else { libc::POLLOUT };
                     add(c.chan.fd(), libc::POLLIN | w, Slot::Out(peer));
                 }
                 if let Some(c) = &p.inc {
-                    let w = if c.out.is_empty() {
-                        0
-                    } else {
-                        libc::POLLOUT
-                    };
+                    let w = if c.out.is_empty() { 0 } else { libc::POLLOUT };
                     let r = if paused && matches!(c.reading, Reading::Header) {
                         0
                     } else {

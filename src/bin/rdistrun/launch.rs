@@ -115,15 +115,18 @@ fn random_token() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Starts local rank `local_rank` and the threads forwarding its output.
-pub fn launch_rank(
+/// Starts local rank `local_rank`; returns it and, when its stdout is a
+/// pseudo-terminal, the terminal's other end (see `forward_output`).
+/// Every rank is started before any output thread: the spawn forks
+/// rdistrun, and a fork copies the threads' stacks' mappings, so forking
+/// beside two threads per rank already started made starting 1024 ranks
+/// quadratic (10 s of system time for /bin/true).
+pub fn spawn_rank(
     config: &Config,
     token: Option<&str>,
     master_port: u16,
     local_rank: usize,
-    readers: &mut Vec<OutputReader>,
-    errors: &Arc<ErrorLines>,
-) -> Result<RankProcess, LaunchError> {
+) -> Result<(RankProcess, Option<File>), LaunchError> {
     let rank = config.node_rank * config.nproc_per_node + local_rank;
     let (stdout, pty) = output::stdout_channel(config.stdout_tty);
     // The command (holding the child's end of a pseudo-terminal) is dropped
@@ -131,12 +134,18 @@ pub fn launch_rank(
     let child = rank_command(config, token, master_port, local_rank, rank, stdout)
         .spawn()
         .map_err(LaunchError::Spawn)?;
-    let mut process = RankProcess::new(rank, child);
-    if let Err(error) = attach_readers(&mut process, pty, config.prefix_output, readers, errors) {
-        process.kill_and_reap();
-        return Err(LaunchError::Output(error));
-    }
-    Ok(process)
+    Ok((RankProcess::new(rank, child), pty))
+}
+
+/// Starts the threads forwarding a started rank's output.
+pub fn forward_output(
+    process: &mut RankProcess,
+    pty: Option<File>,
+    config: &Config,
+    readers: &mut Vec<OutputReader>,
+    errors: &Arc<ErrorLines>,
+) -> Result<(), LaunchError> {
+    attach_readers(process, pty, config.prefix_output, readers, errors).map_err(LaunchError::Output)
 }
 
 fn rank_command(

@@ -101,24 +101,34 @@ fn run(config: &Config) -> u8 {
     let errors = Arc::new(ErrorLines::default());
     let mut ranks = Vec::with_capacity(config.nproc_per_node);
     let mut readers = Vec::with_capacity(2 * config.nproc_per_node);
+    let mut ptys = Vec::with_capacity(config.nproc_per_node);
+    let mut failed = None;
     for local_rank in 0..config.nproc_per_node {
-        match launch::launch_rank(
-            config,
-            token.as_deref(),
-            master_port,
-            local_rank,
-            &mut readers,
-            &errors,
-        ) {
-            Ok(rank) => ranks.push(rank),
+        match launch::spawn_rank(config, token.as_deref(), master_port, local_rank) {
+            Ok((rank, pty)) => {
+                ranks.push(rank);
+                ptys.push(pty);
+            }
             Err(error) => {
-                for rank in &mut ranks {
-                    rank.kill_and_reap();
-                }
-                output::wait_for_readers(readers, OUTPUT_DRAIN_TIMEOUT);
-                return launch::report_launch_error(config, &error);
+                failed = Some(error);
+                break;
             }
         }
+    }
+    if failed.is_none() {
+        for (rank, pty) in ranks.iter_mut().zip(ptys) {
+            if let Err(error) = launch::forward_output(rank, pty, config, &mut readers, &errors) {
+                failed = Some(error);
+                break;
+            }
+        }
+    }
+    if let Some(error) = failed {
+        for rank in &mut ranks {
+            rank.kill_and_reap();
+        }
+        output::wait_for_readers(readers, OUTPUT_DRAIN_TIMEOUT);
+        return launch::report_launch_error(config, &error);
     }
     let stop = supervise::supervise(&mut ranks, config.report, config.grace);
     // Drain output first, so that the summary comes after everything the ranks

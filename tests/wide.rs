@@ -1,0 +1,50 @@
+//! Wide jobs: pairs connect on first use, so a rank holds connections only
+//! to the peers its algorithms use. Real processes under the real
+//! launcher (rdistrun), checked collectives (rdist-bench compares every
+//! element with the expected value), and each rank's descriptors counted.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+/// 48 ranks run checked allreduce, broadcast and barrier. Had every pair
+/// connected, each rank would hold a connection to each of its 47 peers
+/// besides its own ~10 descriptors; with connections on demand it holds
+/// those of the few peers its algorithms name (log2 of the world each).
+#[test]
+fn a_wide_job_connects_only_the_pairs_it_uses() {
+    let ranks = 48;
+    let out = common::output_within(
+        Command::new(env!("CARGO_BIN_EXE_rdistrun"))
+            .args(["--nproc-per-node", &ranks.to_string()])
+            .arg(env!("CARGO_BIN_EXE_rdist-bench"))
+            .args(["--op", "allreduce,broadcast,barrier"])
+            .args(["--min-bytes", "4K", "--max-bytes", "64K"])
+            .args(["--seconds", "0.01", "--reps", "1", "--resources"])
+            .env("RDIST_TIMEOUT_MS", "60000"),
+        Duration::from_secs(120),
+        "48 ranks of rdist-bench",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{err}");
+    assert!(
+        text.contains("out of bounds values : 0 OK"),
+        "wrong elements:\n{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.contains("# resources:"))
+        .unwrap_or_else(|| panic!("no resources line:\n{text}"));
+    let after_run = line.split("after the run ").nth(1).expect("after the run");
+    let mean_fds: f64 = after_run
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no fd count in: {line}"));
+    assert!(
+        mean_fds < 40.0,
+        "{mean_fds} descriptors per rank on average: every pair connected? {line}"
+    );
+}
