@@ -805,3 +805,40 @@ fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
     });
     assert!(waited, "{results:?}");
 }
+
+/// A rank that leaves before it ever connected (here: destroys its
+/// communicator) is noticed by a rank waiting for its connection within
+/// about a second, not at the timeout: nobody listens at its address.
+#[test]
+fn a_rank_gone_before_connecting_is_noticed_within_seconds() {
+    let mut o = common::opts(30_000);
+    o.set("backend", "socket").unwrap();
+    let results = common::world(3, o, Duration::from_secs(40), |comm| {
+        if comm.rank() == 2 {
+            drop(comm);
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        let e = comm.allreduce(&mut [1u32; 8], ReduceOp::Sum).unwrap_err();
+        Some((e.kind(), t.elapsed(), e.to_string()))
+    });
+    // Every rank fails soon, and the one that waited for rank 2 says why
+    // (the other may hear it from that rank).
+    for (rank, r) in results.iter().take(2).enumerate() {
+        let (kind, took, msg) = r.clone().unwrap();
+        assert_eq!(kind, ErrorKind::PeerLost, "rank {rank}: {msg}");
+        assert!(
+            took < Duration::from_secs(5),
+            "rank {rank}: {took:?}: {msg}"
+        );
+        assert!(msg.contains("rank 2"), "rank {rank}: {msg}");
+    }
+    assert!(
+        results
+            .iter()
+            .flatten()
+            .any(|(_, _, m)| m.contains("nobody listens")),
+        "{results:?}"
+    );
+}

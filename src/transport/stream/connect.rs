@@ -6,7 +6,11 @@ use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::channel::Channel;
 use crate::transport::Xfer;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How often a rank waiting for a peer's connection checks that the peer
+/// still listens.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 impl StreamTransport {
     /// Makes sure every peer of `xfers` has a channel, bounded by the
@@ -40,10 +44,16 @@ impl StreamTransport {
                 awaited.push(peer);
             }
         }
+        let mut next_probe = Instant::now() + PROBE_EVERY;
         loop {
             awaited.retain(|p| self.conns[*p].is_none());
             if awaited.is_empty() {
                 return Ok(());
+            }
+            if Instant::now() >= next_probe {
+                next_probe = Instant::now() + PROBE_EVERY;
+                self.probe_listeners(&links, &awaited, xfers)?;
+                continue;
             }
             if self.signal.is_aborted() {
                 return Err(Error::new(
@@ -85,6 +95,39 @@ impl StreamTransport {
             unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
             self.take_arrived();
         }
+    }
+
+    /// A peer that never connected may be gone (it exited, or destroyed
+    /// its communicator): nobody listens at its address then, which a
+    /// connection attempt shows at once (the peer's point-to-point thread
+    /// drops the empty connection of one that lives). Without this, a rank
+    /// that died before dialing was noticed only at the timeout.
+    fn probe_listeners(
+        &mut self,
+        links: &crate::transport::link::Links,
+        awaited: &[usize],
+        xfers: &[Xfer<'_>],
+    ) -> Result<()> {
+        for &peer in awaited {
+            let addr = links.spec.addrs[peer];
+            let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_EVERY);
+            if let Err(e) = probe {
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    let during = xfers
+                        .first()
+                        .map(|x| format!(" in {}", x.desc))
+                        .unwrap_or_default();
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!(
+                            "rank {} waited{during} for rank {peer} to connect, but nobody listens at its address {addr} any more: it exited, or destroyed its communicator",
+                            self.rank
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Installs the channels that peers' dials made (one per pair: a
