@@ -101,27 +101,34 @@ fn run(config: &Config) -> u8 {
     let errors = Arc::new(ErrorLines::default());
     let mut ranks = Vec::with_capacity(config.nproc_per_node);
     let mut readers = Vec::with_capacity(2 * config.nproc_per_node);
-    let mut ptys = Vec::with_capacity(config.nproc_per_node);
+    // Every rank is started before any output thread (see
+    // launch::spawn_rank); when the descriptors run out first (two pipes
+    // per rank), the ranks started so far get their threads, which close
+    // the pipes of ranks that exited, and starting goes on.
+    let mut ptys: Vec<Option<Option<std::fs::File>>> = Vec::with_capacity(config.nproc_per_node);
     let mut failed = None;
-    for local_rank in 0..config.nproc_per_node {
+    let mut local_rank = 0;
+    let mut retried = false;
+    while failed.is_none() && local_rank < config.nproc_per_node {
         match launch::spawn_rank(config, token.as_deref(), master_port, local_rank) {
             Ok((rank, pty)) => {
                 ranks.push(rank);
-                ptys.push(pty);
+                ptys.push(Some(pty));
+                local_rank += 1;
+                retried = false;
             }
-            Err(error) => {
-                failed = Some(error);
-                break;
+            Err(launch::LaunchError::Spawn(e))
+                if e.raw_os_error() == Some(libc::EMFILE) && !retried =>
+            {
+                retried = true;
+                failed = forward_all(&mut ranks, &mut ptys, config, &mut readers, &errors);
+                std::thread::sleep(Duration::from_millis(200));
             }
+            Err(error) => failed = Some(error),
         }
     }
     if failed.is_none() {
-        for (rank, pty) in ranks.iter_mut().zip(ptys) {
-            if let Err(error) = launch::forward_output(rank, pty, config, &mut readers, &errors) {
-                failed = Some(error);
-                break;
-            }
-        }
+        failed = forward_all(&mut ranks, &mut ptys, config, &mut readers, &errors);
     }
     if let Some(error) = failed {
         for rank in &mut ranks {
@@ -140,4 +147,22 @@ fn run(config: &Config) -> u8 {
         eprintln!("rdistrun: {line}");
     }
     stop.exit_code()
+}
+
+/// Starts the output threads of the started ranks that have none yet.
+fn forward_all(
+    ranks: &mut [supervise::RankProcess],
+    ptys: &mut [Option<Option<std::fs::File>>],
+    config: &Config,
+    readers: &mut Vec<output::OutputReader>,
+    errors: &Arc<ErrorLines>,
+) -> Option<launch::LaunchError> {
+    for (rank, pty) in ranks.iter_mut().zip(ptys.iter_mut()) {
+        if let Some(pty) = pty.take() {
+            if let Err(error) = launch::forward_output(rank, pty, config, readers, errors) {
+                return Some(error);
+            }
+        }
+    }
+    None
 }
