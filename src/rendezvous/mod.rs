@@ -265,15 +265,22 @@ fn join_hosting(
     // every rank's (a thousand ranks each waiting on a thousand keys kept
     // the store's one thread busy for seconds, as NCCL's and PyTorch's
     // bootstraps found before).
+    // The roster's key names the world size: ranks started with another
+    // never take it for theirs.
+    let roster_key = format!("roster/{size}");
     if store.add("joined", 1)? == size as i64 {
+        // Every key is there unless ranks of another world size were
+        // counted: the wait (with its checks) says so, not a hang.
         let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        wait_for_ranks(&*store, &key_refs, rank, size, deadline)
+            .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
         let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
-        store.set(ROSTER_KEY, &pack(&values))?;
+        store.set(&roster_key, &pack(&values))?;
     }
-    wait_for_ranks(&*store, &[ROSTER_KEY], rank, size, deadline)
+    wait_for_ranks(&*store, &[&roster_key], rank, size, deadline)
         .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
-    let packed = store.get(ROSTER_KEY, left(deadline).max(Duration::from_millis(1)))?;
+    let packed = store.get(&roster_key, left(deadline).max(Duration::from_millis(1)))?;
     let values = unpack(&packed)
         .filter(|v| v.len() == size)
         .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
@@ -371,9 +378,6 @@ fn wait_for_ranks(
 
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";
-
-/// Every rank's key, gathered by the last rank to join.
-const ROSTER_KEY: &str = "roster";
 
 /// Values as one: each with its length (4 bytes, little endian) first.
 fn pack(values: &[Vec<u8>]) -> Vec<u8> {

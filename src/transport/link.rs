@@ -27,8 +27,8 @@ const AGREE_DEADLINE: Duration = Duration::from_secs(10);
 /// What both sides of every pair of one communicator share.
 pub struct Links {
     pub spec: MeshSpec,
-    /// Per rank: on this host, and shared memory is wanted (the pair
-    /// agrees on it when it connects).
+    /// Per rank: on this host (the pair agrees on shared memory, or on
+    /// TCP, when it connects).
     near: Vec<bool>,
     /// This rank's segment, when it has peers on this host and shared
     /// memory could be made.
@@ -47,11 +47,14 @@ impl Links {
     /// `want_shm`: shared memory with the ranks of this host (else TCP
     /// with every peer).
     pub fn new(spec: MeshSpec, want_shm: bool, tuning: ShmTuning) -> Result<Links> {
+        // Every pair of one host runs the agreement, whatever it wants: a
+        // rank that wants no shared memory offers none (no segment), so
+        // ranks that differ in RDIST_TRANSPORT still agree on TCP.
         let near: Vec<bool> = (0..spec.size)
-            .map(|p| want_shm && p != spec.rank && !spec.far[p])
+            .map(|p| p != spec.rank && !spec.far[p])
             .collect();
         let local_ranks = 1 + near.iter().filter(|n| **n).count();
-        let home = match local_ranks > 1 {
+        let home = match want_shm && local_ranks > 1 {
             true => Home::new(spec.rank, spec.size, local_ranks, tuning),
             false => None,
         };

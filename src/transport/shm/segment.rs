@@ -65,7 +65,12 @@ impl Segment {
     pub fn create_private(slots: usize, ring_bytes: usize) -> Result<(Segment, OwnedFd)> {
         let len = slots * (CTL_BYTES + ring_bytes);
         // SAFETY: memfd_create with a valid C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"rdist-rings".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"rdist-rings".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(Error::system(
                 "memfd_create for shared memory",
@@ -81,6 +86,16 @@ impl Segment {
                 &io::Error::last_os_error(),
             ));
         }
+        // Sealed at its size: the size peers check when they open it
+        // stays true, so no mapping can outlive the file's end (SIGBUS).
+        // SAFETY: fcntl on our own descriptor with integer arguments.
+        unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
         let seg = Segment::map_fd(fd.as_raw_fd(), len, ring_bytes)?;
         Ok((seg, fd))
     }

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 /// How often a rank waiting for a peer's connection checks that the peer
 /// still listens.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// How long one such check may take.
+const PROBE_LIMIT: Duration = Duration::from_millis(100);
 
 impl StreamTransport {
     /// Makes sure every peer of `xfers` has a channel, bounded by the
@@ -108,9 +110,12 @@ impl StreamTransport {
         awaited: &[usize],
         xfers: &[Xfer<'_>],
     ) -> Result<()> {
-        for &peer in awaited {
+        // One peer per round, in turn, briefly: a wide exchange waiting on
+        // many peers must not flood their listeners or overrun its timeout.
+        self.probed = self.probed.wrapping_add(1);
+        if let Some(&peer) = awaited.get(self.probed % awaited.len().max(1)) {
             let addr = links.spec.addrs[peer];
-            let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_EVERY);
+            let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_LIMIT);
             if let Err(e) = probe {
                 if e.kind() == std::io::ErrorKind::ConnectionRefused {
                     let during = xfers

@@ -63,6 +63,8 @@ pub struct StreamTransport {
     /// How channels to peers are made on first use (None: every channel
     /// was given at construction).
     links: Option<Arc<Links>>,
+    /// Which awaited peer the next liveness check looks at (connect.rs).
+    probed: usize,
     /// A failure another rank reported to this one, passed on as is: a
     /// peer that heard it may exit before the reporter's own notice
     /// reaches everyone, and its closed connection alone would say only
@@ -247,6 +249,7 @@ impl StreamTransport {
             notified: false,
             heard: None,
             links: None,
+            probed: 0,
         }
     }
 
