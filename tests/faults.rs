@@ -771,24 +771,38 @@ fn a_stopped_rank_is_named_by_the_others() {
     }
 }
 
+/// Three ranks on sockets only (with backend auto, init's agreement on
+/// NCCL, an allgather, connects some pairs already): rank 2 runs `rank_2`
+/// instead of the call, ranks 0 and 1 an allreduce, which must fail; their
+/// error kinds, how long the call took, and the messages.
+fn allreduce_without_rank_2(
+    timeout_ms: u64,
+    rank_2: impl Fn(Comm) + Send + Sync + 'static,
+) -> Vec<Option<(ErrorKind, Duration, String)>> {
+    let mut o = common::opts(timeout_ms);
+    o.set("backend", "socket").unwrap();
+    let limit = Duration::from_millis(timeout_ms) + Duration::from_secs(15);
+    common::world(3, o, limit, move |comm| {
+        if comm.rank() == 2 {
+            rank_2(comm);
+            return None;
+        }
+        // Rank 2 has left (or is busy) by the time the others call.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        let e = comm.allreduce(&mut [1u32; 8], ReduceOp::Sum).unwrap_err();
+        Some((e.kind(), t.elapsed(), e.to_string()))
+    })
+}
+
 /// Pairs connect on first use, so a rank that never makes a call is
 /// missed as a connection that never came: every rank that needs it times
 /// out within the timeout, naming it and the call, while it is alive and
 /// listening (its point-to-point thread admits connections for it).
 #[test]
 fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
-    // Sockets only: with backend auto, init's agreement on NCCL (an
-    // allgather) connects some pairs already.
-    let mut o = common::opts(1_500);
-    o.set("backend", "socket").unwrap();
-    let results = common::world(3, o, Duration::from_secs(20), |comm| {
-        if comm.rank() == 2 {
-            std::thread::sleep(Duration::from_millis(2_500));
-            return None;
-        }
-        let t = Instant::now();
-        let e = comm.allreduce(&mut [1u32; 8], ReduceOp::Sum).unwrap_err();
-        Some((e.kind(), t.elapsed(), e.to_string()))
+    let results = allreduce_without_rank_2(1_500, |_comm| {
+        std::thread::sleep(Duration::from_millis(2_500));
     });
     for (rank, r) in results.iter().take(2).enumerate() {
         let (kind, took, msg) = r.clone().unwrap();
@@ -811,18 +825,7 @@ fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
 /// about a second, not at the timeout: nobody listens at its address.
 #[test]
 fn a_rank_gone_before_connecting_is_noticed_within_seconds() {
-    let mut o = common::opts(30_000);
-    o.set("backend", "socket").unwrap();
-    let results = common::world(3, o, Duration::from_secs(40), |comm| {
-        if comm.rank() == 2 {
-            drop(comm);
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        let t = Instant::now();
-        let e = comm.allreduce(&mut [1u32; 8], ReduceOp::Sum).unwrap_err();
-        Some((e.kind(), t.elapsed(), e.to_string()))
-    });
+    let results = allreduce_without_rank_2(30_000, drop);
     // Every rank fails soon, and the one that waited for rank 2 says why
     // (the other may hear it from that rank).
     for (rank, r) in results.iter().take(2).enumerate() {

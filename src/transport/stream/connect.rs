@@ -65,10 +65,7 @@ impl StreamTransport {
             }
             let now = Instant::now();
             if now >= deadline {
-                let during = xfers
-                    .first()
-                    .map(|x| format!(" in {}", x.desc))
-                    .unwrap_or_default();
+                let during = during(xfers);
                 let ranks: Vec<String> = awaited.iter().map(|p| format!("rank {p}")).collect();
                 return Err(Error::new(
                     ErrorKind::Timeout,
@@ -118,10 +115,7 @@ impl StreamTransport {
             let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_LIMIT);
             if let Err(e) = probe {
                 if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                    let during = xfers
-                        .first()
-                        .map(|x| format!(" in {}", x.desc))
-                        .unwrap_or_default();
+                    let during = during(xfers);
                     return Err(Error::new(
                         ErrorKind::PeerLost,
                         format!(
@@ -153,4 +147,12 @@ impl StreamTransport {
         }
         self.conns[peer] = Some(Conn::new(chan));
     }
+}
+
+/// " in <the call>", for messages.
+fn during(xfers: &[Xfer<'_>]) -> String {
+    xfers
+        .first()
+        .map(|x| format!(" in {}", x.desc))
+        .unwrap_or_default()
 }
