@@ -7,8 +7,9 @@
 #   scripts/cluster.sh up N [--rate R] [--burst B] [--delay D] [--loss L] [--name NAME]
 #       makes hosts NAME-h0 .. NAME-h<N-1>; --rate shapes each host's
 #       link both ways (tc tbf, e.g. 1gbit; --burst, default 256kb);
-#       --delay/--loss add netem delay and loss where the kernel has netem
-#       (this says so and fails where it has not)
+#       --delay D (e.g. 20ms, one way) and --loss L (e.g. 1%) impair every
+#       packet between hosts: netem where the kernel has it, otherwise
+#       iptables and scripts/link_delay.py (this says which)
 #   scripts/cluster.sh run [--name NAME] -- COMMAND [ARGS...]
 #       runs COMMAND in every host at once, with CLUSTER_HOSTS (N),
 #       CLUSTER_HOST (k), CLUSTER_ADDR (its address) and CLUSTER_MASTER
@@ -31,7 +32,7 @@
 #
 # NAME defaults to "rdc"; the subnet is derived from it, so clusters with
 # different names can exist side by side (parallel tests).
-set -euo pipefail
+set -eEuo pipefail
 
 die() { echo "cluster.sh: $*" >&2; exit 2; }
 
@@ -46,6 +47,70 @@ subnet() {  # a /24 per name: 10.77.<1..250>.0
 hosts() { ip netns list | awk '{print $1}' | grep -E "^${name}-h[0-9]+$" | sort -t h -k2 -n || true; }
 count() { hosts | wc -l; }
 addr() { echo "$(subnet).$(( 10 + $1 ))"; }
+
+# Delay and loss on host $1's link. netem where the kernel has it (on the
+# host's egress); otherwise iptables in the host's INPUT chain: loss with a
+# random draw per packet, delay by queueing every packet (NFQUEUE) to
+# scripts/link_delay.py, a small netlink program in the host's namespace
+# that releases each packet after the delay. Either way each packet
+# between hosts meets the loss once and the delay once.
+netem_args=()
+undo_and_die() { bash "$0" down --name "$name"; die "$@"; }
+impair() {
+  local h=$1
+  if [ -z "${impairment:-}" ]; then
+    netem_args=()
+    [ -z "$delay" ] || netem_args+=(delay "$delay")
+    [ -z "$loss" ] || netem_args+=(loss "$loss")
+    local parent=(root)
+    if [ -n "$rate" ]; then
+      ip netns exec "$h" tc qdisc replace dev eth0 root handle 1: tbf rate "$rate" burst "$burst" latency 50ms
+      parent=(parent 1:1)
+    fi
+    if ip netns exec "$h" tc qdisc add dev eth0 "${parent[@]}" handle 10: netem "${netem_args[@]}" 2>/dev/null; then
+      impairment=netem
+      return
+    fi
+    command -v iptables >/dev/null || undo_and_die "this kernel has no netem qdisc and iptables is not installed: --delay and --loss need one of them"
+    command -v python3 >/dev/null || undo_and_die "--delay without netem needs python3 (scripts/link_delay.py)"
+    impairment=nftables
+    echo "cluster.sh: this kernel has no netem; delay and loss by iptables (statistic match; NFQUEUE to scripts/link_delay.py for delay)" >&2
+  elif [ "$impairment" = netem ]; then
+    local parent=(root)
+    if [ -n "$rate" ]; then
+      ip netns exec "$h" tc qdisc replace dev eth0 root handle 1: tbf rate "$rate" burst "$burst" latency 50ms
+      parent=(parent 1:1)
+    fi
+    ip netns exec "$h" tc qdisc add dev eth0 "${parent[@]}" handle 10: netem "${netem_args[@]}"
+    return
+  fi
+  if [ -n "$loss" ]; then
+    local p
+    p=$(awk -v l="${loss%\%}" 'BEGIN { if (l !~ /^[0-9.]+$/ || l > 100) exit 1; printf "%.4f", l / 100 }') \
+      || undo_and_die "--loss wants a percentage such as 1% (got $loss)"
+    ip netns exec "$h" iptables -A INPUT -i eth0 -m statistic --mode random --probability "$p" -j DROP
+  fi
+  if [ -n "$delay" ]; then
+    local ms
+    ms=$(awk -v d="$delay" 'BEGIN {
+        if (d ~ /^[0-9.]+ms$/) { sub(/ms$/, "", d); print d }
+        else if (d ~ /^[0-9.]+us$/) { sub(/us$/, "", d); print d / 1000 }
+        else if (d ~ /^[0-9.]+s$/) { sub(/s$/, "", d); print d * 1000 }
+        else if (d ~ /^[0-9.]+$/) print d
+        else exit 1 }') || undo_and_die "--delay wants a time such as 20ms (got $delay)"
+    local ready="/tmp/rdist-cluster-$h.delay"
+    rm -f "$ready"
+    # Its own session, so it outlives this script; `down` ends it with
+    # every other process of the namespace.
+    ip netns exec "$h" setsid python3 "$(dirname "$0")/link_delay.py" --queue 0 \
+      --delay-ms "$ms" --ready "$ready" </dev/null >/dev/null 2>&1 &
+    local i
+    for i in $(seq 100); do [ -s "$ready" ] && break; sleep 0.05; done
+    [ -s "$ready" ] || undo_and_die "the delay program did not start in host $h"
+    rm -f "$ready"
+    ip netns exec "$h" iptables -A INPUT -i eth0 -j NFQUEUE --queue-num 0
+  fi
+}
 
 case "$cmd" in
   up)
@@ -92,18 +157,7 @@ case "$cmd" in
         ip netns exec "$sw" tc qdisc add dev "p$k" root tbf rate "$rate" burst "$burst" latency 50ms
       fi
       if [ -n "$delay$loss" ]; then
-        args=()
-        [ -z "$delay" ] || args+=(delay "$delay")
-        [ -z "$loss" ] || args+=(loss "$loss")
-        parent=(root)
-        [ -z "$rate" ] || parent=(parent 1:1)
-        if [ -n "$rate" ]; then
-          ip netns exec "$h" tc qdisc replace dev eth0 root handle 1: tbf rate "$rate" burst "$burst" latency 50ms
-        fi
-        if ! ip netns exec "$h" tc qdisc add dev eth0 "${parent[@]}" handle 10: netem "${args[@]}" 2>/dev/null; then
-          bash "$0" down --name "$name"
-          die "this kernel has no netem qdisc (sch_netem): --delay and --loss are not available here"
-        fi
+        impair "$h"
       fi
     done
     echo "cluster $name: $n hosts, $(subnet).10-$(( 9 + n ))${rate:+, links $rate}"
@@ -173,6 +227,10 @@ case "$cmd" in
       case "$1" in --name) name=$2; shift 2 ;; *) die "unknown option $1" ;; esac
     done
     for h in $(hosts) "${name}-sw"; do
+      # Processes left in a namespace (the delay programs, a stray rank)
+      # would keep its network alive after `ip netns del`.
+      pids=$(ip netns pids "$h" 2>/dev/null || true)
+      [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
       ip netns del "$h" 2>/dev/null || true
     done
     ;;

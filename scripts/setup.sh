@@ -9,6 +9,9 @@ command -v c++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v make >/dev/null || need+=(make)
+# The namespace cluster's loss and delay on kernels without netem
+# (scripts/cluster.sh: the statistic match and NFQUEUE).
+command -v iptables >/dev/null || need+=(iptables)
 # Debian's python3-* packages serve /usr/bin/python3, which need not be the
 # `python3` on PATH (e.g. a pyenv one): check the interpreter they serve.
 debian_python=/usr/bin/python3

@@ -211,3 +211,70 @@ fn a_pulled_link_fails_every_rank_on_every_host() {
         assert!(says, "{line}");
     }
 }
+
+/// Loss and delay between hosts (1 % of packets dropped and 5 ms added,
+/// each way, on every host's link): TCP retransmits under every
+/// collective, and every one of them, at every size the bench runs,
+/// still completes with results equal to the reference (rdist-bench
+/// checks each and exits 3 on a wrong element).
+#[test]
+fn every_collective_is_exact_over_lossy_slow_links() {
+    need_namespaces!();
+    let cluster = Cluster::up("l", 3, &["--delay", "5ms", "--loss", "1%"]);
+    let command = format!(
+        "RDIST_TIMEOUT_MS=30000 exec {bin}/rdistrun --nnodes 3 --node-rank $CLUSTER_HOST \
+         --nproc-per-node 2 --master-addr $CLUSTER_MASTER --master-port {port} \
+         --auth-token t {bin}/rdist-bench --op all --min-bytes 8 --max-bytes 1M \
+         --factor 32 --seconds 0.02 --reps 1",
+        bin = bin_dir().display(),
+        port = common::free_port()
+    );
+    let (ok, text) = cluster.run(&command, Duration::from_secs(150));
+    assert!(ok, "the job failed:\n{text}");
+    for op in [
+        "allreduce",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "reduce_scatter",
+        "alltoall",
+        "barrier",
+        "sendrecv",
+    ] {
+        assert!(
+            text.contains(&format!("[rank 0] # {op}\n")),
+            "no {op}:\n{text}"
+        );
+    }
+    assert!(
+        text.contains("[rank 0] # out of bounds values : 0 OK"),
+        "{text}"
+    );
+    // The impairment was real: TCP had to retransmit.
+    let retrans = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &format!("{}-h1", cluster.name),
+            "cat",
+            "/proc/net/snmp",
+        ])
+        .output()
+        .unwrap();
+    let snmp = String::from_utf8_lossy(&retrans.stdout);
+    let tcp: Vec<&str> = snmp.lines().filter(|l| l.starts_with("Tcp:")).collect();
+    let column = tcp[0]
+        .split_whitespace()
+        .position(|c| c == "RetransSegs")
+        .unwrap();
+    let segs: u64 = tcp[1]
+        .split_whitespace()
+        .nth(column)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        segs > 0,
+        "no segment was retransmitted: the loss did not happen"
+    );
+}
