@@ -21,6 +21,12 @@ fn run(size: usize, hosts: usize, forced: bool) {
         o
     };
     let value = |r: usize, i: usize| ((r * 7 + i * 13) % 11) as i64 + 1;
+    // When the ranks entered each round's barrier (µs since `start`; the
+    // latest wins), shared by this world's threads alone.
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let entered: std::sync::Arc<[AtomicU64; 3]> = std::sync::Arc::new(Default::default());
+    let start = std::time::Instant::now();
+    let micros = move || start.elapsed().as_micros() as u64;
     let results = common::world_with(
         size,
         opts(0),
@@ -29,6 +35,74 @@ fn run(size: usize, hosts: usize, forced: bool) {
         move |comm| {
             let r = comm.rank();
             let mut bad = Vec::new();
+            // Broadcast and reduce from every root, by two trees (small,
+            // forced) and by the chain that visits the hosts in turn
+            // (>= 64 KiB, chosen; 300,000 elements are three chunks).
+            for count in [1usize, 1000, 8_193, 300_000] {
+                if !forced && count < 8_193 {
+                    continue;
+                }
+                for root in 0..comm.size() {
+                    let mut v: Vec<i64> = (0..count)
+                        .map(|i| if r == root { value(root, i) } else { -1 })
+                        .collect();
+                    comm.broadcast(&mut v, root).unwrap();
+                    if let Some(i) = (0..count).find(|&i| v[i] != value(root, i)) {
+                        bad.push(format!(
+                            "broadcast root {root} count {count} [{i}]: {}",
+                            v[i]
+                        ));
+                    }
+                    let mine: Vec<i64> = (0..count)
+                        .map(|i| value(r, i) * (root as i64 + 1))
+                        .collect();
+                    for op in [ReduceOp::Sum, ReduceOp::Max] {
+                        let mut out = vec![0i64; if r == root { count } else { 0 }];
+                        comm.reduce(&mine, &mut out, op, root).unwrap();
+                        for (i, got) in out.iter().enumerate() {
+                            let all = (0..comm.size()).map(|q| value(q, i) * (root as i64 + 1));
+                            let want = match op {
+                                ReduceOp::Sum => all.sum::<i64>(),
+                                _ => all.max().unwrap(),
+                            };
+                            if *got != want {
+                                bad.push(format!("reduce {op:?} root {root} count {count} [{i}]: {got} != {want}"));
+                                break;
+                            }
+                        }
+                    }
+                    let fmine: Vec<f64> = mine.iter().map(|v| *v as f64).collect();
+                    let mut fout = vec![0f64; if r == root { count } else { 0 }];
+                    comm.reduce(&fmine, &mut fout, ReduceOp::Avg, root).unwrap();
+                    for (i, got) in fout.iter().enumerate() {
+                        let want = (0..comm.size())
+                            .map(|q| (value(q, i) * (root as i64 + 1)) as f64)
+                            .sum::<f64>()
+                            / comm.size() as f64;
+                        if (got - want).abs() > 1e-9 {
+                            bad.push(format!(
+                                "reduce Avg root {root} count {count} [{i}]: {got} != {want}"
+                            ));
+                            break;
+                        }
+                    }
+                }
+            }
+            // Barrier: no rank leaves before the last has entered (rank
+            // `size - 1 - round % size` enters 30 ms late each round).
+            for round in 0..3 {
+                let late = comm.size() - 1 - round % comm.size();
+                if r == late {
+                    std::thread::sleep(Duration::from_millis(30));
+                }
+                entered[round].fetch_max(micros(), Ordering::SeqCst);
+                comm.barrier().unwrap();
+                let left = micros();
+                let last = entered[round].load(Ordering::SeqCst);
+                if left < last {
+                    bad.push(format!("barrier round {round}: left at {left} before rank {late} entered at {last}"));
+                }
+            }
             for count in [1usize, 3, 1000, 70_001, 300_000] {
                 if !forced && count < 70_000 {
                     continue;

@@ -7,10 +7,17 @@
 //! each host gathers inside; reduce-scatter is its mirror. Either way a
 //! host link carries each block once, where a flat ring over hosts
 //! carries (n-1)/n of everything (with 2 hosts of 2: 3/4 of the data
-//! against 1/2). The phases run on sub-groups of the communicator's
+//! against 1/2). Broadcast and reduce: small messages go through two
+//! trees (across the hosts among the ranks of the root's local index,
+//! then inside each host), so no path crosses the network more than
+//! ceil(log2 hosts) times; large ones go along one pipelined chain that
+//! visits the ranks host by host, so each host link carries the message
+//! once whatever the rank layout. Barrier: each host's first rank hears
+//! from its host-mates, the first ranks meet across the hosts, and each
+//! releases its host. The phases run on sub-groups of the communicator's
 //! transport.
 
-use super::{block, recursive_doubling, ring, Link};
+use super::{binomial, block, chain, dissemination, recursive_doubling, ring, Link};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -141,6 +148,116 @@ pub fn allreduce(
     })
 }
 
+/// Broadcasts and reduces from this size take the chain (see the module
+/// comment); below, the two trees, which need fewer steps.
+pub const CHAIN_BYTES: usize = 64 << 10;
+
+/// Where `rank` sits: its host's index in `grid`, and its local index.
+fn place(layers: &Layers, rank: usize) -> (usize, usize) {
+    layers
+        .grid
+        .iter()
+        .enumerate()
+        .find_map(|(h, g)| g.iter().position(|r| *r == rank).map(|j| (h, j)))
+        .expect("every rank is in the grid")
+}
+
+/// Every rank once, host by host, starting with `root` and its host-mates
+/// (each host's ranks in order from the same local index as the root's).
+fn chain_order(layers: &Layers, root: usize) -> Vec<usize> {
+    let (rh, rj) = place(layers, root);
+    let hosts = layers.grid.len();
+    (0..hosts)
+        .flat_map(|k| {
+            let g = &layers.grid[(rh + k) % hosts];
+            (0..g.len()).map(move |i| g[(rj + i) % g.len()])
+        })
+        .collect()
+}
+
+/// The ranks of `root`'s local index on every host (the root among them).
+fn root_column(layers: &Layers, root: usize) -> Vec<usize> {
+    let (_, rj) = place(layers, root);
+    layers.grid.iter().map(|g| g[rj]).collect()
+}
+
+/// Root's `buf` ends up in every rank's `buf`.
+pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize, layers: &Layers) -> Result<()> {
+    let me = link.rank();
+    if buf.len() >= CHAIN_BYTES {
+        let order = chain_order(layers, root);
+        return within(link, &order, me, |l| chain::broadcast(l, buf, 0));
+    }
+    let (rh, rj) = place(layers, root);
+    let column = root_column(layers, root);
+    if column.contains(&me) {
+        within(link, &column, me, |l| binomial::broadcast(l, buf, rh))?;
+    }
+    within(link, &layers.host, me, |l| binomial::broadcast(l, buf, rj))
+}
+
+/// `acc` holds this rank's contribution; at the root it ends up holding
+/// the reduction over all ranks (elsewhere it is scratch). The mirror of
+/// `broadcast`: inside each host to the rank of the root's local index,
+/// then across the hosts to the root (small); or along the chain that
+/// ends at the root (large).
+pub fn reduce(
+    link: &mut Link<'_>,
+    acc: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+    layers: &Layers,
+) -> Result<()> {
+    let me = link.rank();
+    if acc.len() >= CHAIN_BYTES {
+        let order = chain_order(layers, root);
+        return within(link, &order, me, |l| chain::reduce(l, acc, dtype, op, 0));
+    }
+    let (rh, rj) = place(layers, root);
+    let phase_op = summed(op);
+    within(link, &layers.host, me, |l| {
+        binomial::reduce(l, acc, dtype, phase_op, rj)
+    })?;
+    let column = root_column(layers, root);
+    if column.contains(&me) {
+        within(link, &column, me, |l| {
+            binomial::reduce(l, acc, dtype, phase_op, rh)
+        })?;
+    }
+    if me == root && op == ReduceOp::Avg {
+        reduce::divide(acc, dtype, link.size());
+    }
+    Ok(())
+}
+
+/// No rank leaves before every rank has entered: each host's first rank
+/// hears from the others of its host, the first ranks of all hosts meet
+/// (dissemination, ceil(log2 hosts) rounds over the network), and each
+/// releases its host. Inside a host the messages are empty frames over
+/// shared memory.
+pub fn barrier(link: &mut Link<'_>, layers: &Layers) -> Result<()> {
+    let me = link.rank();
+    let leader = layers.host[0];
+    let leaders: Vec<usize> = layers.grid.iter().map(|g| g[0]).collect();
+    if me == leader {
+        let mut xfers: Vec<_> = layers.host[1..]
+            .iter()
+            .map(|&r| link.recv_xfer(r, &mut []))
+            .collect();
+        link.exchange(&mut xfers)?;
+        within(link, &leaders, me, dissemination::barrier)?;
+        let mut xfers: Vec<_> = layers.host[1..]
+            .iter()
+            .map(|&r| link.send_xfer(r, &[]))
+            .collect();
+        link.exchange(&mut xfers)
+    } else {
+        link.send(leader, &[])?;
+        link.recv(leader, &mut [])
+    }
+}
+
 /// Where this rank's own block sits in the host-major staging layout the
 /// allgather and reduce-scatter use: local index `j` (its segment among
 /// the host's ranks), host index `h` (its block within the segment).
@@ -250,5 +367,24 @@ mod tests {
         assert_eq!(Layers::of(&hosts(&["a", "a", "a"]), 0), None);
         assert_eq!(Layers::of(&hosts(&["a", "b", "c"]), 0), None);
         assert_eq!(Layers::of(&hosts(&["a", "a", "b"]), 0), None);
+    }
+
+    #[test]
+    fn the_chain_visits_each_host_once_starting_at_the_root() {
+        // Ranks dealt round-robin over 3 hosts (a flat chain in rank order
+        // would cross the network at every step).
+        let hosts: Vec<String> = (0..9).map(|r| format!("h{}", r % 3)).collect();
+        let layers = Layers::of(&hosts, 0).unwrap();
+        assert_eq!(chain_order(&layers, 4), vec![4, 7, 1, 5, 8, 2, 3, 6, 0]);
+        for root in 0..9 {
+            let order = chain_order(&layers, root);
+            assert_eq!(order[0], root);
+            let mut sorted = order.clone();
+            sorted.sort();
+            assert_eq!(sorted, (0..9).collect::<Vec<_>>());
+            let crossings = order.windows(2).filter(|w| w[0] % 3 != w[1] % 3).count();
+            assert_eq!(crossings, 2, "root {root}: {order:?}");
+        }
+        assert_eq!(root_column(&layers, 4), vec![3, 4, 5]);
     }
 }

@@ -351,15 +351,14 @@ impl SocketBackend {
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
                 }
-                if algo == Algo::Chain {
-                    let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
-                    return chain::broadcast(&mut link, recv.bytes_mut(), root);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                match (algo, &self.layers) {
+                    (Algo::Hierarchical, Some(layers)) => {
+                        hierarchical::broadcast(&mut link, recv.bytes_mut(), root, layers)
+                    }
+                    (Algo::Chain, _) => chain::broadcast(&mut link, recv.bytes_mut(), root),
+                    _ => binomial::broadcast(&mut link, recv.bytes_mut(), root),
                 }
-                binomial::broadcast(
-                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
-                    recv.bytes_mut(),
-                    root,
-                )
             }
             Call::Reduce {
                 send,
@@ -371,16 +370,20 @@ impl SocketBackend {
                 let d = desc(OpKind::Reduce, data).reduction(op).root(root);
                 let (desc, algo) = self.label(d, send.len());
                 let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
-                let run = match algo {
-                    Algo::Chain => chain::reduce,
-                    _ => binomial::reduce,
+                let layers = self.layers.as_ref();
+                let run = |link: &mut Link<'_>, acc: &mut [u8]| match (algo, layers) {
+                    (Algo::Hierarchical, Some(layers)) => {
+                        hierarchical::reduce(link, acc, data.dtype, op, root, layers)
+                    }
+                    (Algo::Chain, _) => chain::reduce(link, acc, data.dtype, op, root),
+                    _ => binomial::reduce(link, acc, data.dtype, op, root),
                 };
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
-                    run(&mut link, recv.bytes_mut(), data.dtype, op, root)
+                    run(&mut link, recv.bytes_mut())
                 } else {
                     let mut acc = send.bytes().to_vec();
-                    run(&mut link, &mut acc, data.dtype, op, root)
+                    run(&mut link, &mut acc)
                 }
             }
             Call::AllGather { send, recv, data } => {
@@ -556,8 +559,12 @@ impl SocketBackend {
             }
             Call::Barrier => {
                 let d = Desc::new(OpKind::Barrier, seq);
-                let (desc, _) = self.label(d, 0);
-                dissemination::barrier(&mut Link::new(&mut self.transport, desc, &mut self.scratch))
+                let (desc, algo) = self.label(d, 0);
+                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                match (algo, &self.layers) {
+                    (Algo::Hierarchical, Some(layers)) => hierarchical::barrier(&mut link, layers),
+                    _ => dissemination::barrier(&mut link),
+                }
             }
             Call::Send { .. } | Call::Recv { .. } => unreachable!("handled above"),
         }
