@@ -69,6 +69,9 @@ pub(crate) struct EngineSpec<'a> {
     pub listener: &'a TcpListener,
     pub local_rank: usize,
     pub options: &'a Options,
+    /// Every rank said at the rendezvous that NCCL cannot run in its
+    /// process (see `nccl::may_run`).
+    pub nobody_has_nccl: bool,
 }
 
 pub(crate) struct Engine {
@@ -123,6 +126,7 @@ impl Engine {
             listener,
             local_rank,
             options,
+            nobody_has_nccl,
         } = spec;
         let started = Instant::now();
         let forced = options.algo.as_deref().map(Algo::parse).transpose()?;
@@ -156,6 +160,7 @@ impl Engine {
             rank,
             size,
             local_rank,
+            nobody_has_nccl,
         )?;
         Ok(Engine {
             rank,

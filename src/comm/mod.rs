@@ -76,13 +76,15 @@ impl Comm {
 
     fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
         log::raise_level(opts.debug);
-        let joined = rendezvous::join(meeting, rank, size, opts)?;
+        let offers_nccl = crate::backend::nccl::may_run(opts);
+        let joined = rendezvous::join(meeting, rank, size, opts, offers_nccl)?;
         let engine = Engine::connect(EngineSpec {
             rank,
             roster: joined.roster.clone(),
             listener: &joined.listener,
             local_rank: joined.local_rank,
             options: opts,
+            nobody_has_nccl: !joined.some_rank_offers_nccl,
         })?;
         joined.finish();
         let local_rank = joined.local_rank;

@@ -38,6 +38,9 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
             addrs: vec![addr],
             hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id)],
         },
+        // A world of one asks nobody else: establishing NCCL just looks
+        // at this process.
+        some_rank_offers_nccl: true,
         listener,
         store: Arc::new(OwnStore::default()),
         server: None,

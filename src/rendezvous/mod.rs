@@ -31,6 +31,9 @@ pub struct Joined {
     pub size: usize,
     pub local_rank: usize,
     pub roster: Roster,
+    /// Some rank published that NCCL may run in its process (the
+    /// `offers_nccl` of `join`); when none did, init skips asking.
+    pub some_rank_offers_nccl: bool,
     pub listener: TcpListener,
     pub store: Arc<dyn Store>,
     /// The store server, when this rank hosts it (leased by the comm).
@@ -115,21 +118,28 @@ fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
 }
 
 /// Meets the other ranks; blocks until all `size` have joined or the
-/// timeout passes.
-pub fn join(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Joined> {
+/// timeout passes. `offers_nccl`: NCCL may run in this process (published
+/// with the rank's address; see `Joined::some_rank_offers_nccl`).
+pub fn join(
+    meeting: &Meeting,
+    rank: usize,
+    size: usize,
+    opts: &Options,
+    offers_nccl: bool,
+) -> Result<Joined> {
     if let Meeting::Method(Method::Alone) = meeting {
         if size == 1 {
             return alone::join(opts);
         }
         // More ranks, given as arguments: they meet as env:// always does.
         let master = method::env_master(&crate::options::process_env)?;
-        return join(&Meeting::Method(master), rank, size, opts);
+        return join(&Meeting::Method(master), rank, size, opts, offers_nccl);
     }
     crate::transport::mesh::reserve_descriptors(rank, size)?;
     // On failure the lease goes, but the store lingers (see
     // store::hosted), so the other ranks can still ask it who is missing.
     let mut server = None;
-    join_hosting(meeting, rank, size, opts, &mut server)
+    join_hosting(meeting, rank, size, opts, offers_nccl, &mut server)
 }
 
 fn join_hosting(
@@ -137,6 +147,7 @@ fn join_hosting(
     rank: usize,
     size: usize,
     opts: &Options,
+    offers_nccl: bool,
     server: &mut Option<StoreLease>,
 ) -> Result<Joined> {
     let deadline = Instant::now() + opts.timeout;
@@ -257,7 +268,12 @@ fn join_hosting(
         .local_addr()
         .map_err(|e| Error::system("local_addr", &e))?;
     let host = opts.host_id.clone().unwrap_or_else(host_id);
-    let me = format!("{size} {addr} {host} {}", std::process::id());
+    // The host id has no spaces (see `host_id`; an option's is checked).
+    let me = format!(
+        "{size} {addr} {host} {} {}",
+        std::process::id(),
+        u8::from(offers_nccl)
+    );
     store.set(&format!("rank/{rank}"), me.as_bytes())?;
 
     // The rank that completes the count gathers every rank's key into one
@@ -286,10 +302,14 @@ fn join_hosting(
         .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
+    let mut some_rank_offers_nccl = false;
     for (r, v) in values.iter().enumerate() {
         let v = String::from_utf8_lossy(v);
         let mut parts = v.split(' ');
         let (their_size, their_addr, their_host) = (parts.next(), parts.next(), parts.next());
+        // Anything but a plain "0" (a key without the field too) counts as
+        // an offer: at worst the ranks ask each other, as they always did.
+        some_rank_offers_nccl |= parts.nth(1) != Some("0");
         if their_size != Some(&size.to_string()) {
             let e = Error::new(
                 ErrorKind::Mismatch,
@@ -328,6 +348,7 @@ fn join_hosting(
         size,
         local_rank,
         roster,
+        some_rank_offers_nccl,
         listener,
         store,
         server: server.take(),

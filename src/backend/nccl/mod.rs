@@ -18,6 +18,22 @@ use crate::log;
 use crate::options::{Backend, LogLevel, Options};
 use communicator::NcclComm;
 
+/// Whether NCCL could run in this process at all: the options allow it,
+/// the library loads with what rdist needs, and a CUDA device is visible
+/// (which device is this rank's is decided after the rendezvous). Each
+/// rank publishes it when it joins, so that a job where no rank can
+/// (every CPU job) skips the agreement at init, a collective over every
+/// rank that cost 1024 ranks on one host as much as the rendezvous.
+pub(crate) fn may_run(options: &Options) -> bool {
+    options.backend != Backend::Socket
+        && availability().is_ok_and(|i| i.devices > 0)
+        && loader::load().is_ok_and(|lib| {
+            !lib.missing()
+                .iter()
+                .any(|m| communicator::REQUIRED.contains(m))
+        })
+}
+
 /// What this rank can offer for an NCCL communicator: NCCL's library and
 /// the device to drive, or why not (for people).
 pub(crate) fn readiness(
@@ -84,13 +100,16 @@ fn blocking_override(set: Option<&str>) -> std::result::Result<(), String> {
 /// rank initialises NCCL on its device. `auto` falls back to sockets (one
 /// INFO line saying why) unless every rank can; `nccl` fails on every
 /// rank with Unavailable and the reason. `exchange` runs a host call on
-/// the sockets.
+/// the sockets. `nobody_can`: every rank published at the rendezvous that
+/// NCCL cannot run in its process (`may_run`), so every rank knows the
+/// answer without asking.
 pub(crate) fn establish(
     exchange: &mut dyn FnMut(&Call) -> Result<()>,
     options: &Options,
     rank: usize,
     size: usize,
     local_rank: usize,
+    nobody_can: bool,
 ) -> Result<Option<NcclComm>> {
     let requested = options.backend;
     if requested == Backend::Socket {
@@ -99,15 +118,17 @@ pub(crate) fn establish(
     let ready = readiness(options, local_rank);
     let mine = [ready.is_ok() as u8];
     let mut all = vec![0u8; size];
-    let byte = Data {
-        count: 1,
-        dtype: DType::Uint8,
-    };
-    exchange(&Call::AllGather {
-        send: RawBuf::of(&mine),
-        recv: RawBuf::new(all.as_mut_ptr(), size),
-        data: byte,
-    })?;
+    if !nobody_can {
+        let byte = Data {
+            count: 1,
+            dtype: DType::Uint8,
+        };
+        exchange(&Call::AllGather {
+            send: RawBuf::of(&mine),
+            recv: RawBuf::new(all.as_mut_ptr(), size),
+            data: byte,
+        })?;
+    }
     let lacking: Vec<String> = (0..size)
         .filter(|&r| all[r] == 0)
         .map(|r| r.to_string())
