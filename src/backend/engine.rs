@@ -255,6 +255,12 @@ impl Engine {
             self.socket.fail(e.clone());
             return Some(Err(e));
         }
+        // A peer's failure heard only by the point-to-point context (the
+        // collectives may never have connected to anyone).
+        if let Some(e) = self.mailbox.reported_failure() {
+            self.socket.fail(e.clone());
+            return Some(Err(e));
+        }
         if self.signal.is_aborted() {
             return Some(Err(Error::new(
                 ErrorKind::Aborted,

@@ -169,6 +169,10 @@ struct Shared {
     /// Run on every pass of the progress thread (the flight recorder's
     /// publisher); it limits itself.
     hook: Mutex<Option<Box<dyn FnMut() + Send>>>,
+    /// The first failure a peer reported here (its communicator failed or
+    /// was aborted): the collectives fail with it too (see
+    /// `Mailbox::reported_failure`).
+    reported: std::sync::OnceLock<Error>,
     state: Mutex<State>,
 }
 
@@ -341,6 +345,7 @@ impl Mailbox {
                 drivers: Default::default(),
                 moved: Default::default(),
                 hook: Mutex::new(None),
+                reported: std::sync::OnceLock::new(),
                 state: Mutex::new(State {
                     listener: Some(spec.listener),
                     greeting: Vec::new(),
@@ -677,6 +682,14 @@ impl Mailbox {
     /// The point-to-point calls pending on this rank, described.
     pub(crate) fn pending(&self) -> Vec<String> {
         lock(&self.shared.state).pending()
+    }
+
+    /// The failure a peer reported over point-to-point, if any. Since
+    /// pairs connect on first use, that report may be the only one this
+    /// rank gets: the collectives must fail with it rather than dial a
+    /// peer that has gone.
+    pub(crate) fn reported_failure(&self) -> Option<Error> {
+        self.shared.reported.get().cloned()
     }
 
     /// Fails every pending and future call with `err`.
@@ -1372,7 +1385,9 @@ fn read_some(sh: &Shared, st: &mut State, peer: usize, out: bool) -> Result<()> 
                     Err(e) => return Err(lost(sh, peer, &describe_io(&e))),
                 }
                 if *got == buf.len() {
-                    return Err(reported(buf));
+                    let e = reported(buf);
+                    let _ = sh.reported.set(e.clone());
+                    return Err(e);
                 }
             }
             Reading::Data {
@@ -1496,7 +1511,9 @@ fn on_header(sh: &Shared, st: &mut State, peer: usize, out: bool, h: Header) -> 
     if h.kind == Kind::Failure {
         let c = conn(st, peer, out).expect("reading it");
         if h.payload == 0 {
-            return Err(reported(&[]));
+            let e = reported(&[]);
+            let _ = sh.reported.set(e.clone());
+            return Err(e);
         }
         c.reading = Reading::Failure {
             buf: vec![0; h.payload as usize],
