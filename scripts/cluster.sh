@@ -86,8 +86,8 @@ impair() {
   fi
   if [ -n "$loss" ]; then
     local p
-    p=$(awk -v l="${loss%\%}" 'BEGIN { if (l !~ /^[0-9.]+$/ || l > 100) exit 1; printf "%.4f", l / 100 }') \
-      || undo_and_die "--loss wants a percentage such as 1% (got $loss)"
+    p=$(awk -v l="${loss%\%}" 'BEGIN { if (l !~ /^[0-9.]+$/ || l > 100 || l < 0.0001) exit 1; printf "%.8f", l / 100 }') \
+      || undo_and_die "--loss wants a percentage from 0.0001% to 100% such as 1% (got $loss)"
     ip netns exec "$h" iptables -A INPUT -i eth0 -m statistic --mode random --probability "$p" -j DROP
   fi
   if [ -n "$delay" ]; then
@@ -101,9 +101,11 @@ impair() {
     local ready="/tmp/rdist-cluster-$h.delay"
     rm -f "$ready"
     # Its own session, so it outlives this script; `down` ends it with
-    # every other process of the namespace.
+    # every other process of the namespace. Should it die, the host's
+    # packets are dropped (no bypass: a link without its delay would pass
+    # for one with it); its log says why.
     ip netns exec "$h" setsid python3 "$(dirname "$0")/link_delay.py" --queue 0 \
-      --delay-ms "$ms" --ready "$ready" </dev/null >/dev/null 2>&1 &
+      --delay-ms "$ms" --ready "$ready" </dev/null >"/tmp/rdist-cluster-$h.delay.log" 2>&1 &
     local i
     for i in $(seq 100); do [ -s "$ready" ] && break; sleep 0.05; done
     [ -s "$ready" ] || undo_and_die "the delay program did not start in host $h"
@@ -232,6 +234,7 @@ case "$cmd" in
       pids=$(ip netns pids "$h" 2>/dev/null || true)
       [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
       ip netns del "$h" 2>/dev/null || true
+      rm -f "/tmp/rdist-cluster-$h.delay.log"
     done
     ;;
   *) die "unknown command $cmd (up, run, exec, link, addr, rsh, down)" ;;

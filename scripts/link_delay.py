@@ -6,8 +6,9 @@ network namespace, behind `queue num Q` in that host's input chain).
 The kernel's nfnetlink_queue speaks netlink; this talks it with the
 standard library alone. Packets are held by the kernel: only their ids
 come here (copy mode META), and they are released in arrival order with
-one batch verdict ("accept every id up to N"), so a verdict lost to a full
-socket buffer is covered by the next one.
+one batch verdict ("accept every id up to N"). Should this fall behind
+(the queue holds 65536 packets), the kernel lets packets through
+undelayed (fail-open) rather than dropping them.
 
     link_delay.py --queue Q --delay-ms D [--ready FILE]
 
@@ -63,6 +64,7 @@ class Queue:
         except OSError:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
         self.sock.bind((0, 0))
+        self.buf = bytearray(1 << 20)
 
     def send(self, msg_type, attrs, ack=False):
         self.seq += 1
@@ -90,14 +92,23 @@ class Queue:
         )
 
     def packet_ids(self):
-        """The ids of the packets in what one recv returns."""
-        try:
-            data = self.sock.recv(1 << 20)
-        except OSError as e:
-            if e.errno == errno.ENOBUFS:  # notices lost; the next batch verdict covers them
-                return []
-            raise
+        """The ids of every packet notice waiting on the socket."""
         ids = []
+        while True:
+            try:
+                n = self.sock.recv_into(self.buf, len(self.buf), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return ids
+            except OSError as e:
+                # Notices the socket could not take: the kernel let those
+                # packets through (fail-open); go on with the rest.
+                if e.errno == errno.ENOBUFS:
+                    continue
+                raise
+            self.parse(memoryview(self.buf)[:n], ids)
+
+    @staticmethod
+    def parse(data, ids):
         offset = 0
         while offset + 16 <= len(data):
             length, kind, _, _, _ = struct.unpack_from("=IHHII", data, offset)
@@ -115,7 +126,6 @@ class Queue:
                         break
                     at += (alen + 3) & ~3
             offset += (length + 3) & ~3
-        return ids
 
     def accept_through(self, packet_id):
         self.send(NFQNL_MSG_VERDICT_BATCH, [attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, packet_id))])

@@ -175,6 +175,18 @@ fn chain_order(layers: &Layers, root: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The order for a reduce's chain (`chain::reduce` starts after the root
+/// and ends at it): the root, then the other hosts, then the root's
+/// host-mates, so the data leaves no host twice.
+fn reduce_order(layers: &Layers, root: usize) -> Vec<usize> {
+    let order = chain_order(layers, root);
+    let mates = layers.host.len();
+    let mut v = vec![root];
+    v.extend_from_slice(&order[mates..]);
+    v.extend_from_slice(&order[1..mates]);
+    v
+}
+
 /// The ranks of `root`'s local index on every host (the root among them).
 fn root_column(layers: &Layers, root: usize) -> Vec<usize> {
     let (_, rj) = place(layers, root);
@@ -211,7 +223,7 @@ pub fn reduce(
 ) -> Result<()> {
     let me = link.rank();
     if acc.len() >= CHAIN_BYTES {
-        let order = chain_order(layers, root);
+        let order = reduce_order(layers, root);
         return within(link, &order, me, |l| chain::reduce(l, acc, dtype, op, 0));
     }
     let (rh, rj) = place(layers, root);
@@ -386,5 +398,14 @@ mod tests {
             assert_eq!(crossings, 2, "root {root}: {order:?}");
         }
         assert_eq!(root_column(&layers, 4), vec![3, 4, 5]);
+        // A reduce's chain runs from the rank after the root around to it.
+        assert_eq!(reduce_order(&layers, 4), vec![4, 5, 8, 2, 3, 6, 0, 7, 1]);
+        for root in 0..9 {
+            let order = reduce_order(&layers, root);
+            let mut ring = order[1..].to_vec();
+            ring.push(root);
+            let crossings = ring.windows(2).filter(|w| w[0] % 3 != w[1] % 3).count();
+            assert_eq!(crossings, 2, "root {root}: {order:?}");
+        }
     }
 }

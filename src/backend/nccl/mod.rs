@@ -112,7 +112,9 @@ pub(crate) fn establish(
     nobody_can: bool,
 ) -> Result<Option<NcclComm>> {
     let requested = options.backend;
-    if requested == Backend::Socket {
+    // A rank asked for sockets still answers when others ask: ranks with
+    // `auto` and a GPU would otherwise wait for it until the timeout.
+    if requested == Backend::Socket && nobody_can {
         return Ok(None);
     }
     let ready = readiness(options, local_rank);
@@ -128,6 +130,9 @@ pub(crate) fn establish(
             recv: RawBuf::new(all.as_mut_ptr(), size),
             data: byte,
         })?;
+    }
+    if requested == Backend::Socket {
+        return Ok(None);
     }
     let lacking: Vec<String> = (0..size)
         .filter(|&r| all[r] == 0)
