@@ -779,11 +779,16 @@ fn worker_process() {
         }
         // Two ranks (threads), one NCCL each, or refusing it together.
         "two_ranks" => {
-            let backend = std::env::var("BACKEND").unwrap();
+            // One backend for both ranks, or one each ("auto,socket").
+            let backends: Vec<String> = std::env::var("BACKEND")
+                .unwrap()
+                .split(',')
+                .map(str::to_string)
+                .collect();
             let id = Comm::unique_id().unwrap();
             let handles: Vec<_> = (0..2)
                 .map(|rank| {
-                    let backend = backend.clone();
+                    let backend = backends[rank as usize % backends.len()].clone();
                     std::thread::spawn(move || {
                         let mut o = options(&[("backend", &backend), ("debug", "INFO")]);
                         o.set("timeout_ms", "10000").unwrap();
@@ -1272,6 +1277,29 @@ fn two_ranks_share_one_unique_id_or_agree_to_fall_back() {
     let err = stderr(&out);
     assert!(err.contains("local rank 1 has no GPU of its own"), "{err}");
     assert!(err.contains("rank 1 cannot run it"), "{err}");
+    assert!(nccl_lines(&log, "init").is_empty(), "{log}");
+
+    // Two devices, but rank 1 asks for sockets: it still answers rank
+    // 0's question (rank 0 would otherwise wait for it until the
+    // timeout), and both run on sockets at once.
+    let started = std::time::Instant::now();
+    let (out, log) = run_role(
+        "two_ranks",
+        &[("BACKEND", "auto,socket"), ("RDIST_STUB_DEVICES", "2")],
+        true,
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains("RESULT rank 0 Socket") && text.contains("RESULT rank 1 Socket"),
+        "{text}\n{}",
+        stderr(&out)
+    );
+    assert!(started.elapsed() < Duration::from_secs(8), "{text}");
+    assert!(
+        stderr(&out).contains("rank 1 cannot run it"),
+        "{}",
+        stderr(&out)
+    );
     assert!(nccl_lines(&log, "init").is_empty(), "{log}");
 
     let (out, _) = run_role(
