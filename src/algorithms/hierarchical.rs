@@ -15,9 +15,11 @@
 //! once whatever the rank layout. Barrier: each host's first rank hears
 //! from its host-mates, the first ranks meet across the hosts, and each
 //! releases its host. The phases run on sub-groups of the communicator's
-//! transport.
+//! transport. From `grid::MIN_BYTES_PER_RANK` a rank, allreduce, allgather
+//! and reduce-scatter run the same data movement as one pipelined
+//! schedule instead (see `grid`).
 
-use super::{binomial, block, chain, dissemination, recursive_doubling, ring, Link};
+use super::{binomial, block, chain, dissemination, grid, recursive_doubling, ring, Link};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -123,6 +125,9 @@ pub fn allreduce(
     op: ReduceOp,
     layers: &Layers,
 ) -> Result<()> {
+    if buf.len() / link.size() >= grid::MIN_BYTES_PER_RANK {
+        return grid::allreduce(link, buf, dtype, op, layers);
+    }
     let me = link.rank();
     let total = link.size();
     let es = dtype.size();
@@ -293,6 +298,9 @@ pub fn allgather(
     block_bytes: usize,
     layers: &Layers,
 ) -> Result<()> {
+    if block_bytes >= grid::MIN_BYTES_PER_RANK {
+        return grid::allgather(link, buf, block_bytes, layers);
+    }
     let me = link.rank();
     let (hosts, locals) = (layers.across.len(), layers.host.len());
     let (j, h) = position(layers, me);
@@ -333,6 +341,9 @@ pub fn reduce_scatter(
     op: ReduceOp,
     layers: &Layers,
 ) -> Result<()> {
+    if out.len() >= grid::MIN_BYTES_PER_RANK {
+        return grid::reduce_scatter(link, input, out, dtype, op, layers);
+    }
     let me = link.rank();
     let total = link.size();
     let bb = out.len();

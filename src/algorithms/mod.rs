@@ -7,8 +7,11 @@ pub mod bruck;
 pub mod chain;
 pub mod direct;
 pub mod dissemination;
+pub mod grid;
 pub mod halving_doubling;
 pub mod hierarchical;
+#[cfg(test)]
+pub mod mock;
 pub mod recursive_doubling;
 pub mod ring;
 

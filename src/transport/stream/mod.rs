@@ -54,6 +54,9 @@ pub struct StreamTransport {
     read_ahead_after: Duration,
     /// Counts reads and writes that moved bytes (progress detection).
     moved: u64,
+    /// How fast the sockets delivered the last large exchange (bytes per
+    /// second; see `Progress::socket_bytes`).
+    socket_rate: Option<f64>,
     /// Bookkeeping of the exchange in progress (reused).
     progress: Progress,
     /// Set by the first error; every later exchange fails with it.
@@ -244,6 +247,7 @@ impl StreamTransport {
             mixed,
             read_ahead_after: READ_AHEAD_AFTER,
             moved: 0,
+            socket_rate: None,
             progress: Progress::default(),
             failed: None,
             notified: false,

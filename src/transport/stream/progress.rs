@@ -18,6 +18,12 @@ use std::time::{Duration, Instant};
 /// match up (or a peer's failure report behind data) still gets through.
 pub(super) const READ_AHEAD_AFTER: Duration = Duration::from_millis(1);
 
+/// Exchanges that receive at least this much through sockets measure how
+/// fast the sockets delivered it; the next one skips spinning when it
+/// would take longer than `SPIN_PAYS_WITHIN` spin windows at that rate.
+const RATE_MIN_BYTES: usize = 64 << 10;
+const SPIN_PAYS_WITHIN: u32 = 4;
+
 impl StreamTransport {
     fn timeout_error(&self, p: &Progress) -> Error {
         let waiting = self.waiting_for(p);
@@ -52,6 +58,45 @@ impl StreamTransport {
     }
 
     pub(super) fn run(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
+        let socket_bytes = self.socket_recv_bytes(xfers);
+        if socket_bytes < RATE_MIN_BYTES {
+            return self.progress(xfers, p, self.spin);
+        }
+        // Spinning pays only when the data may come within the window: a
+        // chunk over a slow link (1 MiB over 1 Gbit/s is 8 ms) would spin
+        // 500 µs of every step away from the other ranks of the host
+        // (3 hosts x 2 ranks, 1 Gbit/s, allreduce 64 MiB: 0.140 GB/s
+        // spinning at every step, 0.143 sleeping at once).
+        let expected = self
+            .socket_rate
+            .map(|rate| Duration::from_secs_f64(socket_bytes as f64 / rate));
+        let spin = match expected {
+            Some(t) if t > self.spin * SPIN_PAYS_WITHIN => Duration::ZERO,
+            _ => self.spin,
+        };
+        let started = Instant::now();
+        let result = self.progress(xfers, p, spin);
+        if result.is_ok() {
+            let took = started.elapsed().as_secs_f64().max(1e-6);
+            self.socket_rate = Some(socket_bytes as f64 / took);
+        }
+        result
+    }
+
+    /// Bytes this exchange receives through the kernel (TCP).
+    fn socket_recv_bytes(&self, xfers: &mut [Xfer<'_>]) -> usize {
+        xfers
+            .iter_mut()
+            .filter(|x| {
+                self.conns[x.peer]
+                    .as_ref()
+                    .is_some_and(|c| c.chan.copies_through_kernel())
+            })
+            .filter_map(|x| x.dir.recv_buf().map(|b| b.len()))
+            .sum()
+    }
+
+    fn progress(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, spin: Duration) -> Result<()> {
         self.check_xfers(xfers)?;
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
@@ -88,7 +133,7 @@ impl StreamTransport {
         let mut passes = 0u32;
         let mut nap_ms = 1;
         while p.remaining > 0 {
-            if !self.spin.is_zero() && passes % 16 != 15 {
+            if !spin.is_zero() && passes % 16 != 15 {
                 // Between the checks below (a clock read each), pure busy
                 // passes: a small message's latency is a few of them.
                 passes = passes.wrapping_add(1);
@@ -113,7 +158,7 @@ impl StreamTransport {
             if now >= deadline {
                 return Err(self.timeout_error(p));
             }
-            if !self.spin.is_zero() {
+            if !spin.is_zero() {
                 // Busy pass: small messages live or die on wake-up latency.
                 passes = passes.wrapping_add(1);
                 self.busy_pass(xfers, p, passes.is_multiple_of(64))?;
@@ -126,14 +171,14 @@ impl StreamTransport {
                 idle_since = Some(now);
                 nap_ms = 1;
                 if !p.sockets_only && !self.mixed {
-                    spin_until = Some(now + self.spin);
+                    spin_until = Some(now + spin);
                 }
             }
             let idle = now.duration_since(*idle_since.get_or_insert(now));
             if idle >= self.read_ahead_after {
                 p.read_ahead = true;
             }
-            if now < *spin_until.get_or_insert(now + self.spin) {
+            if now < *spin_until.get_or_insert(now + spin) {
                 if self.yield_when_idle {
                     std::thread::yield_now();
                 } else {
@@ -143,7 +188,7 @@ impl StreamTransport {
             }
             // Shared memory wakes no descriptor: sleep on its doorbell
             // (also with spinning turned off, RDIST_SPIN_US=0).
-            if self.doorbell.is_some() && !p.sockets_only {
+            if self.doorbell.is_some() && !p.sockets_only && self.waits_on_memory(p) {
                 self.doze(xfers, p, deadline)?;
                 continue;
             }
@@ -180,7 +225,7 @@ impl StreamTransport {
             // Spinning transports sleep in short naps: shared memory has no
             // descriptor that wakes poll() when data arrives.
             let mut wait_ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
-            if !self.spin.is_zero() {
+            if !spin.is_zero() {
                 wait_ms = wait_ms.min(nap_ms);
                 nap_ms = (nap_ms * 2).min(8);
             }
@@ -242,6 +287,21 @@ impl StreamTransport {
             .min(longest);
         bell.sleep(seen, nap);
         Ok(())
+    }
+
+    /// Whether some transfer still pending is over shared memory (whose
+    /// data wakes the doorbell, not poll()). Once only sockets are left,
+    /// the exchange sleeps in poll() until their data comes, instead of
+    /// napping on the doorbell and looking at every socket again and again
+    /// (a tick of a pipelined schedule over hosts spends most of its time
+    /// there).
+    fn waits_on_memory(&self, p: &Progress) -> bool {
+        (0..self.size).any(|peer| {
+            (!p.recvs[peer].is_empty() || !p.sends[peer].is_empty() || !p.acked[peer].is_empty())
+                && self.conns[peer]
+                    .as_ref()
+                    .is_some_and(|c| !c.chan.copies_through_kernel())
+        })
     }
 
     /// One pass over every peer: push pending sends, read what is there
