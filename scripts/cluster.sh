@@ -212,9 +212,11 @@ case "$cmd" in
     ;;
   rsh)
     while [ "${1:-}" = "--name" ]; do name=$2; shift 2; done
+    # Launchers pass ssh options before the host (Hydra: -x HOST CMD)
+    # or after it; a shell gets the rest.
+    while [ "${1:-}" != "${1#-}" ]; do shift; done
     target=${1:-}; [ -n "$target" ] || die "rsh needs a host address"
     shift
-    # Launchers may pass ssh options first (e.g. -x); a shell gets the rest.
     while [ "${1:-}" != "${1#-}" ]; do shift; done
     k=""
     for h in $(hosts); do

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """rdist and its peers across hosts: a namespace cluster on this machine
 (scripts/cluster.sh), links shaped to RATE, the same native workers as the
-loopback comparison (bench/peers: native_bench.c for rdist and Open MPI,
-gloo_bench.cc for Gloo), one run, same timing method.
+loopback comparison (bench/peers: native_bench.c for rdist, Open MPI and
+MPICH, gloo_bench.cc for Gloo; torch_bench.py for torch's gloo under
+torchrun), one run, same timing method.
 
 For each op and size the table gives busbw (nccl-tests definitions), its
 fraction of the link-bound busbw, and rdist / best peer. The link bound:
@@ -16,7 +17,9 @@ leave of the link).
 
 Usage (root; called by scripts/compare.sh --cluster):
   cluster_compare.py --bin DIR --hosts 3 --per-host 2 --rate 1gbit --outdir build/compare
-DIR holds rdist_bench, gloo_bench and mpi_bench_openmpi (compare.sh builds them).
+DIR holds rdist_bench, gloo_bench, mpi_bench_openmpi and mpi_bench_mpich
+(compare.sh builds them); --mpich names MPICH's bin/, --torch-python a
+Python with torch (torchrun per host runs bench/peers/torch_bench.py).
 Writes cluster-<date>.json, cluster-<date>.md (and .png with matplotlib).
 """
 import argparse
@@ -152,6 +155,34 @@ def run_peer(peer, a, name, out):
         if r.returncode != 0:
             raise RuntimeError((r.stdout + r.stderr)[-3000:])
         return "Open MPI native C (vader shared memory within a host, TCP between hosts)"
+    if peer == "mpich-c":
+        # Hydra launches its proxies through the same rsh agent. MPICH's
+        # default network module (UCX) finds the other "hosts" on the same
+        # boot id and shares memory with them, past the shaped links (64 MiB
+        # allgather in 44 ms, nothing on eth0): the network goes through
+        # OFI's TCP provider instead, shared memory stays inside a host.
+        addrs = [cluster("addr", str(k), "--name", name).stdout.strip() for k in range(a.hosts)]
+        agent = os.path.join(a.outdir, f"netns-rsh-{name}")
+        with open(agent, "w") as f:
+            f.write(f'#!/bin/sh\nexec bash {CLUSTER} rsh --name {name} "$@"\n')
+        os.chmod(agent, 0o755)
+        hosts = ",".join(f"{x}:{a.per_host}" for x in addrs)
+        mpiexec = (f"{env} MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0 "
+                   f"{a.mpich}/mpiexec -launcher ssh -launcher-exec {agent} -iface eth0 "
+                   f"-hosts {hosts} -n {n} {a.bin}/mpi_bench_mpich")
+        r = sh(agent, addrs[0], mpiexec, check=False, timeout=a.timeout)
+        os.unlink(agent)
+        if r.returncode != 0:
+            raise RuntimeError((r.stdout + r.stderr)[-3000:])
+        return "MPICH native C (PyPI wheel; ch4 posix shared memory within a host, OFI TCP between)"
+    if peer == "torch-gloo":
+        port = free_port()
+        cmd = (f"{env} GLOO_SOCKET_IFNAME=eth0 {a.torch_python} -m torch.distributed.run "
+               f"--nnodes {a.hosts} --node-rank $CLUSTER_HOST --nproc-per-node {a.per_host} "
+               f"--master-addr $CLUSTER_MASTER --master-port {port} "
+               f"{os.path.join(ROOT, 'bench', 'peers', 'torch_bench.py')}")
+        run_on_hosts(name, cmd, a.timeout)
+        return "torch.distributed gloo (PyPI torch) under torchrun, one per host, TCP on eth0"
     raise SystemExit(f"cluster_compare: unknown peer {peer}")
 
 
@@ -183,7 +214,9 @@ def main():
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--sizes", default=f"{4 * MiB},{64 * MiB}")
-    p.add_argument("--peers", default="rdist,gloo-native,openmpi-c")
+    p.add_argument("--peers", default="rdist,gloo-native,torch-gloo,openmpi-c,mpich-c")
+    p.add_argument("--mpich", default="", help="bin/ of the MPICH venv (mpiexec); without it, no mpich-c")
+    p.add_argument("--torch-python", default="", help="a Python with torch; without it, no torch-gloo")
     p.add_argument("--batch", type=float, default=0.5)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600)
@@ -191,6 +224,13 @@ def main():
     a = p.parse_args()
     if a.hosts < 2:
         raise SystemExit("cluster_compare: needs at least 2 hosts")
+    wanted = a.peers.split(",")
+    for peer, have in (("mpich-c", a.mpich and os.path.exists(os.path.join(a.bin, "mpi_bench_mpich"))),
+                       ("torch-gloo", a.torch_python)):
+        if peer in wanted and not have:
+            print(f"cluster_compare: skipped: {peer} (not installed)", flush=True)
+            wanted.remove(peer)
+    a.peers = ",".join(wanted)
     os.makedirs(a.outdir, exist_ok=True)
     a.outdir = os.path.abspath(a.outdir)
     name = f"rdcmp{os.getpid() % 10000}"

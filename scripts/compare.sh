@@ -10,9 +10,9 @@
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
 #   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
 #       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
-#       with shaped links; rdist, Gloo and Open MPI native workers
-#       (scripts/cluster_compare.py); writes build/compare/cluster-<date>.*
-#       (~4 min for 3 hosts)
+#       with shaped links; rdist, Gloo, Open MPI and MPICH native workers
+#       and torch's gloo under torchrun per host (scripts/cluster_compare.py);
+#       writes build/compare/cluster-<date>.* (~6 min for 3 hosts)
 set -euo pipefail
 cluster_args=()
 if [ "${1:-}" = "--cluster" ]; then
@@ -52,6 +52,17 @@ if [ -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
   peers=$peers,mpich-c,mpich-tcp-c
 fi
 
+if [ ${#cluster_args[@]} -gt 0 ]; then
+  # torch's gloo runs under torchrun on every host, from the venv the tests
+  # use (scripts/torch-env.sh; installed the first time, ~4 GB).
+  torch_py=$(bash scripts/torch-env.sh) || { echo "compare: torch did not install; running without torch-gloo"; torch_py=""; }
+  mpich_bin=""
+  [ -x "$PEERS_HOME/build/mpi_bench_mpich" ] && mpich_bin=$PEERS_HOME/.venv-mpich/bin
+  exec /usr/bin/python3 scripts/cluster_compare.py --bin "$PEERS_HOME/build" \
+    --lib "$root/target/release" --outdir build/compare \
+    --mpich "$mpich_bin" --torch-python "$torch_py" "${cluster_args[@]}"
+fi
+
 # Gloo through torch (PyPI torch, a 4.4 GB venv in build/peers/.venv):
 # WITH_TORCH=1 installs it (bench/peers/setup.sh) when it is not there yet.
 if [ -n "${WITH_TORCH:-}" ] && [ ! -x "$PEERS_HOME/.venv/bin/python" ]; then
@@ -63,10 +74,6 @@ else
   echo "compare: torch is not installed (WITH_TORCH=1 scripts/compare.sh installs it); running without torch-gloo"
 fi
 
-if [ ${#cluster_args[@]} -gt 0 ]; then
-  exec /usr/bin/python3 scripts/cluster_compare.py --bin "$PEERS_HOME/build" \
-    --lib "$root/target/release" --outdir build/compare "${cluster_args[@]}"
-fi
 
 args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
 [ -n "${QUICK:-}" ] && args+=(--quick)
