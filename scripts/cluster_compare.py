@@ -336,10 +336,11 @@ def chart(records, meta, a, n, path):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [fmt_size(s) for s in sizes])
         ax.set_title(op)
         ax.set_ylabel("busbw GB/s")
-    axes[0].legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(peers), frameon=False)
     fig.suptitle(f"{a.hosts} hosts x {a.per_host} ranks, {a.rate} links "
                  "(line: link bound, dashed: TCP stream bound)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"chart: {path}")
 

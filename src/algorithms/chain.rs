@@ -16,6 +16,17 @@ use crate::transport::Xfer;
 /// keep every link of the chain busy.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
+/// Middle-size messages are cut into at least `MIN_CHUNKS` chunks (down to
+/// `MIN_CHUNK_BYTES`): in one or two chunks, a message crosses each link
+/// of the chain in turn instead of streaming through all of them at once.
+const MIN_CHUNKS: usize = 8;
+const MIN_CHUNK_BYTES: usize = 16 << 10;
+
+/// The chunk size for a message of `len` bytes (the same on every rank).
+fn chunk_bytes(len: usize) -> usize {
+    (len / MIN_CHUNKS).clamp(MIN_CHUNK_BYTES, CHUNK_BYTES)
+}
+
 pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     pipeline(link, buf, root, None)
 }
@@ -61,9 +72,10 @@ fn pipeline(
     let prev = (r + n - 1) % n;
     let next = (r + 1) % n;
     let last = pos == n - 1;
-    let chunks = buf.len().div_ceil(CHUNK_BYTES);
     let len = buf.len();
-    let range = |c: usize| c * CHUNK_BYTES..((c + 1) * CHUNK_BYTES).min(len);
+    let chunk = chunk_bytes(len);
+    let chunks = len.div_ceil(chunk);
+    let range = |c: usize| c * chunk..((c + 1) * chunk).min(len);
     if pos == 0 {
         for c in 0..chunks {
             let x = link.send_xfer(next, &buf[range(c)]);
