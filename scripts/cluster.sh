@@ -213,11 +213,22 @@ case "$cmd" in
   rsh)
     while [ "${1:-}" = "--name" ]; do name=$2; shift 2; done
     # Launchers pass ssh options before the host (Hydra: -x HOST CMD)
-    # or after it; a shell gets the rest.
-    while [ "${1:-}" != "${1#-}" ]; do shift; done
+    # or after it (those with a value take the next word); a shell gets
+    # the rest.
+    skip_opts() {
+      n=0
+      while :; do
+        case "${1:-}" in
+          -[bcDEeFIiJLlmOopQRSWw]) shift 2; n=$((n + 2)) ;;
+          -*) shift; n=$((n + 1)) ;;
+          *) break ;;
+        esac
+      done
+    }
+    skip_opts "$@"; shift "$n"
     target=${1:-}; [ -n "$target" ] || die "rsh needs a host address"
     shift
-    while [ "${1:-}" != "${1#-}" ]; do shift; done
+    skip_opts "$@"; shift "$n"
     k=""
     for h in $(hosts); do
       i=${h##*-h}

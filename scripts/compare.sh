@@ -54,8 +54,12 @@ fi
 
 if [ ${#cluster_args[@]} -gt 0 ]; then
   # torch's gloo runs under torchrun on every host, from the venv the tests
-  # use (scripts/torch-env.sh; installed the first time, ~4 GB).
-  torch_py=$(bash scripts/torch-env.sh) || { echo "compare: torch did not install; running without torch-gloo"; torch_py=""; }
+  # use (scripts/torch-env.sh, ~4 GB) when it is there or WITH_TORCH=1 asks for it.
+  torch_py=""
+  venv=${RDIST_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/rdist/torch-venv}
+  if [ -n "${WITH_TORCH:-}" ] || [ -x "$venv/bin/python" ]; then
+    torch_py=$(bash scripts/torch-env.sh) || { echo "compare: torch did not install; running without torch-gloo"; torch_py=""; }
+  fi
   mpich_bin=""
   [ -x "$PEERS_HOME/build/mpi_bench_mpich" ] && mpich_bin=$PEERS_HOME/.venv-mpich/bin
   exec /usr/bin/python3 scripts/cluster_compare.py --bin "$PEERS_HOME/build" \

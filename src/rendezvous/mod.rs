@@ -111,12 +111,16 @@ pub(crate) fn host_id() -> String {
 }
 
 /// The machine part of a host id from `host_id` (its boot id, which
-/// network namespaces and containers of one machine share); an id given by
-/// option is its own machine.
+/// network namespaces and containers of one machine share); any other id
+/// (given by option, e.g. "dc1/rack3/node7") is its own machine.
 pub(crate) fn machine_of(host: &str) -> &str {
     let mut parts = host.split('/');
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(_), Some(boot), Some(_), None) if !boot.is_empty() => boot,
+        (Some(_), Some(boot), Some(_), None)
+            if boot.len() == 8 && boot.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            boot
+        }
         _ => host,
     }
 }
@@ -507,6 +511,7 @@ mod tests {
         assert_ne!(boot, here);
         assert_eq!(machine_of("other-host/").len(), "other-host/".len());
         assert_eq!(machine_of(&format!("h2/{boot}/4026532")), boot);
+        assert_eq!(machine_of("dc1/rack3/node7"), "dc1/rack3/node7");
         assert_eq!(machine_of("node7"), "node7");
         assert_eq!(machine_of("a/b/c/d"), "a/b/c/d");
     }

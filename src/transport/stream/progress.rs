@@ -297,10 +297,14 @@ impl StreamTransport {
     /// there).
     fn waits_on_memory(&self, p: &Progress) -> bool {
         (0..self.size).any(|peer| {
-            (!p.recvs[peer].is_empty() || !p.sends[peer].is_empty() || !p.acked[peer].is_empty())
-                && self.conns[peer]
-                    .as_ref()
-                    .is_some_and(|c| !c.chan.copies_through_kernel())
+            let Some(c) = self.conns[peer].as_ref() else {
+                return false;
+            };
+            !c.chan.copies_through_kernel()
+                && (!p.recvs[peer].is_empty()
+                    || !p.sends[peer].is_empty()
+                    || !p.acked[peer].is_empty()
+                    || !c.acks_out.is_empty())
         })
     }
 
