@@ -22,9 +22,10 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 const MIN_CHUNKS: usize = 8;
 const MIN_CHUNK_BYTES: usize = 16 << 10;
 
-/// The chunk size for a message of `len` bytes (the same on every rank).
+/// The chunk size for a message of `len` bytes (the same on every rank),
+/// a multiple of 4 KiB: a reduce's chunks must hold whole elements.
 fn chunk_bytes(len: usize) -> usize {
-    (len / MIN_CHUNKS).clamp(MIN_CHUNK_BYTES, CHUNK_BYTES)
+    (len / MIN_CHUNKS).clamp(MIN_CHUNK_BYTES, CHUNK_BYTES) & !4095
 }
 
 pub fn broadcast(link: &mut Link<'_>, buf: &mut [u8], root: usize) -> Result<()> {
@@ -116,5 +117,19 @@ fn receive<'a>(
     match combine {
         Some((dtype, op)) => link.recv_reduce_xfer(prev, into, dtype, op),
         None => link.recv_xfer(prev, into),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_hold_whole_elements_of_every_type() {
+        for len in [1usize, 100_003, 300_000 * 8 + 4, 7 << 20, 64 << 20] {
+            let c = chunk_bytes(len);
+            assert_eq!(c % 4096, 0, "{len}");
+            assert!((MIN_CHUNK_BYTES..=CHUNK_BYTES).contains(&c), "{len}: {c}");
+        }
     }
 }
