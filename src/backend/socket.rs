@@ -183,11 +183,11 @@ impl SocketBackend {
         // share its cores: 4 "hosts" of 2 ranks on a 2-core machine, each
         // seeing 2 cores for its 2 ranks, spun a barrier to 2.9 ms (0.37
         // ms yielding).
-        let machine = crate::rendezvous::machine_of(&roster.hosts[rank]);
+        let machine = crate::transport::roster::machine_of(&roster.hosts[rank]);
         let machine_ranks = roster
             .hosts
             .iter()
-            .filter(|h| crate::rendezvous::machine_of(h) == machine)
+            .filter(|h| crate::transport::roster::machine_of(h) == machine)
             .count();
         let oversubscribed = local_ranks > cores || machine_ranks > machine_cores();
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);

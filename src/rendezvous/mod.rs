@@ -110,21 +110,6 @@ pub(crate) fn host_id() -> String {
     format!("{}/{boot}/{netns}", hostname())
 }
 
-/// The machine part of a host id from `host_id` (its boot id, which
-/// network namespaces and containers of one machine share); any other id
-/// (given by option, e.g. "dc1/rack3/node7") is its own machine.
-pub(crate) fn machine_of(host: &str) -> &str {
-    let mut parts = host.split('/');
-    match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(_), Some(boot), Some(_), None)
-            if boot.len() == 8 && boot.bytes().all(|b| b.is_ascii_hexdigit()) =>
-        {
-            boot
-        }
-        _ => host,
-    }
-}
-
 fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
     match ip {
         IpAddr::V4(_) => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port),
@@ -497,22 +482,4 @@ fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &O
             shown.join(", ")
         ),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn namespaces_of_one_machine_are_one_machine() {
-        let here = host_id();
-        assert_eq!(here.split('/').count(), 3, "{here}");
-        let boot = machine_of(&here);
-        assert_ne!(boot, here);
-        assert_eq!(machine_of("other-host/").len(), "other-host/".len());
-        assert_eq!(machine_of(&format!("h2/{boot}/4026532")), boot);
-        assert_eq!(machine_of("dc1/rack3/node7"), "dc1/rack3/node7");
-        assert_eq!(machine_of("node7"), "node7");
-        assert_eq!(machine_of("a/b/c/d"), "a/b/c/d");
-    }
 }

@@ -34,3 +34,33 @@ pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
     }
     h
 }
+
+/// The machine part of a host id from `rendezvous::host_id` (its boot id, which
+/// network namespaces and containers of one machine share); any other id
+/// (given by option, e.g. "dc1/rack3/node7") is its own machine.
+pub(crate) fn machine_of(host: &str) -> &str {
+    let mut parts = host.split('/');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(_), Some(boot), Some(_), None)
+            if boot.len() == 8 && boot.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            boot
+        }
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_of_one_machine_are_one_machine() {
+        assert_eq!(machine_of("h0/0a1b2c3d/4026531840"), "0a1b2c3d");
+        assert_eq!(machine_of("h2/0a1b2c3d/4026532777"), "0a1b2c3d");
+        assert_eq!(machine_of("other-host/"), "other-host/");
+        assert_eq!(machine_of("dc1/rack3/node7"), "dc1/rack3/node7");
+        assert_eq!(machine_of("node7"), "node7");
+        assert_eq!(machine_of("a/b/c/d"), "a/b/c/d");
+    }
+}
