@@ -419,6 +419,18 @@ impl StreamTransport {
                 self.rank
             )));
         }
+        // Receive-and-reduce combines whole elements as they come and keeps
+        // a partial one for the next bytes: a frame that ends mid-element
+        // would carry it into the next frame.
+        if let Dir::RecvReduce(_, dtype, _) = &xfers[i].dir {
+            if want % dtype.size() as u64 != 0 {
+                return Err(Error::internal(format!(
+                    "rank {} received {want} bytes from rank {peer} to reduce for {mine}: not whole {} elements",
+                    self.rank,
+                    dtype.name()
+                )));
+            }
+        }
         Ok(())
     }
 

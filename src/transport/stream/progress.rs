@@ -440,4 +440,28 @@ pub(super) mod tests {
         let n = read_ahead_rounds(2, Duration::from_millis(60), Duration::from_millis(1));
         assert_eq!(n, 2, "read ahead in {n} of 2 stalled rounds");
     }
+
+    /// A receive-and-reduce of a partial element is refused (its leftover
+    /// bytes would be combined into the next frame), not run.
+    #[test]
+    fn a_reduce_of_a_partial_element_is_an_error() {
+        let mut w = tcp_world(2).into_iter();
+        let (mut t0, mut t1) = (w.next().unwrap(), w.next().unwrap());
+        let desc = Desc::new(OpKind::Reduce, 0).data(1, DType::Int32);
+        let sender = std::thread::spawn(move || {
+            let _ = t0.exchange(&mut [Xfer::send(1, &[1u8; 6], desc)]);
+        });
+        let mut buf = [0u8; 6];
+        let e = t1
+            .exchange(&mut [Xfer::recv_reduce(
+                0,
+                &mut buf,
+                DType::Int32,
+                crate::reduce::ReduceOp::Sum,
+                desc,
+            )])
+            .unwrap_err();
+        assert!(e.message().contains("not whole int32 elements"), "{e}");
+        sender.join().unwrap();
+    }
 }
