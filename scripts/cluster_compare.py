@@ -119,6 +119,27 @@ def each_rank(a, command):
             f"done; wait")
 
 
+def rsh_agent(a, name):
+    """An rsh agent for MPI launchers (cluster.sh rsh), the hosts'
+    addresses, and the launcher's host list (ADDR:per_host,...)."""
+    addrs = [cluster("addr", str(k), "--name", name).stdout.strip() for k in range(a.hosts)]
+    agent = os.path.join(a.outdir, f"netns-rsh-{name}")
+    with open(agent, "w") as f:
+        f.write(f'#!/bin/sh\nexec bash {CLUSTER} rsh --name {name} "$@"\n')
+    os.chmod(agent, 0o755)
+    return agent, addrs, ",".join(f"{x}:{a.per_host}" for x in addrs)
+
+
+def launch_from_host0(a, agent, addrs, command):
+    """Runs an MPI launcher's command line in host 0, through the agent."""
+    try:
+        r = sh(agent, addrs[0], command, check=False, timeout=a.timeout)
+    finally:
+        os.unlink(agent)
+    if r.returncode != 0:
+        raise RuntimeError((r.stdout + r.stderr)[-3000:])
+
+
 def run_peer(peer, a, name, out):
     env = workers_env(a, out)
     n = a.hosts * a.per_host
@@ -139,21 +160,13 @@ def run_peer(peer, a, name, out):
             sh("rm", "-rf", store, check=False)
         return "Gloo native (Debian libgloo), TCP on eth0"
     if peer == "openmpi-c":
-        addrs = [cluster("addr", str(k), "--name", name).stdout.strip() for k in range(a.hosts)]
-        agent = os.path.join(a.outdir, f"netns-rsh-{name}")
-        with open(agent, "w") as f:
-            f.write(f'#!/bin/sh\nexec bash {CLUSTER} rsh --name {name} "$@"\n')
-        os.chmod(agent, 0o755)
-        hosts = ",".join(f"{x}:{a.per_host}" for x in addrs)
+        agent, addrs, hosts = rsh_agent(a, name)
         mpirun = (f"{env} mpirun --allow-run-as-root --oversubscribe --bind-to none -np {n} "
                   f"--host {hosts} --mca plm_rsh_agent {agent} --mca btl tcp,self,vader "
                   f"--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "
                   f"-x OUT -x AR_SIZES -x BC_SIZES -x AG_SIZES -x BATCH -x REPS "
                   f"-x OMP_NUM_THREADS {a.bin}/mpi_bench_openmpi")
-        r = sh(agent, addrs[0], mpirun, check=False, timeout=a.timeout)
-        os.unlink(agent)
-        if r.returncode != 0:
-            raise RuntimeError((r.stdout + r.stderr)[-3000:])
+        launch_from_host0(a, agent, addrs, mpirun)
         return "Open MPI native C (vader shared memory within a host, TCP between hosts)"
     if peer == "mpich-c":
         # Hydra launches its proxies through the same rsh agent. MPICH's
@@ -161,19 +174,11 @@ def run_peer(peer, a, name, out):
         # boot id and shares memory with them, past the shaped links (64 MiB
         # allgather in 44 ms, nothing on eth0): the network goes through
         # OFI's TCP provider instead, shared memory stays inside a host.
-        addrs = [cluster("addr", str(k), "--name", name).stdout.strip() for k in range(a.hosts)]
-        agent = os.path.join(a.outdir, f"netns-rsh-{name}")
-        with open(agent, "w") as f:
-            f.write(f'#!/bin/sh\nexec bash {CLUSTER} rsh --name {name} "$@"\n')
-        os.chmod(agent, 0o755)
-        hosts = ",".join(f"{x}:{a.per_host}" for x in addrs)
+        agent, addrs, hosts = rsh_agent(a, name)
         mpiexec = (f"{env} MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0 "
                    f"{a.mpich}/mpiexec -launcher ssh -launcher-exec {agent} -iface eth0 "
                    f"-hosts {hosts} -n {n} {a.bin}/mpi_bench_mpich")
-        r = sh(agent, addrs[0], mpiexec, check=False, timeout=a.timeout)
-        os.unlink(agent)
-        if r.returncode != 0:
-            raise RuntimeError((r.stdout + r.stderr)[-3000:])
+        launch_from_host0(a, agent, addrs, mpiexec)
         return "MPICH native C (PyPI wheel; ch4 posix shared memory within a host, OFI TCP between)"
     if peer == "torch-gloo":
         port = free_port()

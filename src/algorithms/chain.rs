@@ -6,7 +6,7 @@
 //! transfers instead of the binomial tree's log2(n) whole-message
 //! transfers, and every link carries the data once.
 
-use super::{split_pair, Link};
+use super::{split_pair, summed, Link};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -44,11 +44,7 @@ pub fn reduce(
 ) -> Result<()> {
     let n = link.size();
     // Avg sums along the chain and divides once, at the root.
-    let combine = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let combine = summed(op);
     pipeline(link, acc, (root + 1) % n, Some((dtype, combine)))?;
     if link.rank() == root && op == ReduceOp::Avg {
         reduce::divide(acc, dtype, n);

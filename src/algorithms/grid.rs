@@ -15,7 +15,7 @@
 //! for one chunk, not one block, so the rings share each link at a common
 //! pace, and the host's copies hide behind the network.
 
-use super::{block, Link};
+use super::{block, summed, Link};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -223,11 +223,7 @@ fn allreduce_in_chunks(
         let host = p.host_at(t, c, 0);
         part(part(seg(m), hh, host, es), c, t.rem_euclid(ci) as usize, es)
     };
-    let phase_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let phase_op = summed(op);
     let reduce_end = ((hh - 1) * c) as i64; // the gather half starts here
     let sends_end = (2 * (hh - 1) * c) as i64;
     let contribute_end = (hh * c) as i64; // mates reduce into [0, H*C)
@@ -377,11 +373,7 @@ fn reduce_scatter_in_chunks(
         let at = p.grid[p.host_at(t, c, 1)][m] * bb;
         at + k.start..at + k.end
     };
-    let phase_op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let phase_op = summed(op);
     let across_end = ((hh - 1) * c) as i64;
     let contribute_end = (hh * c) as i64;
     // Every chunk of `acc` starts as this rank's own input, copied just
@@ -455,7 +447,7 @@ mod tests {
     #[test]
     fn every_layout_and_count_gives_the_reference() {
         use crate::algorithms::mock;
-        use crate::dtype::as_bytes_mut;
+        use crate::dtype::{as_bytes, as_bytes_mut};
         let value = |r: usize, i: usize| ((r * 7 + i * 13) % 11) as i64 - 3;
         for hosts in 2..=4 {
             for locals in 2..=4 {
@@ -488,12 +480,7 @@ mod tests {
                                     )
                                     .unwrap();
                                     for (i, got) in v.iter().enumerate() {
-                                        let all = (0..n).map(|q| value(q, i) as f64);
-                                        let want = match op {
-                                            ReduceOp::Sum => all.sum::<f64>(),
-                                            ReduceOp::Max => all.fold(f64::MIN, f64::max),
-                                            _ => all.sum::<f64>() / n as f64,
-                                        };
+                                        let want = reference(op, n, |q| value(q, i));
                                         if (got - want).abs() > 1e-9 {
                                             bad.push(format!(
                                                 "allreduce {op:?} [{i}] {got} != {want}"
@@ -504,10 +491,9 @@ mod tests {
                                     let input: Vec<f64> =
                                         (0..count * n).map(|i| value(me, i) as f64).collect();
                                     let mut out = vec![0f64; count];
-                                    let mut inp = input.clone();
                                     reduce_scatter_in_chunks(
                                         link,
-                                        as_bytes_mut(&mut inp),
+                                        as_bytes(&input),
                                         as_bytes_mut(&mut out),
                                         DType::Float64,
                                         op,
@@ -516,12 +502,7 @@ mod tests {
                                     )
                                     .unwrap();
                                     for (i, got) in out.iter().enumerate() {
-                                        let all = (0..n).map(|q| value(q, me * count + i) as f64);
-                                        let want = match op {
-                                            ReduceOp::Sum => all.sum::<f64>(),
-                                            ReduceOp::Max => all.fold(f64::MIN, f64::max),
-                                            _ => all.sum::<f64>() / n as f64,
-                                        };
+                                        let want = reference(op, n, |q| value(q, me * count + i));
                                         if (got - want).abs() > 1e-9 {
                                             bad.push(format!(
                                                 "reduce_scatter {op:?} [{i}] {got} != {want}"
@@ -560,6 +541,16 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Rank q's value reduced over `n` ranks, as the collectives should.
+    fn reference(op: ReduceOp, n: usize, value: impl Fn(usize) -> i64) -> f64 {
+        let all = (0..n).map(|q| value(q) as f64);
+        match op {
+            ReduceOp::Sum => all.sum::<f64>(),
+            ReduceOp::Max => all.fold(f64::MIN, f64::max),
+            _ => all.sum::<f64>() / n as f64,
         }
     }
 }

@@ -19,7 +19,7 @@
 //! and reduce-scatter run the same data movement as one pipelined
 //! schedule instead (see `grid`).
 
-use super::{binomial, block, chain, dissemination, grid, recursive_doubling, ring, Link};
+use super::{binomial, block, chain, dissemination, grid, recursive_doubling, ring, summed, Link};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -104,17 +104,6 @@ fn within<T>(
     };
     let mut sub_link = Link::new(&mut sub, desc, &mut *link.scratch);
     f(&mut sub_link)
-}
-
-/// The reduction each phase runs: Avg is summed in every phase (a
-/// sub-group's Avg would divide by its own size) and divided once, by the
-/// whole world, at the end.
-fn summed(op: ReduceOp) -> ReduceOp {
-    if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    }
 }
 
 /// In-place allreduce of `buf` over every rank of `link`, by layers.

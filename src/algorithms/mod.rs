@@ -303,6 +303,17 @@ impl<'t> Link<'t> {
     }
 }
 
+/// The reduction a partial step runs: Avg is summed along the way (a
+/// step or sub-group dividing by its own count would be wrong) and
+/// divided once, by the whole world, at the end.
+pub fn summed(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
 /// Byte range of block `i` when `count` elements of `esize` bytes are cut
 /// into `n` nearly equal blocks (the first `count % n` get one more).
 pub fn block(count: usize, n: usize, i: usize, esize: usize) -> Range<usize> {
