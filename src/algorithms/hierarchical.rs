@@ -39,22 +39,24 @@ pub struct Layers {
 impl Layers {
     /// The layers of `rank` when `hosts` (a host id per rank) puts as many
     /// ranks, two or more, on each of two or more hosts; None otherwise.
-    pub fn of(hosts: &[String], rank: usize) -> Option<Layers> {
-        let mut names: Vec<&String> = Vec::new();
+    pub fn of<H: AsRef<str>>(hosts: &[H], rank: usize) -> Option<Layers> {
+        let mut names: Vec<&str> = Vec::new();
         for h in hosts {
-            if !names.contains(&h) {
-                names.push(h);
+            if !names.contains(&h.as_ref()) {
+                names.push(h.as_ref());
             }
         }
-        let members = |name: &String| -> Vec<usize> {
-            (0..hosts.len()).filter(|r| hosts[*r] == *name).collect()
+        let members = |name: &str| -> Vec<usize> {
+            (0..hosts.len())
+                .filter(|r| hosts[*r].as_ref() == name)
+                .collect()
         };
         let groups: Vec<Vec<usize>> = names.iter().map(|n| members(n)).collect();
         let per_host = groups[0].len();
         if groups.len() < 2 || per_host < 2 || groups.iter().any(|g| g.len() != per_host) {
             return None;
         }
-        let host = members(&hosts[rank]);
+        let host = members(hosts[rank].as_ref());
         let index = host.iter().position(|r| *r == rank)?;
         let across = groups.iter().map(|g| g[index]).collect();
         Some(Layers {

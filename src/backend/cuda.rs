@@ -71,10 +71,32 @@ pub fn is_host(addr: usize, len: usize) -> bool {
 /// The number of CUDA devices, or why there are none usable. Never panics:
 /// cudarc panics when a library or symbol is missing, so the driver's
 /// presence is checked first and every driver call runs under
-/// `catch_unwind`.
+/// `catch_unwind`. Probed once per process.
 pub fn cuda_devices() -> std::result::Result<usize, String> {
+    static COUNTED: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    COUNTED.get_or_init(count_devices).clone()
+}
+
+/// Whether the driver's library loads. On Linux the driver installs
+/// libcuda.so.1 (the toolkit adds libcuda.so): two lookups say no, where
+/// cudarc's search tries 34 names in every library directory, about 1 ms
+/// a process (a second of CPU for a 1024-rank job on one host).
+fn driver_library_present() -> bool {
+    if cfg!(target_os = "linux") {
+        // SAFETY: opening the driver runs only its initialisers; it stays
+        // loaded for cudarc, which opens it again by one of these names.
+        return ["libcuda.so.1", "libcuda.so"].into_iter().any(|name| {
+            unsafe { libloading::Library::new(name) }
+                .map(std::mem::forget)
+                .is_ok()
+        });
+    }
     // SAFETY: only tries to open the driver's library by its names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn count_devices() -> std::result::Result<usize, String> {
+    if !driver_library_present() {
         return Err("no CUDA driver (libcuda.so not found)".to_string());
     }
     let counted = std::panic::catch_unwind(|| {

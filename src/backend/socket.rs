@@ -184,10 +184,21 @@ impl SocketBackend {
         // seeing 2 cores for its 2 ranks, spun a barrier to 2.9 ms (0.37
         // ms yielding).
         let machine = crate::transport::roster::machine_of(&roster.hosts[rank]);
+        // A rank's host is most often the one before it: its machine is
+        // looked up once per run of ranks, not once per rank.
+        let mut last: Option<(&str, bool)> = None;
         let machine_ranks = roster
             .hosts
             .iter()
-            .filter(|h| crate::transport::roster::machine_of(h) == machine)
+            .map(|h| &**h)
+            .filter(|h| match last {
+                Some((seen, same)) if seen == *h => same,
+                _ => {
+                    let same = crate::transport::roster::machine_of(h) == machine;
+                    last = Some((h, same));
+                    same
+                }
+            })
             .count();
         let oversubscribed = local_ranks > cores || machine_ranks > machine_cores();
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);

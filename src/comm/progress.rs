@@ -14,6 +14,7 @@ use crate::backend::board::{Board, Snapshot};
 use crate::descriptor::OpKind;
 use crate::error::{Error, ErrorKind};
 use crate::rendezvous::store::Store;
+use crate::transport::roster::HostId;
 
 /// How long the board must stand still before it is published.
 const QUIET: Duration = Duration::from_secs(1);
@@ -80,7 +81,7 @@ pub(crate) fn publisher(
 
 /// Where each rank runs: its host id and the address it listens on
 /// (the roster's), to say "every rank on host X" rather than list ranks.
-pub(crate) type Places = Arc<Vec<(String, IpAddr)>>;
+pub(crate) type Places = Arc<Vec<(HostId, IpAddr)>>;
 
 /// What a timeout's explanation reads: the store, the world size, and
 /// where each rank runs.
@@ -88,15 +89,15 @@ pub(crate) type Recorder = (Arc<dyn Store>, usize, Places);
 
 /// The hosts all of whose ranks are in `silent` (not this rank's host),
 /// by address, when every silent rank is on one of them; None otherwise.
-fn silent_hosts(silent: &[usize], places: &[(String, IpAddr)], rank: usize) -> Option<Vec<IpAddr>> {
-    let mut hosts: Vec<&String> = Vec::new();
+fn silent_hosts(silent: &[usize], places: &[(HostId, IpAddr)], rank: usize) -> Option<Vec<IpAddr>> {
+    let mut hosts: Vec<&HostId> = Vec::new();
     for r in silent {
         let host = &places.get(*r)?.0;
         if !hosts.contains(&host) {
             hosts.push(host);
         }
     }
-    let whole = |host: &String| {
+    let whole = |host: &HostId| {
         *host != places[rank].0
             && places
                 .iter()
@@ -127,7 +128,7 @@ pub(crate) fn explain_timeout(
     rank: usize,
     size: usize,
     board: &Board,
-    places: &[(String, IpAddr)],
+    places: &[(HostId, IpAddr)],
 ) -> Error {
     let snapshot = board.snapshot();
     let Some((kind, seq)) = snapshot.current.or(snapshot.last) else {
@@ -243,12 +244,12 @@ mod tests {
     use super::silent_hosts;
     use std::net::IpAddr;
 
-    fn places(hosts: &[&str]) -> Vec<(String, IpAddr)> {
+    fn places(hosts: &[&str]) -> Vec<(crate::transport::roster::HostId, IpAddr)> {
         hosts
             .iter()
             .map(|h| {
                 let ip = format!("10.0.0.{}", h.trim_start_matches('h'));
-                (h.to_string(), ip.parse().unwrap())
+                ((*h).into(), ip.parse().unwrap())
             })
             .collect()
     }

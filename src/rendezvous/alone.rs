@@ -36,7 +36,7 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
             job,
             comm_id: 0,
             addrs: vec![addr],
-            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id)],
+            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id).into()],
         },
         // A world of one asks nobody else: establishing NCCL just looks
         // at this process.

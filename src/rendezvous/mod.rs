@@ -4,6 +4,7 @@
 
 mod alone;
 pub mod method;
+mod packed;
 pub mod store;
 pub mod unique_id;
 
@@ -16,7 +17,7 @@ use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use store::{FileStore, Store, StoreLease, TcpStoreClient};
+use store::{FileStore, Store, StoreLease, TcpStoreClient, Update};
 use unique_id::UniqueId;
 
 /// How ranks meet.
@@ -255,7 +256,6 @@ fn join_hosting(
             "rank {rank} joined twice: two processes were started with rank {rank} (check RANK / the rank argument)"
         )));
     }
-    store.set("world_size", size.to_string().as_bytes())?;
 
     let ip = match master {
         Some(m) => iface::listen_address(opts.ifname.as_deref(), m)?,
@@ -274,7 +274,15 @@ fn join_hosting(
         std::process::id(),
         u8::from(offers_nccl)
     );
-    store.set(&format!("rank/{rank}"), me.as_bytes())?;
+    // The world size (the last to set it stays: see `wait_for_ranks`),
+    // this rank's key and the count, in one round trip.
+    let size_text = size.to_string();
+    let rank_key = format!("rank/{rank}");
+    let joined = store.apply(&[
+        Update::Set("world_size", size_text.as_bytes()),
+        Update::Set(&rank_key, me.as_bytes()),
+        Update::Add("joined", 1),
+    ])?;
 
     // The rank that completes the count gathers every rank's key into one
     // value, which the others wait for: one key per rank to wait on, not
@@ -284,7 +292,7 @@ fn join_hosting(
     // The roster's key names the world size: ranks started with another
     // never take it for theirs.
     let roster_key = format!("roster/{size}");
-    if store.add("joined", 1)? == size as i64 {
+    if joined.first() == Some(&(size as i64)) {
         // Every key is there unless ranks of another world size were
         // counted: the wait (with its checks) says so, not a hang.
         let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
@@ -292,48 +300,37 @@ fn join_hosting(
         wait_for_ranks(&*store, &key_refs, rank, size, deadline)
             .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
         let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
-        store.set(&roster_key, &pack(&values))?;
+        match gather(&values, rank, size) {
+            Ok(roster) => store.set(&roster_key, &roster)?,
+            Err(e) => {
+                // Every rank hears it: the ones still waiting for ranks of
+                // another world size through the failure key, the others
+                // at once through an empty roster.
+                let _ = store.set(FAILED_KEY, e.message().as_bytes());
+                let _ = store.set(&roster_key, b"");
+                return Err(e);
+            }
+        }
     }
     wait_for_ranks(&*store, &[&roster_key], rank, size, deadline)
         .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
-    let packed = store.get(&roster_key, left(deadline).max(Duration::from_millis(1)))?;
-    let values = unpack(&packed)
-        .filter(|v| v.len() == size)
-        .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
-    let mut addrs = Vec::with_capacity(size);
-    let mut hosts = Vec::with_capacity(size);
-    let mut some_rank_offers_nccl = false;
-    for (r, v) in values.iter().enumerate() {
-        let v = String::from_utf8_lossy(v);
-        let mut parts = v.split(' ');
-        let (their_size, their_addr, their_host) = (parts.next(), parts.next(), parts.next());
-        // Anything but a plain "0" (a key without the field too) counts as
-        // an offer: at worst the ranks ask each other, as they always did.
-        some_rank_offers_nccl |= parts.nth(1) != Some("0");
-        if their_size != Some(&size.to_string()) {
-            let e = Error::new(
-                ErrorKind::Mismatch,
-                format!(
-                    "rank {r} was started with world size {} but rank {rank} with {size}",
-                    their_size.unwrap_or("?")
-                ),
-            );
-            // The ranks still waiting (for ranks of the larger world) hear it.
-            let _ = store.set(FAILED_KEY, e.message().as_bytes());
-            return Err(e);
-        }
-        addrs.push(
-            their_addr.and_then(|a| a.parse().ok()).ok_or_else(|| {
-                Error::internal(format!("rank {r} published a bad address '{v}'"))
-            })?,
-        );
-        hosts.push(their_host.unwrap_or("?").to_string());
+    let value = store.get_present(&roster_key)?;
+    if value.is_empty() {
+        let why = store.get(FAILED_KEY, Duration::from_secs(1))?;
+        return Err(Error::new(
+            ErrorKind::Mismatch,
+            String::from_utf8_lossy(&why).into_owned(),
+        ));
     }
+    let listing = packed::decode(&value)
+        .filter(|l| l.addrs.len() == size)
+        .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
+    let some_rank_offers_nccl = listing.some_offer_nccl;
     let roster = Roster {
         job,
         comm_id: 0,
-        addrs,
-        hosts,
+        addrs: listing.addrs,
+        hosts: listing.hosts,
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,
@@ -367,24 +364,32 @@ fn wait_for_ranks(
     size: usize,
     deadline: Instant,
 ) -> Result<()> {
-    let mut slice = Duration::from_millis(200);
+    // Each look costs a few round trips with rank 0's store, and a wide
+    // job's ranks wait about as long as its launch takes (1024 ranks on 2
+    // cores: a second): the first slice is long enough for most to need
+    // none.
+    let mut slice = Duration::from_millis(500);
     loop {
         let e = match store.wait(keys, slice.min(left(deadline))) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == ErrorKind::Timeout => e,
             Err(e) => return Err(e),
         };
-        if store.check(&[FAILED_KEY])? {
-            let text = String::from_utf8_lossy(&store.get(FAILED_KEY, Duration::from_secs(1))?)
-                .into_owned();
-            return Err(Error::new(ErrorKind::Mismatch, text));
+        let [failed, last] = <[Option<Vec<u8>>; 2]>::try_from(
+            store.read_within(&[FAILED_KEY, "world_size"], Duration::from_secs(5))?,
+        )
+        .map_err(|_| Error::internal("the store answered a read of two keys with another count"))?;
+        if let Some(text) = failed {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                String::from_utf8_lossy(&text).into_owned(),
+            ));
         }
         // Every rank sets "world_size": a value other than ours means some
         // rank has another (the last to set it stays). Only then is every
         // rank's key read, to name it (a read of every key by every rank,
         // on every slice, was most of a wide job's rendezvous).
-        let last = store.get("world_size", Duration::from_secs(1))?;
-        if last != size.to_string().as_bytes() {
+        if last.as_deref() != Some(size.to_string().as_bytes()) {
             if let Some(mismatch) = other_world_size(store, rank, size)? {
                 let _ = store.set(FAILED_KEY, mismatch.message().as_bytes());
                 return Err(mismatch);
@@ -400,24 +405,25 @@ fn wait_for_ranks(
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";
 
-/// Values as one: each with its length (4 bytes, little endian) first.
-fn pack(values: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.iter().map(|v| v.len() + 4).sum());
-    for v in values {
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        out.extend_from_slice(v);
+/// The roster from every rank's key (rank by rank), checking that each
+/// rank was started with this world size.
+fn gather(values: &[Vec<u8>], rank: usize, size: usize) -> Result<Vec<u8>> {
+    let ours = size.to_string();
+    let mut entries = Vec::with_capacity(values.len());
+    for (r, v) in values.iter().enumerate() {
+        let e = packed::entry(r, v)?;
+        if e.size != ours {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {r} was started with world size {} but rank {rank} with {size}",
+                    e.size
+                ),
+            ));
+        }
+        entries.push(e);
     }
-    out
-}
-
-fn unpack(mut bytes: &[u8]) -> Option<Vec<&[u8]>> {
-    let mut out = Vec::new();
-    while !bytes.is_empty() {
-        let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-        out.push(bytes.get(4..4 + len)?);
-        bytes = &bytes[4 + len..];
-    }
-    Some(out)
+    Ok(packed::encode(&entries))
 }
 
 /// A rank that already joined with another world size than `size`.

@@ -2,6 +2,12 @@
 //! rendezvous finds out and the mesh connects.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// A host id (see `rendezvous::host_id`), shared by the entries of its
+/// ranks: a wide roster is cloned a few times at init, and a string per
+/// rank each time was most of that.
+pub(crate) type HostId = Arc<str>;
 
 #[derive(Clone, Debug)]
 pub(crate) struct Roster {
@@ -10,7 +16,7 @@ pub(crate) struct Roster {
     /// Tells apart the communicators of one job (splits get their own).
     pub comm_id: u64,
     pub addrs: Vec<SocketAddr>,
-    pub hosts: Vec<String>,
+    pub hosts: Vec<HostId>,
 }
 
 impl Roster {

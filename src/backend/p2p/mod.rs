@@ -182,7 +182,7 @@ struct State {
     greeting: Vec<Greeting>,
     /// Greeted collectives connections, admitted outside the lock.
     admitting: Vec<([u8; mesh::HELLO_BYTES], TcpStream)>,
-    peers: Vec<Peer>,
+    peers: Peers,
     matching: Matching,
     next_id: u64,
     /// Set once the communicator failed or was aborted: every call fails so.
@@ -190,6 +190,53 @@ struct State {
     closing: bool,
     /// Sends to self, copied, waiting for their receive, are in `matching`.
     self_seq: u64,
+}
+
+/// Every peer's state, made when the pair is first used: a rank of a wide
+/// job talks to a few peers, and a state for each of 1024 (648 bytes
+/// apiece) was 0.6 MiB to fault in and zero per rank at init.
+struct Peers {
+    slots: Vec<Option<Box<Peer>>>,
+    /// What a peer not used yet reads as.
+    unused: Peer,
+}
+
+impl Peers {
+    fn new(size: usize) -> Peers {
+        Peers {
+            slots: (0..size).map(|_| None).collect(),
+            unused: Peer::default(),
+        }
+    }
+
+    /// The peers used so far.
+    fn used(&self) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|p| self.slots[*p].is_some())
+            .collect()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (usize, &Peer)> {
+        (self.slots.iter().enumerate()).filter_map(|(i, p)| Some((i, p.as_deref()?)))
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (usize, &mut Peer)> {
+        (self.slots.iter_mut().enumerate()).filter_map(|(i, p)| Some((i, p.as_deref_mut()?)))
+    }
+}
+
+impl std::ops::Index<usize> for Peers {
+    type Output = Peer;
+
+    fn index(&self, peer: usize) -> &Peer {
+        self.slots[peer].as_deref().unwrap_or(&self.unused)
+    }
+}
+
+impl std::ops::IndexMut<usize> for Peers {
+    fn index_mut(&mut self, peer: usize) -> &mut Peer {
+        self.slots[peer].get_or_insert_with(Box::default)
+    }
 }
 
 #[derive(Default)]
@@ -329,7 +376,7 @@ impl Shared {
 impl Mailbox {
     pub(crate) fn new(spec: MailboxSpec) -> Result<Arc<Mailbox>> {
         let size = spec.mesh.size;
-        let peers: Vec<Peer> = (0..size).map(|_| Peer::default()).collect();
+        let peers = Peers::new(size);
         spec.listener
             .set_nonblocking(true)
             .map_err(|e| Error::system("set_nonblocking", &e))?;
@@ -536,9 +583,9 @@ impl Mailbox {
     fn drive(&self, peer: Option<usize>) {
         let mut st = lock(&self.shared.state);
         let peers = match peer {
-            Some(p) if p != self.rank() => p..p + 1,
+            Some(p) if p != self.rank() => vec![p],
             Some(_) => return,
-            None => 0..st.peers.len(),
+            None => st.peers.used(),
         };
         for p in peers {
             for out in [true, false] {
@@ -727,7 +774,7 @@ impl Mailbox {
         let mut st = lock(&self.shared.state);
         st.fail_all(Error::invalid_usage("the communicator was destroyed"));
         st.listener = None;
-        for p in st.peers.iter_mut() {
+        for (_, p) in st.peers.iter_mut() {
             p.out = None;
             p.inc = None;
         }
@@ -829,7 +876,7 @@ impl State {
             drop(r);
             return;
         }
-        for peer in 0..self.peers.len() {
+        for peer in self.peers.used() {
             let p = &mut self.peers[peer];
             if let Some(i) = p.queued.iter().position(|s| s.id == id) {
                 p.queued.remove(i);
@@ -928,7 +975,7 @@ impl State {
         payload.extend_from_slice(report.as_bytes());
         payload.truncate(FAILURE_MAX);
         let head = Header::failure(payload.len()).encode();
-        for p in self.peers.iter_mut() {
+        for (_, p) in self.peers.iter_mut() {
             for c in [p.out.as_mut(), p.inc.as_mut()].into_iter().flatten() {
                 if c.written == 0 {
                     let _ = c.chan.write2(&head, &payload);
@@ -941,7 +988,8 @@ impl State {
         if self.failed.is_none() {
             self.failed = Some(err.clone());
         }
-        for peer in 0..self.peers.len() {
+        // Peers never used have nothing to fail; `failed` refuses them.
+        for peer in self.peers.used() {
             self.fail_peer(peer, err.clone());
         }
         for r in self.matching.posted.drain(..) {
@@ -961,7 +1009,7 @@ impl State {
                 r.dtype
             ));
         }
-        for (peer, p) in self.peers.iter().enumerate() {
+        for (peer, p) in self.peers.iter() {
             for s in p.queued.iter().chain(p.awaiting_cts.values()) {
                 v.push(format!(
                     "send to rank {peer} (tag {}, {} x {}): not received yet",
@@ -984,7 +1032,7 @@ impl State {
 
     /// Whether anything this rank sent is still in flight.
     fn sends_in_flight(&self) -> bool {
-        self.peers.iter().any(|p| {
+        self.peers.iter().any(|(_, p)| {
             !p.queued.is_empty()
                 || !p.awaiting_cts.is_empty()
                 || p.out.as_ref().is_some_and(|c| !c.out.is_empty())
@@ -994,7 +1042,7 @@ impl State {
 
     /// Turns queued sends into frames on their connection.
     fn frame_sends(&mut self) {
-        for p in self.peers.iter_mut() {
+        for (_, p) in self.peers.iter_mut() {
             let Some(out) = p.out.as_mut() else { continue };
             while let Some(s) = p.queued.pop_front() {
                 let seq = p.next_out_seq;
@@ -1087,7 +1135,7 @@ fn progress(sh: &Shared) {
                 add(g.fd(), libc::POLLIN, Slot::Greeting);
             }
             let paused = st.matching.unexpected_bytes > UNEXPECTED_LIMIT;
-            for (peer, p) in st.peers.iter().enumerate() {
+            for (peer, p) in st.peers.iter() {
                 if let Some(c) = &p.out {
                     let w = if c.out.is_empty() { 0 } else { libc::POLLOUT };
                     add(c.chan.fd(), libc::POLLIN | w, Slot::Out(peer));

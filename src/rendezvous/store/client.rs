@@ -19,7 +19,7 @@ use super::protocol::{
     READY, STOP_WAITING, WAIT_CANCELED,
 };
 use super::server::STORE_CONTEXT;
-use super::{key_timeout_error, lock, seconds, Store, OPERATION_TIMEOUT};
+use super::{key_timeout_error, lock, seconds, Store, Update, OPERATION_TIMEOUT};
 use crate::auth::{self, Side, Token, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 
@@ -560,6 +560,38 @@ impl Store for TcpStoreClient {
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let k = self.key(key)?;
         self.with_reply(&Query::Add(&k, delta), read_i64)
+    }
+
+    /// Every write back to back, then a ping: the store answers them in
+    /// order, so one round trip carries them all.
+    fn apply(&self, updates: &[Update<'_>]) -> Result<Vec<i64>> {
+        let mut bytes = Vec::new();
+        let mut adds = 0;
+        for w in updates {
+            match *w {
+                Update::Set(key, value) => {
+                    let k = self.key(key)?;
+                    encode_query(&Query::Set(&k, self.value(key, value)?), &mut bytes);
+                }
+                Update::Add(key, delta) => {
+                    let k = self.key(key)?;
+                    encode_query(&Query::Add(&k, delta), &mut bytes);
+                    adds += 1;
+                }
+            }
+        }
+        let nonce = 0x7365_7421u32;
+        encode_query(&Query::Ping(nonce), &mut bytes);
+        self.exchange(&bytes, OPERATION_TIMEOUT, |s| {
+            let added = (0..adds).map(|_| read_i64(s)).collect::<io::Result<_>>()?;
+            expect_nonce(s, nonce)?;
+            Ok(added)
+        })
+    }
+
+    fn get_present(&self, key: &str) -> Result<Vec<u8>> {
+        let k = self.key(key)?;
+        self.with_reply(&Query::Get(&k), read_value)
     }
 
     fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {

@@ -29,6 +29,12 @@ const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many missing keys a timeout message names before "and N more".
 const MAX_NAMED_KEYS: usize = 8;
 
+/// One change of [`Store::apply`].
+pub enum Update<'a> {
+    Set(&'a str, &'a [u8]),
+    Add(&'a str, i64),
+}
+
 /// A key-value store shared by all ranks of a job.
 pub trait Store: Send + Sync {
     /// Stores `value` under `key`, replacing any previous value.
@@ -47,6 +53,24 @@ pub trait Store: Send + Sync {
     /// key; one round trip each made that quadratic).
     fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         keys.iter().map(|k| self.get(k, timeout)).collect()
+    }
+    /// Carries out `updates` in order and returns each `Add`'s new value:
+    /// one round trip where the store takes queries back to back (each
+    /// rank of a wide job publishing its keys one query at a time kept
+    /// rank 0's store and the cores busy).
+    fn apply(&self, updates: &[Update<'_>]) -> Result<Vec<i64>> {
+        let mut added = Vec::new();
+        for w in updates {
+            match *w {
+                Update::Set(key, value) => self.set(key, value)?,
+                Update::Add(key, delta) => added.push(self.add(key, delta)?),
+            }
+        }
+        Ok(added)
+    }
+    /// The value of `key`, which a wait has already seen: no second wait.
+    fn get_present(&self, key: &str) -> Result<Vec<u8>> {
+        self.get(key, Duration::from_secs(1))
     }
     /// Ranks below `size` that joined this store more often than this
     /// meeting counts: two processes were given the same rank. (Stores
@@ -199,6 +223,28 @@ impl Store for PrefixStore {
         let full = self.full_keys(keys);
         let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         self.inner.get_all(&refs, timeout)
+    }
+
+    fn apply(&self, updates: &[Update<'_>]) -> Result<Vec<i64>> {
+        let full: Vec<String> = updates
+            .iter()
+            .map(|w| match w {
+                Update::Set(k, _) | Update::Add(k, _) => self.full_key(k),
+            })
+            .collect();
+        let inner: Vec<Update<'_>> = updates
+            .iter()
+            .zip(&full)
+            .map(|(w, k)| match *w {
+                Update::Set(_, v) => Update::Set(k, v),
+                Update::Add(_, d) => Update::Add(k, d),
+            })
+            .collect();
+        self.inner.apply(&inner)
+    }
+
+    fn get_present(&self, key: &str) -> Result<Vec<u8>> {
+        self.inner.get_present(&self.full_key(key))
     }
 }
 

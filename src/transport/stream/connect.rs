@@ -145,7 +145,7 @@ impl StreamTransport {
             // A peer over TCP rings no doorbell: naps on it stay short.
             self.mixed = true;
         }
-        self.conns[peer] = Some(Conn::new(chan));
+        self.conns[peer] = Some(Box::new(Conn::new(chan)));
     }
 }
 

@@ -34,7 +34,9 @@ use std::time::{Duration, Instant};
 pub struct StreamTransport {
     rank: usize,
     size: usize,
-    conns: Vec<Option<Conn>>,
+    /// Boxed: a wide job's rank connects to a few of its peers, and a
+    /// `Conn` inline for each of 1024 was 0.25 MiB to fault in at init.
+    conns: Vec<Option<Box<Conn>>>,
     signal: Arc<AbortSignal>,
     timeout: Duration,
     /// How long to spin before sleeping (zero: sleep in poll() at once).
@@ -233,7 +235,10 @@ impl StreamTransport {
             mixed,
         } = tuning;
         let size = channels.len();
-        let conns = channels.into_iter().map(|c| c.map(Conn::new)).collect();
+        let conns = channels
+            .into_iter()
+            .map(|c| c.map(|c| Box::new(Conn::new(c))))
+            .collect();
         StreamTransport {
             rank,
             size,

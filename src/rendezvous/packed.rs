@@ -1,0 +1,258 @@
+//! The roster as the store holds it: what every rank published, gathered
+//! by the last rank to join into one compact value that every rank reads.
+//! A host's ranks share its id and address (all but the port), so each
+//! is listed once and a rank takes 11 bytes. Every rank of a wide job
+//! reads the whole roster: at 1024 ranks the ranks' keys side by side
+//! were 60 KiB a rank, and parsing them was most of a rank's init.
+
+use crate::error::{Error, Result};
+use crate::transport::roster::HostId;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+
+/// What one rank published: "SIZE ADDR HOST PID NCCL".
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Entry {
+    /// The world size the rank was started with.
+    pub size: String,
+    pub addr: SocketAddr,
+    pub host: String,
+    /// NCCL may run in its process.
+    pub offers_nccl: bool,
+}
+
+/// The roster's ranks, as every rank reads it.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Listing {
+    pub addrs: Vec<SocketAddr>,
+    pub hosts: Vec<HostId>,
+    /// Some rank offered NCCL.
+    pub some_offer_nccl: bool,
+}
+
+/// What `rank` published as its key.
+pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
+    let text = String::from_utf8_lossy(value);
+    let mut parts = text.split(' ');
+    let (size, addr, host) = (parts.next(), parts.next(), parts.next());
+    // Anything but a plain "0" (a key without the field too) counts as an
+    // offer: at worst the ranks ask each other, as they always did.
+    let offers_nccl = parts.nth(1) != Some("0");
+    let addr = addr
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| Error::internal(format!("rank {rank} published a bad address '{text}'")))?;
+    Ok(Entry {
+        size: size.unwrap_or("?").to_string(),
+        addr,
+        host: host.unwrap_or("?").to_string(),
+        offers_nccl,
+    })
+}
+
+const MAGIC: &[u8; 2] = b"R1";
+const V4: u8 = 4;
+const V6: u8 = 6;
+
+/// The roster of `entries` (rank by rank) as one value.
+pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut hosts: Vec<&str> = Vec::new();
+    let mut ips: Vec<(IpAddr, u32)> = Vec::new();
+    let mut ranks = Vec::with_capacity(entries.len() * 11);
+    for e in entries {
+        let host = index_of(&mut hosts, e.host.as_str());
+        let scope = match e.addr {
+            SocketAddr::V6(a) => a.scope_id(),
+            SocketAddr::V4(_) => 0,
+        };
+        let ip = index_of(&mut ips, (e.addr.ip(), scope));
+        ranks.extend_from_slice(&host.to_le_bytes());
+        ranks.extend_from_slice(&ip.to_le_bytes());
+        ranks.extend_from_slice(&e.addr.port().to_le_bytes());
+        ranks.push(u8::from(e.offers_nccl));
+    }
+    let mut out = Vec::with_capacity(ranks.len() + 64);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
+    for h in &hosts {
+        // Host ids are short (a hostname and two numbers, or an option's
+        // id); a longer one is cut, as no two real ids differ past that.
+        let h = &h.as_bytes()[..h.len().min(u16::MAX as usize)];
+        out.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        out.extend_from_slice(h);
+    }
+    out.extend_from_slice(&(ips.len() as u32).to_le_bytes());
+    for (ip, scope) in &ips {
+        match ip {
+            IpAddr::V4(a) => {
+                out.push(V4);
+                out.extend_from_slice(&a.octets());
+            }
+            IpAddr::V6(a) => {
+                out.push(V6);
+                out.extend_from_slice(&a.octets());
+                out.extend_from_slice(&scope.to_le_bytes());
+            }
+        }
+    }
+    out.extend_from_slice(&ranks);
+    out
+}
+
+/// Where `item` is in `list` (added at the end when new). The lists stay
+/// short (hosts, and their addresses), so a scan beats a map.
+fn index_of<T: PartialEq>(list: &mut Vec<T>, item: T) -> u32 {
+    match list.iter().position(|x| *x == item) {
+        Some(i) => i as u32,
+        None => {
+            list.push(item);
+            (list.len() - 1) as u32
+        }
+    }
+}
+
+/// The roster from its value; None when the value is not one.
+pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
+    let mut r = Reader(bytes);
+    if r.take(2)? != MAGIC {
+        return None;
+    }
+    let size = r.u32()? as usize;
+    let host_count = r.u32()? as usize;
+    let mut hosts = Vec::with_capacity(host_count.min(bytes.len()));
+    for _ in 0..host_count {
+        let len = u16::from_le_bytes(r.take(2)?.try_into().ok()?) as usize;
+        hosts.push(HostId::from(String::from_utf8_lossy(r.take(len)?)));
+    }
+    let ip_count = r.u32()? as usize;
+    let mut ips = Vec::with_capacity(ip_count.min(bytes.len()));
+    for _ in 0..ip_count {
+        ips.push(match r.take(1)?[0] {
+            V4 => (
+                IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(r.take(4)?).ok()?)),
+                0,
+            ),
+            V6 => {
+                let octets = <[u8; 16]>::try_from(r.take(16)?).ok()?;
+                (IpAddr::V6(Ipv6Addr::from(octets)), r.u32()?)
+            }
+            _ => return None,
+        });
+    }
+    if r.0.len() != size.checked_mul(11)? {
+        return None;
+    }
+    let mut listing = Listing {
+        addrs: Vec::with_capacity(size),
+        hosts: Vec::with_capacity(size),
+        some_offer_nccl: false,
+    };
+    for rank in r.0.chunks_exact(11) {
+        let host = u32::from_le_bytes(rank[0..4].try_into().ok()?) as usize;
+        let ip = u32::from_le_bytes(rank[4..8].try_into().ok()?) as usize;
+        let port = u16::from_le_bytes(rank[8..10].try_into().ok()?);
+        let (ip, scope) = *ips.get(ip)?;
+        listing.addrs.push(match ip {
+            IpAddr::V6(a) => SocketAddr::V6(SocketAddrV6::new(a, port, 0, scope)),
+            IpAddr::V4(_) => SocketAddr::new(ip, port),
+        });
+        listing.hosts.push(hosts.get(host)?.clone());
+        listing.some_offer_nccl |= rank[10] != 0;
+    }
+    Some(listing)
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn published(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {
+        format!("{size} {addr} {host} 4242 {nccl}").into_bytes()
+    }
+
+    #[test]
+    fn what_ranks_published_reads_back_rank_by_rank() {
+        let keys = [
+            published(4, "10.0.0.1:5000", "a/0a1b2c3d/4026531840", "0"),
+            published(4, "10.0.0.2:5001", "b/0a1b2c3d/4026531841", "0"),
+            published(4, "10.0.0.1:5002", "a/0a1b2c3d/4026531840", "0"),
+            published(4, "[fe80::1%7]:5003", "c", "0"),
+        ];
+        let entries: Vec<Entry> = keys
+            .iter()
+            .enumerate()
+            .map(|(r, k)| entry(r, k).unwrap())
+            .collect();
+        assert_eq!(entries[3].addr.to_string(), "[fe80::1%7]:5003");
+        let bytes = encode(&entries);
+        // Hosts and addresses once each: 3 hosts, 3 addresses, 4 ranks.
+        assert!(
+            bytes.len() < 2 + 4 + 4 + 3 * 24 + 4 + 5 + 5 + 21 + 4 * 11,
+            "{}",
+            bytes.len()
+        );
+        let listing = decode(&bytes).unwrap();
+        assert_eq!(
+            listing.addrs,
+            entries.iter().map(|e| e.addr).collect::<Vec<_>>()
+        );
+        let hosts: Vec<&str> = listing.hosts.iter().map(|h| &**h).collect();
+        assert_eq!(
+            hosts,
+            entries.iter().map(|e| e.host.as_str()).collect::<Vec<_>>()
+        );
+        assert!(!listing.some_offer_nccl);
+    }
+
+    #[test]
+    fn an_offer_of_nccl_or_a_key_without_the_field_counts() {
+        for (nccl, offered) in [("1", true), ("0", false)] {
+            let e = entry(0, &published(1, "127.0.0.1:1", "h", nccl)).unwrap();
+            assert_eq!(decode(&encode(&[e])).unwrap().some_offer_nccl, offered);
+        }
+        let old = entry(0, b"1 127.0.0.1:1 h").unwrap();
+        assert!(old.offers_nccl);
+    }
+
+    #[test]
+    fn a_bad_address_names_the_rank() {
+        let e = entry(3, b"2 nowhere h 1 0").unwrap_err();
+        assert!(
+            e.message().contains("rank 3 published a bad address"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn anything_cut_or_foreign_is_refused() {
+        let e = entry(0, &published(2, "127.0.0.1:9", "h", "0")).unwrap();
+        let bytes = encode(&[e.clone(), e]);
+        for cut in 0..bytes.len() {
+            assert_eq!(decode(&bytes[..cut]), None, "cut at {cut}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(decode(&longer), None);
+        assert_eq!(decode(b"12 127.0.0.1:9 h 1 0"), None);
+        let mut bad_index = bytes;
+        let last = bad_index.len() - 11;
+        bad_index[last] = 9;
+        assert_eq!(decode(&bad_index), None);
+    }
+}
