@@ -5,6 +5,8 @@
 
 mod common;
 
+use rdist::store::TcpStoreServer;
+use rdist::Comm;
 use std::process::Command;
 use std::time::Duration;
 
@@ -46,5 +48,41 @@ fn a_wide_job_connects_only_the_pairs_it_uses() {
     assert!(
         mean_fds < 40.0,
         "{mean_fds} descriptors per rank on average: every pair connected? {line}"
+    );
+}
+
+/// What joining costs the store every rank shares (rank 0's, one thread
+/// serving the whole job): the same few queries a rank, however many ranks
+/// join. Each rank reading every rank's key, or asking again and again
+/// while it waits, made a wide job's rendezvous grow with the square of
+/// the ranks.
+#[test]
+fn joining_costs_the_shared_store_a_few_queries_a_rank_at_any_width() {
+    let mut per_rank = Vec::new();
+    for ranks in [4usize, 32] {
+        let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let url = format!("tcp://{}", server.local_addr());
+        let joins: Vec<_> = (0..ranks)
+            .map(|r| {
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    Comm::init(&url, r as i64, ranks as i64, &common::opts(60_000))
+                })
+            })
+            .collect();
+        let comms: Vec<Comm> = joins
+            .into_iter()
+            .map(|j| j.join().unwrap().expect("init"))
+            .collect();
+        per_rank.push(server.queries_answered() as f64 / ranks as f64);
+        drop(comms);
+    }
+    eprintln!(
+        "store queries per rank: 4 ranks {:.1}, 32 ranks {:.1}",
+        per_rank[0], per_rank[1]
+    );
+    assert!(
+        per_rank.iter().all(|q| *q <= 15.0),
+        "queries per rank at 4 and 32 ranks: {per_rank:?}"
     );
 }

@@ -368,7 +368,7 @@ fn wait_for_ranks(
     // job's ranks wait about as long as its launch takes (1024 ranks on 2
     // cores: a second): the first slice is long enough for most to need
     // none.
-    let mut slice = Duration::from_millis(500);
+    let mut slice = Duration::from_secs(1);
     loop {
         let e = match store.wait(keys, slice.min(left(deadline))) {
             Ok(()) => return Ok(()),

@@ -309,6 +309,7 @@ fn main() {
         }
     };
     let started = std::time::Instant::now();
+    let started_at = unix_us();
     let comm = match Comm::init("env://", -1, -1, &Options::default()) {
         Ok(c) => c,
         Err(e) => {
@@ -331,13 +332,14 @@ fn main() {
         }
     }
     let joined = started.elapsed();
+    let span = [started_at, unix_us()];
     let after_init = a.resources.then(Usage::now);
     if let Err(e) = bench(&a, &comm) {
         eprintln!("rdist-bench: rank {}: {e}", comm.rank());
         std::process::exit(1);
     }
     if let Some(after_init) = after_init {
-        if let Err(e) = report_usage(&comm, joined, after_init, Usage::now()) {
+        if let Err(e) = report_usage(&comm, joined, span, after_init, Usage::now()) {
             eprintln!("rdist-bench: rank {}: {e}", comm.rank());
             std::process::exit(1);
         }
@@ -366,14 +368,29 @@ impl Usage {
     }
 }
 
+/// Microseconds since the Unix epoch (one clock for every rank of a host).
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// Prints (rank 0) the slowest and mean init time, and descriptors and
-/// resident memory per rank after init and after the benchmark.
+/// resident memory per rank after init and after the benchmark. `span`:
+/// when this rank called init and when it returned (`unix_us`), which
+/// tells the launch (the first rank's call to the last's) from what init
+/// took once every rank was there; on one host, whose ranks share a clock.
 fn report_usage(
     comm: &Comm,
     joined: std::time::Duration,
+    span: [u64; 2],
     after_init: Usage,
     after_run: Usage,
 ) -> rdist::Result<()> {
+    let mut last = span;
+    let mut first = [span[0]];
+    comm.allreduce(&mut last, ReduceOp::Max)?;
+    comm.allreduce(&mut first, ReduceOp::Min)?;
     let mine = [
         joined.as_micros() as u64,
         after_init.fds,
@@ -389,10 +406,12 @@ fn report_usage(
     if comm.rank() == 0 {
         let mean = |i: usize| sum[i] as f64 / n;
         println!(
-            "# resources: {} ranks; init {:.2} s (slowest rank), {:.2} s mean; after init {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max) per rank; after the run {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max)",
+            "# resources: {} ranks; init {:.2} s (slowest rank), {:.2} s mean; calls to init over {:.2} s, the last returned {:.2} s after the last call; after init {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max) per rank; after the run {:.0} fds ({} max), {:.1} MiB RSS ({:.1} max)",
             comm.size(),
             max[0] as f64 / 1e6,
             mean(0) / 1e6,
+            last[0].saturating_sub(first[0]) as f64 / 1e6,
+            last[1].saturating_sub(last[0]) as f64 / 1e6,
             mean(1),
             max[1],
             mean(2) / 1024.0,

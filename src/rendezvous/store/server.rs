@@ -16,6 +16,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -153,6 +154,8 @@ struct Server {
     accept_paused_until: Option<Instant>,
     /// Clients with a wait answered, to flush.
     woken: Vec<usize>,
+    /// Queries answered so far (see `TcpStoreServer::queries_answered`).
+    answered: Arc<AtomicU64>,
 }
 
 fn epoll_ctl(epoll: RawFd, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -569,6 +572,7 @@ impl Server {
     /// Carries out one query.
     fn answer(&mut self, slot: usize, query: Query<'_>) -> std::result::Result<(), Why> {
         self.last_activity = Instant::now();
+        self.answered.fetch_add(1, Ordering::Relaxed);
         if !self.client(slot).validated {
             return match query {
                 Query::Validate(MAGIC) => {
@@ -958,6 +962,7 @@ impl Drop for Server {
 /// The rendezvous store server, hosted by rank 0. Serves until dropped.
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
+    answered: Arc<AtomicU64>,
     token: Option<Token>,
     lifetime: Arc<Mutex<Lifetime>>,
     /// Shut down to stop the serving thread.
@@ -1010,7 +1015,9 @@ impl TcpStoreServer {
             waiters: HashMap::new(),
             accept_paused_until: None,
             woken: Vec::new(),
+            answered: Arc::default(),
         };
+        let answered = Arc::clone(&server.answered);
         for (fd, token) in [
             (server.listener.as_raw_fd(), LISTENER),
             (server.waker.as_raw_fd(), WAKER),
@@ -1024,6 +1031,7 @@ impl TcpStoreServer {
             .map_err(|e| cannot_host(&e))?;
         Ok(TcpStoreServer {
             local_addr,
+            answered,
             token,
             lifetime,
             waker,
@@ -1034,6 +1042,12 @@ impl TcpStoreServer {
     /// The address the server listens on (with the real port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// How many queries the server has answered: what a rendezvous costs
+    /// rank 0's store, which serves every rank of a job.
+    pub fn queries_answered(&self) -> u64 {
+        self.answered.load(Ordering::Relaxed)
     }
 
     /// Holds a server bound with a linger time: it serves while any lease
