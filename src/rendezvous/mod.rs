@@ -52,11 +52,14 @@ impl Joined {
     /// Called once the mesh is up: the store's job is done; a shared
     /// directory is removed by the last rank to get here.
     pub fn finish(&self) {
-        let connected = self.store.add("connected", 1).unwrap_or(0);
-        if connected >= self.size as i64 {
-            if let Some(f) = &self.file_store {
-                let _ = f.remove();
-            }
+        let Some(f) = &self.file_store else {
+            // Counted for whoever watches the meeting (a unique id's host,
+            // a later meeting looking for ranks started twice).
+            let _ = self.store.add_no_wait("connected", 1);
+            return;
+        };
+        if self.store.add("connected", 1).unwrap_or(0) >= self.size as i64 {
+            let _ = f.remove();
         }
     }
 }

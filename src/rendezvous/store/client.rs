@@ -32,6 +32,9 @@ struct Connection {
     /// Set once a query failed half-way: the byte stream is then out of
     /// step, so every later query fails with the same error.
     broken: Option<Error>,
+    /// Answers to adds sent without waiting (`add_no_wait`), read before
+    /// the next query's answer.
+    owed: usize,
 }
 
 /// A connection to a TCPStore (rdist's or torch's). Queries from several
@@ -86,6 +89,7 @@ impl TcpStoreClient {
                         connection: Mutex::new(Connection {
                             stream,
                             broken: None,
+                            owed: 0,
                         }),
                     })
                 }
@@ -173,17 +177,36 @@ impl TcpStoreClient {
     /// connection that a query here relies on.
     fn mend(&self, c: &mut Connection) -> Result<()> {
         let Some(err) = c.broken.clone() else {
-            return Ok(());
+            return self.settle(c);
         };
         let deadline = Instant::now() + Duration::from_secs(1);
         match connect_once(&self.addr, deadline, self.token.as_ref()) {
             Ok(stream) => {
                 c.stream = stream;
                 c.broken = None;
+                c.owed = 0;
                 Ok(())
             }
             Err(_) => Err(err),
         }
+    }
+
+    /// Reads the answers owed to adds sent without waiting: the next
+    /// answer on the connection is then the next query's.
+    fn settle(&self, c: &mut Connection) -> Result<()> {
+        if c.owed == 0 {
+            return Ok(());
+        }
+        let settled = c
+            .stream
+            .set_read_timeout(Some(OPERATION_TIMEOUT))
+            .and_then(|()| (0..c.owed).try_for_each(|_| read_i64(&mut c.stream).map(drop)));
+        c.owed = 0;
+        settled.map_err(|e| {
+            let err = self.connection_error(&e, OPERATION_TIMEOUT);
+            c.broken = Some(err.clone());
+            err
+        })
     }
 
     fn connection_error(&self, err: &io::Error, bound: Duration) -> Error {
@@ -560,6 +583,29 @@ impl Store for TcpStoreClient {
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let k = self.key(key)?;
         self.with_reply(&Query::Add(&k, delta), read_i64)
+    }
+
+    fn add_no_wait(&self, key: &str, delta: i64) -> Result<()> {
+        let k = self.key(key)?;
+        let mut bytes = Vec::new();
+        encode_query(&Query::Add(&k, delta), &mut bytes);
+        let mut c = lock(&self.connection);
+        self.mend(&mut c)?;
+        let sent = c
+            .stream
+            .set_write_timeout(Some(OPERATION_TIMEOUT))
+            .and_then(|()| c.stream.write_all(&bytes));
+        match sent {
+            Ok(()) => {
+                c.owed += 1;
+                Ok(())
+            }
+            Err(e) => {
+                let err = self.connection_error(&e, OPERATION_TIMEOUT);
+                c.broken = Some(err.clone());
+                Err(err)
+            }
+        }
     }
 
     /// Every update back to back: the store answers them in order, so one

@@ -68,6 +68,13 @@ pub trait Store: Send + Sync {
         }
         Ok(added)
     }
+    /// `add` when its new value is not needed: where the store can, the
+    /// answer is not waited for (each rank of a wide job waiting at the end
+    /// of its init for rank 0's store, busy with every other rank, took a
+    /// quarter of a second).
+    fn add_no_wait(&self, key: &str, delta: i64) -> Result<()> {
+        self.add(key, delta).map(drop)
+    }
     /// The value of `key`, which a wait has already seen: no second wait.
     fn get_present(&self, key: &str) -> Result<Vec<u8>> {
         self.get(key, Duration::from_secs(1))
@@ -245,6 +252,10 @@ impl Store for PrefixStore {
 
     fn get_present(&self, key: &str) -> Result<Vec<u8>> {
         self.inner.get_present(&self.full_key(key))
+    }
+
+    fn add_no_wait(&self, key: &str, delta: i64) -> Result<()> {
+        self.inner.add_no_wait(&self.full_key(key), delta)
     }
 }
 

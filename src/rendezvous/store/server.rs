@@ -1201,6 +1201,23 @@ mod tests {
     }
 
     #[test]
+    fn adds_not_waited_for_count_and_keep_the_answers_in_step() {
+        let server = start_server();
+        let client = connect(&server);
+        for _ in 0..3 {
+            client.add_no_wait("n", 2).unwrap();
+        }
+        // Each later query reads its own answer, not an add's.
+        assert_eq!(client.get("n", PATIENCE).unwrap(), b"6");
+        client.add_no_wait("n", 1).unwrap();
+        client.wait(&["n"], PATIENCE).unwrap();
+        assert_eq!(client.add("n", 0).unwrap(), 7);
+        client.add_no_wait("n", 1).unwrap();
+        assert!(client.check(&["n"]).unwrap());
+        assert_eq!(connect(&server).add("n", 0).unwrap(), 8);
+    }
+
+    #[test]
     fn check_and_wait() {
         let server = start_server();
         let client = connect(&server);

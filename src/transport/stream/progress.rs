@@ -132,8 +132,13 @@ impl StreamTransport {
         let mut spin_until: Option<Instant> = None;
         let mut passes = 0u32;
         let mut nap_ms = 1;
+        // Past the spin window, with nothing moving: each wake from a nap
+        // looks once, then naps again. (Fifteen busy passes and yields a
+        // wake, with a thousand ranks of one host waiting for peers still
+        // starting, took the cores those peers needed.)
+        let mut napping = false;
         while p.remaining > 0 {
-            if !spin.is_zero() && passes % 16 != 15 {
+            if !spin.is_zero() && !napping && passes % 16 != 15 {
                 // Between the checks below (a clock read each), pure busy
                 // passes: a small message's latency is a few of them.
                 passes = passes.wrapping_add(1);
@@ -170,6 +175,7 @@ impl StreamTransport {
                 last_moved = self.moved;
                 idle_since = Some(now);
                 nap_ms = 1;
+                napping = false;
                 if !p.sockets_only && !self.mixed {
                     spin_until = Some(now + spin);
                 }
@@ -186,10 +192,11 @@ impl StreamTransport {
                 }
                 continue;
             }
+            napping = true;
             // Shared memory wakes no descriptor: sleep on its doorbell
             // (also with spinning turned off, RDIST_SPIN_US=0).
             if self.doorbell.is_some() && !p.sockets_only && self.waits_on_memory(p) {
-                self.doze(xfers, p, deadline)?;
+                self.doze(xfers, p, deadline, idle)?;
                 continue;
             }
             fds.clear();
@@ -262,8 +269,16 @@ impl StreamTransport {
 
 impl StreamTransport {
     /// Sleeps on the doorbell until a peer moves data (or a short timeout,
-    /// after which the caller re-checks abort, peers' deaths and the deadline).
-    fn doze(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, deadline: Instant) -> Result<()> {
+    /// after which the caller re-checks abort, peers' deaths and the
+    /// deadline). `idle`: how long nothing has moved; the longer, the
+    /// longer the nap (a peer's data rings the doorbell whatever the nap).
+    fn doze(
+        &mut self,
+        xfers: &mut [Xfer<'_>],
+        p: &mut Progress,
+        deadline: Instant,
+        idle: Duration,
+    ) -> Result<()> {
         let bell = self.doorbell.as_ref().expect("doze needs a doorbell");
         let seen = bell.prepare();
         let before = self.moved;
@@ -280,7 +295,7 @@ impl StreamTransport {
         let longest = if self.mixed {
             Duration::from_micros(200)
         } else {
-            Duration::from_millis(20)
+            (idle / 4).clamp(Duration::from_millis(20), Duration::from_millis(100))
         };
         let nap = deadline
             .saturating_duration_since(Instant::now())
