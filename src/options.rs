@@ -339,6 +339,10 @@ impl Options {
                 if v.contains(char::is_whitespace) {
                     return Err(bad("a host id without spaces"));
                 }
+                // The packed roster gives a host id at most 64 KiB.
+                if v.len() > 1024 {
+                    return Err(bad("a host id of at most 1024 bytes"));
+                }
                 self.host_id = Some(v.to_string()).filter(|h| !h.is_empty());
             }
             _ => return Err(Error::internal(format!("option key '{key}' not handled"))),

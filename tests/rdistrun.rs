@@ -269,6 +269,27 @@ fn second_node_numbers_ranks_after_the_first() {
     }
 }
 
+/// Started by a parent that ignores SIGCHLD (which exec passes on, and
+/// which has the kernel reap children itself): rdistrun still sees each
+/// rank's exit and its code, and ends.
+#[test]
+fn a_launcher_started_with_sigchld_ignored_still_sees_its_ranks_exit() {
+    use std::os::unix::process::CommandExt;
+    for (script, code) in [("exit 0", 0), ("exit 3", 3)] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_rdistrun"));
+        command.args(["--nproc-per-node", "2", "sh", "-c", script]);
+        // SAFETY: signal() is async-signal-safe and allocates nothing.
+        unsafe {
+            command.pre_exec(|| {
+                libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        let out = Launcher::spawn(command).finish();
+        assert_eq!(out.code(), Some(code), "{}", out.stderr);
+    }
+}
+
 #[test]
 fn success_prints_only_the_ranks_output() {
     let out = run(&["--nproc-per-node", "2", "true"]);

@@ -81,8 +81,12 @@ fn joining_costs_the_shared_store_a_few_queries_a_rank_at_any_width() {
         "store queries per rank: 4 ranks {:.1}, 32 ranks {:.1}",
         per_rank[0], per_rank[1]
     );
+    // About 13 a rank; a rank that waits over a second for the others
+    // (a loaded machine) looks again, 4 queries a look. Reading every
+    // rank's key one by one, or every rank polling the count, would add
+    // 28 or more a rank at 32 ranks.
     assert!(
-        per_rank.iter().all(|q| *q <= 15.0),
+        per_rank.iter().all(|q| *q <= 20.0) && per_rank[1] <= per_rank[0] + 3.0,
         "queries per rank at 4 and 32 ranks: {per_rank:?}"
     );
 }

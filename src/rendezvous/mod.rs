@@ -378,10 +378,17 @@ fn wait_for_ranks(
             Err(e) if e.kind() == ErrorKind::Timeout => e,
             Err(e) => return Err(e),
         };
-        let [failed, last] = <[Option<Vec<u8>>; 2]>::try_from(
-            store.read_within(&[FAILED_KEY, "world_size"], Duration::from_secs(5))?,
-        )
-        .map_err(|_| Error::internal("the store answered a read of two keys with another count"))?;
+        // A store too busy to answer within the look's bound is waited
+        // for again (up to the deadline), as the keys are.
+        let bound = left(deadline).clamp(Duration::from_secs(1), OPERATION_BOUND);
+        let looked = match store.read_within(&[FAILED_KEY, "world_size"], bound) {
+            Ok(values) => values,
+            Err(e) if e.kind() == ErrorKind::Timeout && !left(deadline).is_zero() => continue,
+            Err(e) => return Err(e),
+        };
+        let [failed, last] = <[Option<Vec<u8>>; 2]>::try_from(looked).map_err(|_| {
+            Error::internal("the store answered a read of two keys with another count")
+        })?;
         if let Some(text) = failed {
             return Err(Error::new(
                 ErrorKind::Mismatch,
@@ -404,6 +411,9 @@ fn wait_for_ranks(
         slice = (slice * 2).min(Duration::from_secs(2));
     }
 }
+
+/// How long one look at the store while waiting may take.
+const OPERATION_BOUND: Duration = Duration::from_secs(30);
 
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";

@@ -19,6 +19,10 @@ pub trait Channel: Send {
     /// blocking (cheaply for shared memory, with a peek for TCP).
     fn has_data(&self) -> bool;
     fn shutdown(&self, how: Shutdown);
+    /// Has the next read look whether the peer is gone, for a caller
+    /// about to sleep (channels that look only now and then while
+    /// spinning).
+    fn look_for_departure(&mut self) {}
     /// The peer's pid when its memory can be read directly
     /// (process_vm_readv), for single-copy transfers of large payloads.
     fn peer_pid(&self) -> Option<i32> {

@@ -1270,6 +1270,9 @@ fn install(sh: &Shared, st: &mut State, g: Greeting) {
     let Some(rank) = mesh::judge_p2p(&sh.mesh, &hello) else {
         return; // a stranger, or another communicator: dropped
     };
+    if st.failed.is_some() {
+        return; // failed or aborted: the dialer hears it as a closed line
+    }
     let p = &mut st.peers[rank];
     if p.inc.is_some() || p.gone.is_some() {
         return; // one connection per pair and direction

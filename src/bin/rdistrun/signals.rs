@@ -19,6 +19,12 @@ extern "C" fn record_signal(signal: libc::c_int) {
 /// Records SIGINT and SIGTERM instead of dying of them. Called before any rank
 /// starts, so that a Ctrl-C during start-up is forwarded, not fatal.
 pub fn install_handlers() -> io::Result<()> {
+    // Exited ranks must stay to be reaped: a parent that ignored SIGCHLD
+    // passes that on through exec, and the kernel would reap them itself.
+    // SAFETY: setting a signal's disposition to the default.
+    if unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
     for signal in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: a zeroed sigaction is a valid value to fill in, and the handler
         // is async-signal-safe.

@@ -3,6 +3,7 @@
 
 use crate::signals::{self, describe_signal, signal_exit_code};
 use crate::EXIT_LAUNCHER_ERROR;
+use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};
 use std::thread;
@@ -274,9 +275,24 @@ fn reap_exited(ranks: &mut [RankProcess]) -> Option<StopCause> {
         let mut status = 0;
         // SAFETY: waitpid writes the status into our integer.
         let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD) {
+            // No child left, yet some rank was never reaped here (reaped
+            // by the kernel, or by someone else): it is gone all the same.
+            for process in ranks.iter_mut().filter(|p| p.is_running()) {
+                let exit =
+                    RankExit::Unknown("it was reaped elsewhere (is SIGCHLD ignored?)".into());
+                process.exit = Some(exit.clone());
+                first_failure.get_or_insert(StopCause::RankFailed {
+                    rank: process.rank,
+                    pid: process.pid(),
+                    exit,
+                });
+            }
+            return first_failure;
+        }
         if pid <= 0 {
-            // 0: none has exited since; -1: no child left, or a signal
-            // came (the next poll goes on).
+            // 0: none has exited since; -1: a signal came (the next poll
+            // goes on).
             return first_failure;
         }
         let Some(process) = ranks.iter_mut().find(|p| p.is_running() && p.pid() == pid) else {

@@ -156,7 +156,7 @@ impl TcpStoreClient {
         read: impl FnOnce(&mut TcpStream) -> io::Result<T>,
     ) -> Result<T> {
         let mut c = lock(&self.connection);
-        self.mend(&mut c)?;
+        self.mend(&mut c, bound)?;
         let outcome = (|| {
             let bound = bound.max(Duration::from_millis(1));
             c.stream.set_read_timeout(Some(bound))?;
@@ -175,9 +175,10 @@ impl TcpStoreClient {
     /// timeout, or lost) is made again, once per call, before giving up
     /// with the error that broke it: the store keeps no state per
     /// connection that a query here relies on.
-    fn mend(&self, c: &mut Connection) -> Result<()> {
+    /// Then reads the answers owed on it, within `bound`.
+    fn mend(&self, c: &mut Connection, bound: Duration) -> Result<()> {
         let Some(err) = c.broken.clone() else {
-            return self.settle(c);
+            return self.settle(c, bound);
         };
         let deadline = Instant::now() + Duration::from_secs(1);
         match connect_once(&self.addr, deadline, self.token.as_ref()) {
@@ -193,17 +194,21 @@ impl TcpStoreClient {
 
     /// Reads the answers owed to adds sent without waiting: the next
     /// answer on the connection is then the next query's.
-    fn settle(&self, c: &mut Connection) -> Result<()> {
+    fn settle(&self, c: &mut Connection, bound: Duration) -> Result<()> {
         if c.owed == 0 {
             return Ok(());
         }
+        // Within the caller's bound (the flight recorder's writes must not
+        // hang on a store that stopped answering), but long enough for
+        // answers already on their way.
+        let bound = bound.clamp(Duration::from_millis(100), OPERATION_TIMEOUT);
         let settled = c
             .stream
-            .set_read_timeout(Some(OPERATION_TIMEOUT))
+            .set_read_timeout(Some(bound))
             .and_then(|()| (0..c.owed).try_for_each(|_| read_i64(&mut c.stream).map(drop)));
         c.owed = 0;
         settled.map_err(|e| {
-            let err = self.connection_error(&e, OPERATION_TIMEOUT);
+            let err = self.connection_error(&e, bound);
             c.broken = Some(err.clone());
             err
         })
@@ -590,7 +595,7 @@ impl Store for TcpStoreClient {
         let mut bytes = Vec::new();
         encode_query(&Query::Add(&k, delta), &mut bytes);
         let mut c = lock(&self.connection);
-        self.mend(&mut c)?;
+        self.mend(&mut c, OPERATION_TIMEOUT)?;
         let sent = c
             .stream
             .set_write_timeout(Some(OPERATION_TIMEOUT))
@@ -767,7 +772,7 @@ impl Store for TcpStoreClient {
             &mut bytes,
         );
         let mut c = lock(&self.connection);
-        self.mend(&mut c)?;
+        self.mend(&mut c, timeout.min(OPERATION_TIMEOUT))?;
         let outcome: io::Result<bool> = (|| {
             c.stream
                 .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
