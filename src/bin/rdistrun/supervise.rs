@@ -6,6 +6,7 @@ use crate::EXIT_LAUNCHER_ERROR;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};
+use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -224,10 +225,11 @@ fn running(ranks: &[RankProcess]) -> impl Iterator<Item = &RankProcess> {
 pub fn supervise(ranks: &mut [RankProcess], report: Duration, grace: Duration) -> Option<Stop> {
     let mut signals_handled = 0;
     let mut stop: Option<Stop> = None;
+    let reaper = start_reaper();
     while ranks.iter().any(RankProcess::is_running) {
         // Signals first: a rank dying of a forwarded signal is not the cause.
         handle_signals(ranks, &mut signals_handled, &mut stop, grace);
-        if let Some(failure) = reap_exited(ranks) {
+        if let Some(failure) = reap_exited(ranks, reaper.as_ref()) {
             if stop.is_none() {
                 stop = Some(Stop::new(ranks, failure, report));
             }
@@ -265,46 +267,88 @@ fn handle_signals(
     }
 }
 
-/// Reaps ranks that have exited; returns the first (lowest) failed one, if
-/// any. One waitpid for any child per exit, not one per rank per poll:
-/// 1024 ranks polled every 10 ms were 100,000 system calls a second,
-/// taken from the ranks' cores. (The ranks are rdistrun's only children.)
-fn reap_exited(ranks: &mut [RankProcess]) -> Option<StopCause> {
-    let mut first_failure: Option<StopCause> = None;
+/// What one waitpid for any child found.
+enum Reaped {
+    Exited(libc::pid_t, i32),
+    NoChildLeft,
+}
+
+/// One waitpid for any child (the ranks are rdistrun's only children);
+/// None when, not blocking, none has exited.
+fn wait_any(block: bool) -> Option<Reaped> {
+    let flags = if block { 0 } else { libc::WNOHANG };
     loop {
         let mut status = 0;
         // SAFETY: waitpid writes the status into our integer.
-        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-        if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD) {
-            // No child left, yet some rank was never reaped here (reaped
-            // by the kernel, or by someone else): it is gone all the same.
-            for process in ranks.iter_mut().filter(|p| p.is_running()) {
-                let exit =
-                    RankExit::Unknown("it was reaped elsewhere (is SIGCHLD ignored?)".into());
-                process.exit = Some(exit.clone());
-                first_failure.get_or_insert(StopCause::RankFailed {
-                    rank: process.rank,
-                    pid: process.pid(),
-                    exit,
-                });
+        let pid = unsafe { libc::waitpid(-1, &mut status, flags) };
+        if pid > 0 {
+            return Some(Reaped::Exited(pid, status));
+        }
+        if pid == 0 {
+            return None;
+        }
+        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return Some(Reaped::NoChildLeft);
+        }
+    }
+}
+
+/// A thread blocked in waitpid for any child, passing on each exit as it
+/// happens: one system call per exit (polling every rank every 10 ms was
+/// 100,000 a second at 1024 ranks), and exits in the order the ranks
+/// ended (a poll finds those of the last 10 ms together, and cannot tell
+/// which failed first). None when no thread can be started.
+fn start_reaper() -> Option<Receiver<Reaped>> {
+    let (tx, rx) = mpsc::channel();
+    thread::Builder::new()
+        .name("rdistrun-reaper".into())
+        .spawn(move || {
+            while let Some(reaped) = wait_any(true) {
+                let last = matches!(reaped, Reaped::NoChildLeft);
+                if tx.send(reaped).is_err() || last {
+                    return;
+                }
             }
-            return first_failure;
-        }
-        if pid <= 0 {
-            // 0: none has exited since; -1: a signal came (the next poll
-            // goes on).
-            return first_failure;
-        }
+        })
+        .ok()?;
+    Some(rx)
+}
+
+/// Records the ranks that have exited (from `reaper`, or polled without
+/// one), up to the first that failed, which it returns.
+fn reap_exited(ranks: &mut [RankProcess], reaper: Option<&Receiver<Reaped>>) -> Option<StopCause> {
+    loop {
+        let reaped = match reaper {
+            Some(exits) => exits.try_recv().ok(),
+            None => wait_any(false),
+        };
+        let (pid, status) = match reaped? {
+            Reaped::Exited(pid, status) => (pid, status),
+            Reaped::NoChildLeft => {
+                // Yet some rank was never reaped here (reaped by the kernel,
+                // or by someone else): it is gone all the same.
+                let mut first = None;
+                for process in ranks.iter_mut().filter(|p| p.is_running()) {
+                    let exit =
+                        RankExit::Unknown("it was reaped elsewhere (is SIGCHLD ignored?)".into());
+                    process.exit = Some(exit.clone());
+                    first.get_or_insert(StopCause::RankFailed {
+                        rank: process.rank,
+                        pid: process.pid(),
+                        exit,
+                    });
+                }
+                return first;
+            }
+        };
         let Some(process) = ranks.iter_mut().find(|p| p.is_running() && p.pid() == pid) else {
             continue;
         };
         let exit = process.reaped(ExitStatus::from_raw(status));
-        let lower = match &first_failure {
-            Some(StopCause::RankFailed { rank, .. }) => process.rank < *rank,
-            _ => true,
-        };
-        if !exit.is_success() && lower {
-            first_failure = Some(StopCause::RankFailed {
+        if !exit.is_success() {
+            // The exits after it are the others' (reaped next time, once
+            // the stop knows who was still running).
+            return Some(StopCause::RankFailed {
                 rank: process.rank,
                 pid,
                 exit,
