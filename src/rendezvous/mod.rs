@@ -380,7 +380,7 @@ fn wait_for_ranks(
         };
         // A store too busy to answer within the look's bound is waited
         // for again (up to the deadline), as the keys are.
-        let bound = left(deadline).clamp(Duration::from_secs(1), OPERATION_BOUND);
+        let bound = left(deadline).clamp(Duration::from_secs(1), store::OPERATION_TIMEOUT);
         let looked = match store.read_within(&[FAILED_KEY, "world_size"], bound) {
             Ok(values) => values,
             Err(e) if e.kind() == ErrorKind::Timeout && !left(deadline).is_zero() => continue,
@@ -411,9 +411,6 @@ fn wait_for_ranks(
         slice = (slice * 2).min(Duration::from_secs(2));
     }
 }
-
-/// How long one look at the store while waiting may take.
-const OPERATION_BOUND: Duration = Duration::from_secs(30);
 
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";

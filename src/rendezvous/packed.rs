@@ -74,8 +74,8 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     out.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
     for h in &hosts {
-        // Host ids are short (a hostname and two numbers, or an option's
-        // id); a longer one is cut, as no two real ids differ past that.
+        // Host ids are short: a hostname and two numbers, or an option's
+        // id of at most 1024 bytes (options.rs); the cut never happens.
         let h = &h.as_bytes()[..h.len().min(u16::MAX as usize)];
         out.extend_from_slice(&(h.len() as u16).to_le_bytes());
         out.extend_from_slice(h);

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Bound on the operations that never wait for other ranks (set, add, check).
-const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many missing keys a timeout message names before "and N more".
 const MAX_NAMED_KEYS: usize = 8;
 

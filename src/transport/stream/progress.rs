@@ -285,11 +285,9 @@ impl StreamTransport {
         // A peer that died rings no doorbell: the pass below looks at each
         // awaited one's liveness socket (spinning looks only now and then,
         // and naps grow long).
-        for peer in 0..self.size {
-            if !p.recvs[peer].is_empty() || !p.sends[peer].is_empty() || !p.acked[peer].is_empty() {
-                if let Some(conn) = self.conns[peer].as_mut() {
-                    conn.chan.look_for_departure();
-                }
+        for x in xfers.iter() {
+            if let Some(conn) = self.conns[x.peer].as_mut() {
+                conn.chan.look_for_departure();
             }
         }
         // Re-check after announcing the sleep: a ring sent just before is
