@@ -85,15 +85,12 @@ impl Comm {
             local_rank: joined.local_rank,
             options: opts,
             nobody_has_nccl: !joined.some_rank_offers_nccl,
-        })?;
-        joined.finish();
+        })
+        .inspect_err(|e| joined.failed(e))?;
+        joined.all_ready(opts.timeout)?;
         let local_rank = joined.local_rank;
         let store = joined.lasting_store();
-        let places = std::sync::Arc::new(
-            (joined.roster.hosts.iter().cloned())
-                .zip(joined.roster.addrs.iter().map(|a| a.ip()))
-                .collect(),
-        );
+        let places = joined.roster.clone();
         let comm = Comm::with_engine(rank, size, local_rank, opts.timeout, engine, joined.server);
         if let Some(store) = store {
             comm.runner.record_to(store, size, places);

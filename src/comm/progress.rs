@@ -14,7 +14,7 @@ use crate::backend::board::{Board, Snapshot};
 use crate::descriptor::OpKind;
 use crate::error::{Error, ErrorKind};
 use crate::rendezvous::store::Store;
-use crate::transport::roster::HostId;
+use crate::transport::roster::{HostId, Roster};
 
 /// How long the board must stand still before it is published.
 const QUIET: Duration = Duration::from_secs(1);
@@ -79,9 +79,10 @@ pub(crate) fn publisher(
     }
 }
 
-/// Where each rank runs: its host id and the address it listens on
-/// (the roster's), to say "every rank on host X" rather than list ranks.
-pub(crate) type Places = Arc<Vec<(HostId, IpAddr)>>;
+/// Where each rank runs: its host id and the address it listens on, to
+/// say "every rank on host X" rather than list ranks. The roster itself
+/// (shared, not copied: read only to explain a timeout).
+pub(crate) type Places = Roster;
 
 /// What a timeout's explanation reads: the store, the world size, and
 /// where each rank runs.
@@ -128,7 +129,7 @@ pub(crate) fn explain_timeout(
     rank: usize,
     size: usize,
     board: &Board,
-    places: &[(HostId, IpAddr)],
+    roster: &Roster,
 ) -> Error {
     let snapshot = board.snapshot();
     let Some((kind, seq)) = snapshot.current.or(snapshot.last) else {
@@ -202,7 +203,10 @@ pub(crate) fn explain_timeout(
             true => format!(" (and {} more)", silent.len() - NAMED),
             false => String::new(),
         };
-        if let Some(hosts) = silent_hosts(&silent, places, rank) {
+        let places: Vec<(HostId, IpAddr)> = (roster.hosts.iter().cloned())
+            .zip(roster.addrs.iter().map(|a| a.ip()))
+            .collect();
+        if let Some(hosts) = silent_hosts(&silent, &places, rank) {
             // A whole host gone quiet at once is its network (or the host),
             // far more often than all its ranks frozen together.
             let hosts: Vec<String> = hosts.iter().map(IpAddr::to_string).collect();

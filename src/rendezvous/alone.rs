@@ -35,8 +35,8 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         roster: Roster {
             job,
             comm_id: 0,
-            addrs: vec![addr],
-            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id).into()],
+            addrs: vec![addr].into(),
+            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id).into()].into(),
         },
         // A world of one asks nobody else: establishing NCCL just looks
         // at this process.
@@ -45,6 +45,10 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         store: Arc::new(OwnStore::default()),
         server: None,
         file_store: None,
+        rank: 0,
+        // Its own store's default `arrive` (in memory).
+        answers_wait_get: true,
+        place: "a world of one".into(),
     })
 }
 

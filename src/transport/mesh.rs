@@ -12,6 +12,7 @@ use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x5244_4831; // "RDH1"
@@ -35,7 +36,7 @@ pub struct MeshSpec {
     pub rank: usize,
     pub size: usize,
     /// Listening address of every rank.
-    pub addrs: Vec<SocketAddr>,
+    pub addrs: Arc<[SocketAddr]>,
     /// Random per job; distinguishes jobs that reuse a port.
     pub job: [u8; 16],
     /// Distinguishes communicators of one job (the world, each split).
@@ -44,7 +45,7 @@ pub struct MeshSpec {
     pub token: Option<Token>,
     /// Per rank: on another host than this rank (its connections get
     /// keepalive, see `configure`).
-    pub far: Vec<bool>,
+    pub far: Arc<[bool]>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -357,11 +358,11 @@ mod tests {
         let spec = MeshSpec {
             rank: 0,
             size: 4,
-            addrs: vec![l.local_addr().unwrap(); 4],
+            addrs: vec![l.local_addr().unwrap(); 4].into(),
             job: [0; 16],
             comm_id: 0,
             token: None,
-            far: vec![false, false, true, true],
+            far: vec![false, false, true, true].into(),
         };
         let near = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         spec.configure(&near, 1);

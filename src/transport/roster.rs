@@ -15,8 +15,12 @@ pub(crate) struct Roster {
     pub job: [u8; 16],
     /// Tells apart the communicators of one job (splits get their own).
     pub comm_id: u64,
-    pub addrs: Vec<SocketAddr>,
-    pub hosts: Vec<HostId>,
+    /// Shared by every clone (the communicator, its mesh, its
+    /// point-to-point context): copying a wide roster at init was most of
+    /// the memory a rank first touched after it came (32 KiB a copy at
+    /// 1024 ranks, a page fault each 4 KiB).
+    pub addrs: Arc<[SocketAddr]>,
+    pub hosts: Arc<[HostId]>,
 }
 
 impl Roster {

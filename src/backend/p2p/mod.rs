@@ -1707,11 +1707,11 @@ mod tests {
         let mesh = MeshSpec {
             rank: 0,
             size: 1,
-            addrs: vec![addr],
+            addrs: vec![addr].into(),
             job: [1; 16],
             comm_id: 0,
             token: None,
-            far: vec![false],
+            far: vec![false].into(),
         };
         let shm = crate::options::Tuning::default().shm;
         let links = Links::new(mesh.clone(), false, shm).unwrap();

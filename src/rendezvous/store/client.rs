@@ -329,6 +329,83 @@ impl TcpStoreClient {
         })
     }
 
+    /// Sends `bytes` (ending with a wait, or a wait for a value:
+    /// `with_value`, for `keys`), lets `before` read the answers to the
+    /// queries before the wait, then reads the wait's, withdrawing it
+    /// after `timeout`.
+    fn wait_for(
+        &self,
+        bytes: &[u8],
+        keys: &[&str],
+        timeout: Duration,
+        with_value: bool,
+        before: impl FnOnce(&mut TcpStream) -> io::Result<()>,
+    ) -> Result<Option<Vec<u8>>> {
+        let mut c = lock(&self.connection);
+        self.mend(&mut c, timeout.min(OPERATION_TIMEOUT))?;
+        let answer = |s: &mut TcpStream| match with_value {
+            true => read_value(s).map(Some),
+            false => Ok(Some(Vec::new())),
+        };
+        let outcome: io::Result<Option<Vec<u8>>> = (|| {
+            c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
+            c.stream.set_write_timeout(Some(OPERATION_TIMEOUT))?;
+            c.stream.write_all(bytes)?;
+            before(&mut c.stream)?;
+            c.stream
+                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+            match read_u8(&mut c.stream) {
+                Ok(STOP_WAITING) => {
+                    // The value follows at once: read within the
+                    // operation's bound, not what is left of the wait's.
+                    c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
+                    answer(&mut c.stream)
+                }
+                Ok(other) => Err(invalid(format!("wait answered {other}"))),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    // Withdraw the wait; the store answers WAIT_CANCELED
+                    // (after STOP_WAITING if the keys came just now).
+                    c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
+                    let mut cancel = Vec::new();
+                    encode_query(&Query::CancelWait, &mut cancel);
+                    c.stream.write_all(&cancel)?;
+                    let mut stopped = None;
+                    loop {
+                        match read_u8(&mut c.stream)? {
+                            WAIT_CANCELED => return Ok(stopped),
+                            STOP_WAITING => stopped = answer(&mut c.stream)?,
+                            other => return Err(invalid(format!("cancel_wait answered {other}"))),
+                        }
+                    }
+                }
+                Err(e) => Err(e),
+            }
+        })();
+        match outcome {
+            Ok(Some(value)) => Ok(Some(value).filter(|_| with_value)),
+            Ok(None) => {
+                drop(c);
+                let mut missing = Vec::new();
+                for key in keys {
+                    if !self.check(&[key])? {
+                        missing.push(key.to_string());
+                    }
+                }
+                Err(key_timeout_error(timeout, &missing))
+            }
+            Err(e) => {
+                let err = self.connection_error(&e, timeout);
+                c.broken = Some(err.clone());
+                Err(err)
+            }
+        }
+    }
+
     /// One round trip; the time it took.
     pub fn ping(&self) -> Result<Duration> {
         let start = Instant::now();
@@ -771,57 +848,31 @@ impl Store for TcpStoreClient {
             &Query::Wait(full.iter().map(Vec::as_slice).collect()),
             &mut bytes,
         );
-        let mut c = lock(&self.connection);
-        self.mend(&mut c, timeout.min(OPERATION_TIMEOUT))?;
-        let outcome: io::Result<bool> = (|| {
-            c.stream
-                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
-            c.stream.set_write_timeout(Some(OPERATION_TIMEOUT))?;
-            c.stream.write_all(&bytes)?;
-            match read_u8(&mut c.stream) {
-                Ok(STOP_WAITING) => Ok(true),
-                Ok(other) => Err(invalid(format!("wait answered {other}"))),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    // Withdraw the wait; the store answers WAIT_CANCELED
-                    // (after STOP_WAITING if the keys came just now).
-                    c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
-                    let mut cancel = Vec::new();
-                    encode_query(&Query::CancelWait, &mut cancel);
-                    c.stream.write_all(&cancel)?;
-                    let mut stopped = false;
-                    loop {
-                        match read_u8(&mut c.stream)? {
-                            WAIT_CANCELED => return Ok(stopped),
-                            STOP_WAITING => stopped = true,
-                            other => return Err(invalid(format!("cancel_wait answered {other}"))),
-                        }
-                    }
-                }
-                Err(e) => Err(e),
-            }
-        })();
-        match outcome {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                drop(c);
-                let mut missing = Vec::new();
-                for key in keys {
-                    if !self.check(&[key])? {
-                        missing.push(key.to_string());
-                    }
-                }
-                Err(key_timeout_error(timeout, &missing))
-            }
-            Err(e) => {
-                let err = self.connection_error(&e, timeout);
-                c.broken = Some(err.clone());
-                Err(err)
-            }
-        }
+        self.wait_for(&bytes, keys, timeout, false, |_| Ok(()))
+            .map(drop)
+    }
+
+    fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let full = self.key(key)?;
+        let mut bytes = Vec::new();
+        encode_query(&Query::WaitGet(&full), &mut bytes);
+        let value = self.wait_for(&bytes, &[key], timeout, true, |_| Ok(()))?;
+        value.ok_or_else(|| Error::internal("the store answered a wait for a value without one"))
+    }
+
+    fn arrive(
+        &self,
+        counter: &str,
+        last: i64,
+        key: &str,
+        value: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        let (counter_key, full) = (self.key(counter)?, self.key(key)?);
+        let mut bytes = Vec::new();
+        let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?);
+        encode_query(&query, &mut bytes);
+        let got = self.wait_for(&bytes, &[key], timeout, true, |_| Ok(()))?;
+        got.ok_or_else(|| Error::internal("the store answered a wait for a value without one"))
     }
 }

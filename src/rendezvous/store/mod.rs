@@ -75,6 +75,35 @@ pub trait Store: Send + Sync {
     fn add_no_wait(&self, key: &str, delta: i64) -> Result<()> {
         self.add(key, delta).map(drop)
     }
+    /// Waits until `key` exists (up to `timeout`) and returns its value:
+    /// one query, answered when the key is set, where the store is rdist's
+    /// own (whose server answers every rank waiting for a wide job's roster
+    /// in one turn; a wait and then a get took the store a turn per rank,
+    /// most of a second at 1024 ranks). Call it only on a store known to
+    /// be rdist's: torch's drops a client that asks.
+    fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.wait(&[key], timeout)?;
+        self.get_present(key)
+    }
+    /// Adds 1 to `counter`; the caller whose add brings it to `last` sets
+    /// `key` to `value` (unless `key` is set already); then waits (up to
+    /// `timeout`) for `key` and returns its value: a barrier whose release
+    /// says something. As `wait_get`: one query on rdist's own store,
+    /// which alone may be asked.
+    fn arrive(
+        &self,
+        counter: &str,
+        last: i64,
+        key: &str,
+        value: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        if self.add(counter, 1)? >= last && !self.check(&[key])? {
+            self.set(key, value)?;
+        }
+        self.wait(&[key], timeout)?;
+        self.get_present(key)
+    }
     /// The value of `key`, which a wait has already seen: no second wait.
     fn get_present(&self, key: &str) -> Result<Vec<u8>> {
         self.get(key, Duration::from_secs(1))

@@ -9,7 +9,8 @@
 //! `Validate` with the magic number (no reply). Set, append and multi_set
 //! have no reply; the others answer as [`QueryType`] documents. Types from
 //! 0xF0 up are rdist's own extensions (a torch server drops a client that
-//! sends one): authentication with the job's token (see `crate::auth`).
+//! sends one): authentication with the job's token (see `crate::auth`),
+//! and a wait that answers with the value.
 
 use crate::auth::{NONCE_BYTES, PROOF_BYTES};
 
@@ -86,6 +87,17 @@ pub enum QueryType {
     /// rdist: the client's 32-byte proof; replies AUTH_ACCEPTED (or the
     /// store disconnects).
     AuthProof = 0xF1,
+    /// rdist: key; replies STOP_WAITING and the value once the key exists
+    /// (withdrawn with CancelWait, as a wait). A wide job's ranks all wait
+    /// for one value: answered in the store's one turn when it is set,
+    /// where a wait and then a get took a turn of the store per rank.
+    WaitGet = 0xF2,
+    /// rdist: counter key, i64 last, key, value: adds 1 to the counter;
+    /// the query that brings it to `last` sets key to value (unless key
+    /// is set already: a rank that failed said so there); then as
+    /// WaitGet for key. A barrier whose release says something, in one
+    /// query per rank.
+    Arrive = 0xF3,
 }
 
 impl QueryType {
@@ -113,6 +125,8 @@ impl QueryType {
             18 => Barrier,
             0xF0 => AuthHello,
             0xF1 => AuthProof,
+            0xF2 => WaitGet,
+            0xF3 => Arrive,
             _ => return None,
         })
     }
@@ -143,6 +157,8 @@ pub enum Query<'a> {
     Barrier(&'a [u8], i64),
     AuthHello(&'a [u8]),
     AuthProof(&'a [u8]),
+    WaitGet(&'a [u8]),
+    Arrive(&'a [u8], i64, &'a [u8], &'a [u8]),
 }
 
 /// Why a query could not be decoded yet, or ever.
@@ -270,6 +286,8 @@ pub fn decode_query(bytes: &[u8]) -> Result<(Query<'_>, usize), Undecodable> {
         QueryType::Barrier => Query::Barrier(r.key()?, r.u64()? as i64),
         QueryType::AuthHello => Query::AuthHello(r.take(NONCE_BYTES)?),
         QueryType::AuthProof => Query::AuthProof(r.take(PROOF_BYTES)?),
+        QueryType::WaitGet => Query::WaitGet(r.key()?),
+        QueryType::Arrive => Query::Arrive(r.key()?, r.u64()? as i64, r.key()?, r.bytes()?),
     };
     Ok((query, r.at))
 }
@@ -306,6 +324,8 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
         Query::Barrier(..) => QueryType::Barrier,
         Query::AuthHello(_) => QueryType::AuthHello,
         Query::AuthProof(_) => QueryType::AuthProof,
+        Query::WaitGet(_) => QueryType::WaitGet,
+        Query::Arrive(..) => QueryType::Arrive,
     };
     out.push(kind as u8);
     match query {
@@ -319,9 +339,11 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
             put_bytes(out, expected);
             put_bytes(out, desired);
         }
-        Query::Get(k) | Query::DeleteKey(k) | Query::QueuePop(k) | Query::QueueLen(k) => {
-            put_bytes(out, k)
-        }
+        Query::Get(k)
+        | Query::DeleteKey(k)
+        | Query::QueuePop(k)
+        | Query::QueueLen(k)
+        | Query::WaitGet(k) => put_bytes(out, k),
         Query::Add(k, delta) | Query::Barrier(k, delta) => {
             put_bytes(out, k);
             out.extend_from_slice(&delta.to_le_bytes());
@@ -333,6 +355,12 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
                 put_bytes(out, k);
                 put_bytes(out, v);
             }
+        }
+        Query::Arrive(counter, last, k, v) => {
+            put_bytes(out, counter);
+            out.extend_from_slice(&last.to_le_bytes());
+            put_bytes(out, k);
+            put_bytes(out, v);
         }
         Query::NumKeys | Query::CancelWait | Query::ListKeys => {}
         Query::AuthHello(fixed) | Query::AuthProof(fixed) => out.extend_from_slice(fixed),
@@ -377,6 +405,8 @@ mod tests {
             Query::Barrier(b"b", 4),
             Query::AuthHello(&[7; 32]),
             Query::AuthProof(&[9; 32]),
+            Query::WaitGet(b"k"),
+            Query::Arrive(b"n", 3, b"k", b"ok"),
         ]
     }
 

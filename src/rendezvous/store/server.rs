@@ -101,6 +101,8 @@ struct Client {
     wait_serial: u64,
     awaited: Vec<Vec<u8>>,
     missing: usize,
+    /// The pending wait is a WaitGet: answered with its key's value.
+    wants_value: bool,
     writable_interest: bool,
     /// Proved the token (or the store has none).
     authenticated: bool,
@@ -307,6 +309,7 @@ impl Server {
             wait_serial: 0,
             awaited: Vec::new(),
             missing: 0,
+            wants_value: false,
             writable_interest: false,
             authenticated: self.limits.token.is_none(),
             nonces: None,
@@ -368,6 +371,7 @@ impl Server {
         let client = self.clients[slot].insert(client);
         client.awaited.clear();
         client.missing = 0;
+        client.wants_value = false;
     }
 
     /// Removes a client's registrations as a waiter.
@@ -463,11 +467,7 @@ impl Server {
         if let Err(why) = outcome {
             self.disconnect(slot, why);
         }
-        while let Some(woken) = self.woken.pop() {
-            if let Err(why) = self.flush(woken) {
-                self.disconnect(woken, why);
-            }
-        }
+        self.flush_woken();
     }
 
     /// Reads what has arrived, within the caps; true when the client hung up.
@@ -642,6 +642,14 @@ impl Server {
                     .push(if all { READY } else { NOT_READY });
             }
             Query::Wait(keys) => self.wait(slot, &keys)?,
+            Query::WaitGet(key) => self.wait_get(slot, key)?,
+            Query::Arrive(counter, last, key, value) => {
+                self.add_one(counter)?;
+                if self.counter(counter) >= last && !self.data.contains_key(key) {
+                    self.set(key, value.to_vec())?;
+                }
+                self.wait_get(slot, key)?;
+            }
             Query::NumKeys => {
                 let n = self.data.len() as i64;
                 put_i64(&mut self.client(slot).replies, n);
@@ -848,6 +856,13 @@ impl Server {
                 }
                 if c.missing == 0 {
                     c.replies.push(STOP_WAITING);
+                    if std::mem::take(&mut c.wants_value) {
+                        // Its one key, set just now.
+                        put_value(
+                            &mut c.replies,
+                            self.data.get(key).map_or(&[][..], Vec::as_slice),
+                        );
+                    }
                     // Answered from another client's query: sent once
                     // that query is done.
                     self.woken.push(w.slot);
@@ -864,6 +879,23 @@ impl Server {
             return Ok(());
         }
         self.register_wait(slot, &missing, None)
+    }
+
+    /// Answers with the value of `key` at once when it is set, or
+    /// registers the client as waiting for it (answered by `wake`).
+    fn wait_get(&mut self, slot: usize, key: &[u8]) -> std::result::Result<(), Why> {
+        match self.data.get(key) {
+            Some(value) => {
+                let replies = &mut self.clients[slot].as_mut().expect("a live client").replies;
+                replies.push(STOP_WAITING);
+                put_value(replies, value);
+            }
+            None => {
+                self.register_wait(slot, &[key], None)?;
+                self.client(slot).wants_value = true;
+            }
+        }
+        Ok(())
     }
 
     /// Registers the client as waiting for `missing` (for `until`, see [`Waiter`]).
@@ -899,6 +931,15 @@ impl Server {
             });
         }
         Ok(())
+    }
+
+    /// Sends the answers to the clients a query woke.
+    fn flush_woken(&mut self) {
+        while let Some(woken) = self.woken.pop() {
+            if let Err(why) = self.flush(woken) {
+                self.disconnect(woken, why);
+            }
+        }
     }
 
     /// Sends what replies the socket takes; asks to be told when it takes
