@@ -311,7 +311,10 @@ void rdist_options_destroy(rdist_options_t *opts);
  * variables set (no launcher), it is a world of one, as under MPI, and
  * needs neither. `opts` may be NULL. Blocks until all
  * world_size ranks have joined or timeout_ms passes; on timeout the error
- * names the ranks that never arrived. On failure *out is left unchanged.
+ * names the ranks that never arrived. Returns on no rank before every
+ * rank's communicator is set up (as NCCL's init); a rank that fails to
+ * set up fails init on every rank, with its reason and its rank. On
+ * failure *out is left unchanged.
  */
 rdist_result_t rdist_init(rdist_comm_t **out,
                           const char *init_method,
@@ -329,8 +332,9 @@ rdist_result_t rdist_get_unique_id(rdist_unique_id_t *out);
 
 /**
  * NCCL-style bootstrap, step 2: joins the communicator of `id` as `rank`
- * of `world_size` (id by value, as ncclCommInitRank). On failure *out is
- * left unchanged.
+ * of `world_size` (id by value, as ncclCommInitRank); returns once every
+ * rank's communicator is set up, as rdist_init. On failure *out is left
+ * unchanged.
  */
 rdist_result_t rdist_comm_init_rank(rdist_comm_t **out,
                                     int world_size,

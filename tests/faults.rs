@@ -331,6 +331,49 @@ fn world_size_disagreement_is_reported() {
     );
 }
 
+#[test]
+fn a_rank_that_cannot_set_up_fails_init_on_every_rank_at_once() {
+    // Init returns on no rank before every rank's communicator is set up:
+    // a rank that fails after the rendezvous (here: an algorithm it
+    // cannot parse) tells the others why, and they fail at once too,
+    // where they used to return and wait in their first collective.
+    let port = common::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let start = Instant::now();
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let mut o = common::opts(20_000);
+                if r == 1 {
+                    o.set("algo", "no_such_algorithm").unwrap();
+                }
+                Comm::init(&url, r, 3, &o).err()
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        let e = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|| panic!("rank {r}'s init succeeded beside a rank that failed"));
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "rank {r}: {e}");
+        assert!(e.message().contains("no_such_algorithm"), "rank {r}: {e}");
+        if r != 1 {
+            assert!(
+                e.message()
+                    .contains("rank 1 could not set up its communicator"),
+                "rank {r}: {e}"
+            );
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
 fn open_fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }

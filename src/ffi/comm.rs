@@ -30,7 +30,10 @@ fn rank_hint(rank: c_int) -> Option<usize> {
 /// variables set (no launcher), it is a world of one, as under MPI, and
 /// needs neither. `opts` may be NULL. Blocks until all
 /// world_size ranks have joined or timeout_ms passes; on timeout the error
-/// names the ranks that never arrived. On failure *out is left unchanged.
+/// names the ranks that never arrived. Returns on no rank before every
+/// rank's communicator is set up (as NCCL's init); a rank that fails to
+/// set up fails init on every rank, with its reason and its rank. On
+/// failure *out is left unchanged.
 #[no_mangle]
 pub extern "C" fn rdist_init(
     out: *mut *mut rdist_comm_t,
@@ -67,8 +70,9 @@ pub extern "C" fn rdist_get_unique_id(out: *mut rdist_unique_id_t) -> rdist_resu
 }
 
 /// NCCL-style bootstrap, step 2: joins the communicator of `id` as `rank`
-/// of `world_size` (id by value, as ncclCommInitRank). On failure *out is
-/// left unchanged.
+/// of `world_size` (id by value, as ncclCommInitRank); returns once every
+/// rank's communicator is set up, as rdist_init. On failure *out is left
+/// unchanged.
 #[no_mangle]
 pub extern "C" fn rdist_comm_init_rank(
     out: *mut *mut rdist_comm_t,

@@ -49,6 +49,7 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         // Its own store's default `arrive` (in memory).
         answers_wait_get: true,
         place: "a world of one".into(),
+        board: super::Board::None,
     })
 }
 

@@ -3,6 +3,7 @@
 //! publish their listening address, host and pid, and learn everyone's.
 
 mod alone;
+mod host_board;
 pub mod method;
 mod packed;
 pub mod store;
@@ -13,6 +14,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
 use crate::transport::roster::Roster;
+use host_board::HostBoard;
 use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -45,6 +47,19 @@ pub struct Joined {
     answers_wait_get: bool,
     /// Where the ranks meet, for messages.
     place: String,
+    /// How the host's ranks are released from `all_ready`.
+    board: Board,
+}
+
+/// This rank's part in its host's board (see `host_board`).
+enum Board {
+    /// The store releases this rank itself.
+    None,
+    /// The host's first rank: released by the store, it releases the
+    /// others through its board.
+    Leader(HostBoard),
+    /// Released through the board of the host's first rank (`leader`).
+    Follower { at: packed::BoardAt, leader: usize },
 }
 
 impl Joined {
@@ -67,24 +82,22 @@ impl Joined {
     /// store in one round trip and the store's one turn.
     pub fn all_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let (store, size) = (&*self.store, self.size);
-        let mut arrived = false;
-        let value = wait_for_ranks(store, self.rank, size, deadline, |slice| {
-            if !std::mem::replace(&mut arrived, true) {
-                if self.answers_wait_get {
-                    return store.arrive(CONNECTED_KEY, size as i64, READY_KEY, READY, slice);
-                }
-                // Unless a rank that failed said so there already.
-                if store.add(CONNECTED_KEY, 1)? >= size as i64 && !store.check(&[READY_KEY])? {
-                    store.set(READY_KEY, READY)?;
+        let value = match &self.board {
+            Board::Follower { at, leader } => {
+                match HostBoard::open(at.pid, at.fd, &self.roster.job) {
+                    Some(board) => self.released_by(&board, *leader, deadline, timeout),
+                    None => self.released_by_store(deadline, timeout),
                 }
             }
-            store.wait(&[READY_KEY], slice)?;
-            store.get_present(READY_KEY)
-        })
-        .map_err(|e| self.not_ready(e, timeout))?;
+            Board::Leader(board) => {
+                let value = self.released_by_store(deadline, timeout);
+                board.release(value.as_deref().ok() == Some(READY));
+                value
+            }
+            Board::None => self.released_by_store(deadline, timeout),
+        }?;
         if let Some(f) = &self.file_store {
-            if self.store.add("left", 1).unwrap_or(0) >= size as i64 {
+            if self.store.add("left", 1).unwrap_or(0) >= self.size as i64 {
                 let _ = f.remove();
             }
         }
@@ -97,6 +110,69 @@ impl Joined {
             .and_then(|(code, why)| Some((ErrorKind::from_code(code.parse().ok()?)?, why)))
             .unwrap_or((ErrorKind::PeerLost, &text));
         Err(Error::new(kind, why.to_string()))
+    }
+
+    /// Counts this rank in the store and waits there for the release.
+    fn released_by_store(&self, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+        let (store, size) = (&*self.store, self.size);
+        let mut arrived = false;
+        wait_for_ranks(store, self.rank, size, deadline, |slice| {
+            if !std::mem::replace(&mut arrived, true) {
+                if self.answers_wait_get {
+                    return store.arrive(CONNECTED_KEY, size as i64, READY_KEY, READY, slice);
+                }
+                // Unless a rank that failed said so there already.
+                if store.add(CONNECTED_KEY, 1)? >= size as i64 && !store.check(&[READY_KEY])? {
+                    store.set(READY_KEY, READY)?;
+                }
+            }
+            store.wait(&[READY_KEY], slice)?;
+            store.get_present(READY_KEY)
+        })
+        .map_err(|e| self.not_ready(e, timeout))
+    }
+
+    /// Counts this rank in the store (not waiting for an answer) and
+    /// waits on the host's board for the host's first rank to release it;
+    /// meanwhile, in growing slices, looks in the store for the release
+    /// (a first rank that died releases nobody).
+    fn released_by(
+        &self,
+        board: &HostBoard,
+        leader: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        let store = &*self.store;
+        store.arrive_quietly(CONNECTED_KEY, self.size as i64, READY_KEY, READY)?;
+        let _quietly = WakingQuietly::begin();
+        let mut slice = Duration::from_secs(1);
+        loop {
+            let released = board.wait(slice.min(left(deadline)));
+            if released == host_board::Release::Ready {
+                return Ok(READY.to_vec());
+            }
+            // A store that cannot answer (a unique id's host stops its
+            // store once every rank is counted) leaves the board to say.
+            let bound = left(deadline).clamp(Duration::from_secs(1), store::OPERATION_TIMEOUT);
+            let looked = store.read_within(&[READY_KEY], bound).ok();
+            if let Some(value) = looked.and_then(|mut v| v.pop().flatten()) {
+                return Ok(value);
+            }
+            if released == host_board::Release::Failed {
+                return Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {leader}, which waited for every rank on behalf of this host's \
+                         ranks, gave up before they all set up their communicators"
+                    ),
+                ));
+            }
+            if left(deadline).is_zero() {
+                return Err(self.not_ready(Error::new(ErrorKind::Timeout, ""), timeout));
+            }
+            slice = (slice * 2).min(Duration::from_secs(2));
+        }
     }
 
     /// Tells every rank waiting in `all_ready` that this one could not set
@@ -112,6 +188,9 @@ impl Joined {
         let _ = self
             .store
             .set_within(READY_KEY, text.as_bytes(), Duration::from_secs(1));
+        if let Board::Leader(board) = &self.board {
+            board.release(false);
+        }
     }
 
     /// A timeout of `all_ready`, saying how many ranks got there.
@@ -363,11 +442,18 @@ fn join_hosting(
         .local_addr()
         .map_err(|e| Error::system("local_addr", &e))?;
     let host = opts.host_id.clone().unwrap_or_else(host_id);
+    // Whether this rank turns out to be its host's first is known from
+    // the roster; every rank offers a board (see `host_board`). Only
+    // rdist's own store counts an arrival without answering.
+    let board = (answers_wait_get && file_store.is_none() && size > 1)
+        .then(|| HostBoard::create(&job))
+        .flatten();
     // The host id has no spaces (see `host_id`; an option's is checked).
     let me = format!(
-        "{size} {addr} {host} {} {}",
+        "{size} {addr} {host} {} {} {}",
         std::process::id(),
-        u8::from(offers_nccl)
+        u8::from(offers_nccl),
+        board.as_ref().and_then(HostBoard::fd).unwrap_or(-1)
     );
     // The world size (the last to set it stays: see `wait_for_ranks`),
     // this rank's key and the count, in one round trip.
@@ -430,6 +516,15 @@ fn join_hosting(
         .filter(|l| l.addrs.len() == size)
         .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
     let some_rank_offers_nccl = listing.some_offer_nccl;
+    let mine = &listing.hosts[rank];
+    let leader = listing.hosts.iter().position(|h| h == mine).unwrap_or(rank);
+    let shared = listing.hosts.iter().filter(|h| *h == mine).count() > 1;
+    let board = match (board, listing.boards.iter().find(|(h, _)| h == mine)) {
+        _ if !shared => Board::None,
+        (Some(own), _) if leader == rank => Board::Leader(own),
+        (_, Some((_, Some(at)))) if leader != rank => Board::Follower { at: *at, leader },
+        _ => Board::None,
+    };
     let roster = Roster {
         job,
         comm_id: 0,
@@ -457,6 +552,7 @@ fn join_hosting(
         rank,
         answers_wait_get,
         place,
+        board,
     })
 }
 

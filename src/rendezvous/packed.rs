@@ -9,15 +9,26 @@ use crate::error::{Error, Result};
 use crate::transport::roster::HostId;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
-/// What one rank published: "SIZE ADDR HOST PID NCCL".
+/// What one rank published: "SIZE ADDR HOST PID NCCL BOARD".
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Entry {
     /// The world size the rank was started with.
     pub size: String,
     pub addr: SocketAddr,
     pub host: String,
+    pub pid: u32,
     /// NCCL may run in its process.
     pub offers_nccl: bool,
+    /// The descriptor of its host board (see `host_board`), if it made one.
+    pub board: Option<i32>,
+}
+
+/// Where the ranks of a host find its board: the process of the host's
+/// first rank, and the board's descriptor there.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct BoardAt {
+    pub pid: u32,
+    pub fd: i32,
 }
 
 /// The roster's ranks, as every rank reads it.
@@ -27,6 +38,8 @@ pub(crate) struct Listing {
     pub hosts: Vec<HostId>,
     /// Some rank offered NCCL.
     pub some_offer_nccl: bool,
+    /// Each host's board, as its first rank published it.
+    pub boards: Vec<(HostId, Option<BoardAt>)>,
 }
 
 /// What `rank` published as its key.
@@ -34,9 +47,14 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
     let text = String::from_utf8_lossy(value);
     let mut parts = text.split(' ');
     let (size, addr, host) = (parts.next(), parts.next(), parts.next());
+    let pid = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
     // Anything but a plain "0" (a key without the field too) counts as an
     // offer: at worst the ranks ask each other, as they always did.
-    let offers_nccl = parts.nth(1) != Some("0");
+    let offers_nccl = parts.next() != Some("0");
+    let board = parts
+        .next()
+        .and_then(|b| b.parse().ok())
+        .filter(|b| *b >= 0);
     let addr = addr
         .and_then(|a| a.parse().ok())
         .ok_or_else(|| Error::internal(format!("rank {rank} published a bad address '{text}'")))?;
@@ -44,21 +62,28 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
         size: size.unwrap_or("?").to_string(),
         addr,
         host: host.unwrap_or("?").to_string(),
+        pid,
         offers_nccl,
+        board,
     })
 }
 
-const MAGIC: &[u8; 2] = b"R1";
+const MAGIC: &[u8; 2] = b"R2";
 const V4: u8 = 4;
 const V6: u8 = 6;
 
 /// The roster of `entries` (rank by rank) as one value.
 pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut hosts: Vec<&str> = Vec::new();
+    // Each host's first rank's board (ranks come in order).
+    let mut boards: Vec<(u32, i32)> = Vec::new();
     let mut ips: Vec<(IpAddr, u32)> = Vec::new();
     let mut ranks = Vec::with_capacity(entries.len() * 11);
     for e in entries {
         let host = index_of(&mut hosts, e.host.as_str());
+        if boards.len() < hosts.len() {
+            boards.push((e.pid, e.board.filter(|_| e.pid != 0).unwrap_or(-1)));
+        }
         let scope = match e.addr {
             SocketAddr::V6(a) => a.scope_id(),
             SocketAddr::V4(_) => 0,
@@ -73,12 +98,14 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     out.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
-    for h in &hosts {
+    for (h, (pid, board)) in hosts.iter().zip(&boards) {
         // Host ids are short: a hostname and two numbers, or an option's
         // id of at most 1024 bytes (options.rs); the cut never happens.
         let h = &h.as_bytes()[..h.len().min(u16::MAX as usize)];
         out.extend_from_slice(&(h.len() as u16).to_le_bytes());
         out.extend_from_slice(h);
+        out.extend_from_slice(&pid.to_le_bytes());
+        out.extend_from_slice(&board.to_le_bytes());
     }
     out.extend_from_slice(&(ips.len() as u32).to_le_bytes());
     for (ip, scope) in &ips {
@@ -119,9 +146,13 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
     let size = r.u32()? as usize;
     let host_count = r.u32()? as usize;
     let mut hosts = Vec::with_capacity(host_count.min(bytes.len()));
+    let mut boards = Vec::with_capacity(host_count.min(bytes.len()));
     for _ in 0..host_count {
         let len = u16::from_le_bytes(r.take(2)?.try_into().ok()?) as usize;
-        hosts.push(HostId::from(String::from_utf8_lossy(r.take(len)?)));
+        let host = HostId::from(String::from_utf8_lossy(r.take(len)?));
+        let (pid, fd) = (r.u32()?, r.u32()? as i32);
+        boards.push((host.clone(), (fd >= 0).then_some(BoardAt { pid, fd })));
+        hosts.push(host);
     }
     let ip_count = r.u32()? as usize;
     let mut ips = Vec::with_capacity(ip_count.min(bytes.len()));
@@ -145,6 +176,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
         addrs: Vec::with_capacity(size),
         hosts: Vec::with_capacity(size),
         some_offer_nccl: false,
+        boards,
     };
     for rank in r.0.chunks_exact(11) {
         let host = u32::from_le_bytes(rank[0..4].try_into().ok()?) as usize;
@@ -183,7 +215,7 @@ mod tests {
     use super::*;
 
     fn published(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {
-        format!("{size} {addr} {host} 4242 {nccl}").into_bytes()
+        format!("{size} {addr} {host} 4242 {nccl} 7").into_bytes()
     }
 
     #[test]
@@ -203,7 +235,7 @@ mod tests {
         let bytes = encode(&entries);
         // Hosts and addresses once each: 3 hosts, 3 addresses, 4 ranks.
         assert!(
-            bytes.len() < 2 + 4 + 4 + 3 * 24 + 4 + 5 + 5 + 21 + 4 * 11,
+            bytes.len() < 2 + 4 + 4 + 3 * (24 + 8) + 4 + 5 + 5 + 21 + 4 * 11,
             "{}",
             bytes.len()
         );
@@ -218,6 +250,25 @@ mod tests {
             entries.iter().map(|e| e.host.as_str()).collect::<Vec<_>>()
         );
         assert!(!listing.some_offer_nccl);
+        // Each host's board is its first rank's.
+        let board = Some(BoardAt { pid: 4242, fd: 7 });
+        assert_eq!(listing.boards.len(), 3);
+        assert!(listing.boards.iter().all(|(_, b)| *b == board));
+        assert_eq!(&*listing.boards[1].0, "b/0a1b2c3d/4026531841");
+    }
+
+    #[test]
+    fn a_host_whose_first_rank_made_no_board_has_none() {
+        let keys = [
+            b"2 10.0.0.1:5000 a 11 0 -1".to_vec(),
+            b"2 10.0.0.1:5001 a 12 0 9".to_vec(),
+        ];
+        let entries: Vec<Entry> = (keys.iter().enumerate())
+            .map(|(r, k)| entry(r, k).unwrap())
+            .collect();
+        assert_eq!(entries[1].board, Some(9));
+        let listing = decode(&encode(&entries)).unwrap();
+        assert_eq!(listing.boards, vec![("a".into(), None)]);
     }
 
     #[test]
@@ -228,6 +279,7 @@ mod tests {
         }
         let old = entry(0, b"1 127.0.0.1:1 h").unwrap();
         assert!(old.offers_nccl);
+        assert_eq!(old.board, None);
     }
 
     #[test]

@@ -870,9 +870,28 @@ impl Store for TcpStoreClient {
     ) -> Result<Vec<u8>> {
         let (counter_key, full) = (self.key(counter)?, self.key(key)?);
         let mut bytes = Vec::new();
-        let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?);
+        let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?, true);
         encode_query(&query, &mut bytes);
         let got = self.wait_for(&bytes, &[key], timeout, true, |_| Ok(()))?;
         got.ok_or_else(|| Error::internal("the store answered a wait for a value without one"))
+    }
+
+    /// Sent without waiting for anything: the store answers nothing.
+    fn arrive_quietly(&self, counter: &str, last: i64, key: &str, value: &[u8]) -> Result<()> {
+        let (counter_key, full) = (self.key(counter)?, self.key(key)?);
+        let mut bytes = Vec::new();
+        let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?, false);
+        encode_query(&query, &mut bytes);
+        let mut c = lock(&self.connection);
+        self.mend(&mut c, OPERATION_TIMEOUT)?;
+        let sent = c
+            .stream
+            .set_write_timeout(Some(OPERATION_TIMEOUT))
+            .and_then(|()| c.stream.write_all(&bytes));
+        sent.map_err(|e| {
+            let err = self.connection_error(&e, OPERATION_TIMEOUT);
+            c.broken = Some(err.clone());
+            err
+        })
     }
 }

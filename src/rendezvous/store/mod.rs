@@ -104,6 +104,14 @@ pub trait Store: Send + Sync {
         self.wait(&[key], timeout)?;
         self.get_present(key)
     }
+    /// `arrive` without the wait: counts this caller (setting `key` when
+    /// it is the last) and returns, the answer not waited for.
+    fn arrive_quietly(&self, counter: &str, last: i64, key: &str, value: &[u8]) -> Result<()> {
+        if self.add(counter, 1)? >= last && !self.check(&[key])? {
+            self.set(key, value)?;
+        }
+        Ok(())
+    }
     /// The value of `key`, which a wait has already seen: no second wait.
     fn get_present(&self, key: &str) -> Result<Vec<u8>> {
         self.get(key, Duration::from_secs(1))

@@ -92,11 +92,11 @@ pub enum QueryType {
     /// for one value: answered in the store's one turn when it is set,
     /// where a wait and then a get took a turn of the store per rank.
     WaitGet = 0xF2,
-    /// rdist: counter key, i64 last, key, value: adds 1 to the counter;
-    /// the query that brings it to `last` sets key to value (unless key
-    /// is set already: a rank that failed said so there); then as
-    /// WaitGet for key. A barrier whose release says something, in one
-    /// query per rank.
+    /// rdist: counter key, i64 last, key, value, u8 wait: adds 1 to the
+    /// counter; the query that brings it to `last` sets key to value
+    /// (unless key is set already: a rank that failed said so there);
+    /// then, when wait is 1, as WaitGet for key (else no reply). A barrier
+    /// whose release says something, in one query per rank.
     Arrive = 0xF3,
 }
 
@@ -158,7 +158,7 @@ pub enum Query<'a> {
     AuthHello(&'a [u8]),
     AuthProof(&'a [u8]),
     WaitGet(&'a [u8]),
-    Arrive(&'a [u8], i64, &'a [u8], &'a [u8]),
+    Arrive(&'a [u8], i64, &'a [u8], &'a [u8], bool),
 }
 
 /// Why a query could not be decoded yet, or ever.
@@ -287,7 +287,17 @@ pub fn decode_query(bytes: &[u8]) -> Result<(Query<'_>, usize), Undecodable> {
         QueryType::AuthHello => Query::AuthHello(r.take(NONCE_BYTES)?),
         QueryType::AuthProof => Query::AuthProof(r.take(PROOF_BYTES)?),
         QueryType::WaitGet => Query::WaitGet(r.key()?),
-        QueryType::Arrive => Query::Arrive(r.key()?, r.u64()? as i64, r.key()?, r.bytes()?),
+        QueryType::Arrive => Query::Arrive(
+            r.key()?,
+            r.u64()? as i64,
+            r.key()?,
+            r.bytes()?,
+            match r.u8()? {
+                0 => false,
+                1 => true,
+                other => return Err(Undecodable::Invalid(format!("arrive's wait flag {other}"))),
+            },
+        ),
     };
     Ok((query, r.at))
 }
@@ -356,11 +366,12 @@ pub fn encode_query(query: &Query<'_>, out: &mut Vec<u8>) {
                 put_bytes(out, v);
             }
         }
-        Query::Arrive(counter, last, k, v) => {
+        Query::Arrive(counter, last, k, v, wait) => {
             put_bytes(out, counter);
             out.extend_from_slice(&last.to_le_bytes());
             put_bytes(out, k);
             put_bytes(out, v);
+            out.push(u8::from(*wait));
         }
         Query::NumKeys | Query::CancelWait | Query::ListKeys => {}
         Query::AuthHello(fixed) | Query::AuthProof(fixed) => out.extend_from_slice(fixed),
@@ -406,7 +417,8 @@ mod tests {
             Query::AuthHello(&[7; 32]),
             Query::AuthProof(&[9; 32]),
             Query::WaitGet(b"k"),
-            Query::Arrive(b"n", 3, b"k", b"ok"),
+            Query::Arrive(b"n", 3, b"k", b"ok", true),
+            Query::Arrive(b"n", 3, b"k", b"", false),
         ]
     }
 

@@ -643,12 +643,14 @@ impl Server {
             }
             Query::Wait(keys) => self.wait(slot, &keys)?,
             Query::WaitGet(key) => self.wait_get(slot, key)?,
-            Query::Arrive(counter, last, key, value) => {
+            Query::Arrive(counter, last, key, value, wait) => {
                 self.add_one(counter)?;
                 if self.counter(counter) >= last && !self.data.contains_key(key) {
                     self.set(key, value.to_vec())?;
                 }
-                self.wait_get(slot, key)?;
+                if wait {
+                    self.wait_get(slot, key)?;
+                }
             }
             Query::NumKeys => {
                 let n = self.data.len() as i64;
@@ -1256,6 +1258,55 @@ mod tests {
         client.add_no_wait("n", 1).unwrap();
         assert!(client.check(&["n"]).unwrap());
         assert_eq!(connect(&server).add("n", 0).unwrap(), 8);
+    }
+
+    #[test]
+    fn a_wait_for_a_value_answers_with_it_once_set_and_can_be_withdrawn() {
+        let server = start_server();
+        let client = connect(&server);
+        let err = client
+            .wait_get("roster", Duration::from_millis(200))
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+        assert!(err.message().contains("'roster'"), "{err}");
+        // Withdrawn: the connection stays in step.
+        assert_eq!(client.add("n", 1).unwrap(), 1);
+        let writer = connect(&server);
+        let setter = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            writer.set("roster", b"every rank").unwrap();
+        });
+        assert_eq!(client.wait_get("roster", PATIENCE).unwrap(), b"every rank");
+        setter.join().unwrap();
+        // Present already: answered at once.
+        assert_eq!(client.wait_get("roster", PATIENCE).unwrap(), b"every rank");
+        assert_eq!(client.add("n", 1).unwrap(), 2);
+    }
+
+    #[test]
+    fn arrivals_release_everyone_once_counted_and_a_failure_stays() {
+        let server = start_server();
+        let quiet = connect(&server);
+        quiet.arrive_quietly("count", 3, "ready", b"ok").unwrap();
+        let waiter = thread::spawn({
+            let c = connect(&server);
+            move || c.arrive("count", 3, "ready", b"ok", PATIENCE).unwrap()
+        });
+        thread::sleep(Duration::from_millis(100));
+        assert!(!waiter.is_finished(), "released before the last arrival");
+        let last = connect(&server);
+        assert_eq!(
+            last.arrive("count", 3, "ready", b"ok", PATIENCE).unwrap(),
+            b"ok"
+        );
+        assert_eq!(waiter.join().unwrap(), b"ok");
+        // The quiet arrival owes nothing: its connection stays in step.
+        assert_eq!(quiet.add("count", 0).unwrap(), 3);
+        // A failure said first is what the last arrival finds, not "ok".
+        let failing = connect(&server);
+        failing.set("ready2", b"rank 1 failed").unwrap();
+        let got = last.arrive("count2", 1, "ready2", b"ok", PATIENCE).unwrap();
+        assert_eq!(got, b"rank 1 failed");
     }
 
     #[test]
