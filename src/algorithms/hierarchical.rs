@@ -40,6 +40,12 @@ impl Layers {
     /// The layers of `rank` when `hosts` (a host id per rank) puts as many
     /// ranks, two or more, on each of two or more hosts; None otherwise.
     pub fn of<H: AsRef<str>>(hosts: &[H], rank: usize) -> Option<Layers> {
+        // One host (the common case, and a wide job's): no layers, and no
+        // lists of every rank to make first.
+        let first = hosts.first()?.as_ref();
+        if hosts.iter().all(|h| h.as_ref() == first) {
+            return None;
+        }
         let mut names: Vec<&str> = Vec::new();
         for h in hosts {
             if !names.contains(&h.as_ref()) {

@@ -13,4 +13,10 @@ pub mod nccl;
 pub(crate) mod p2p;
 pub(crate) mod route;
 pub(crate) mod socket;
+
+/// What setting up an engine needs that needs no roster, looked up while
+/// the rank waits for the others to join (see `rendezvous::join`).
+pub(crate) fn prepare() {
+    socket::prepare();
+}
 pub(crate) mod staging;

@@ -55,20 +55,31 @@ impl Settings {
 }
 
 fn online_cores() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    cores().0
 }
 
 /// Cores of the whole machine (not only those this process may use).
 fn machine_cores() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    if n > 0 {
-        n as usize
-    } else {
-        online_cores()
-    }
+    cores().1
+}
+
+/// This process's cores and the machine's, looked up once per process:
+/// both read files (the cgroup's quota, sysfs), 40 us a rank that the
+/// last ranks of a wide job paid after the roster came.
+fn cores() -> (usize, usize) {
+    static CORES: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| {
+        let ours = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: sysconf has no preconditions.
+        let machine = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        (ours, if machine > 0 { machine as usize } else { ours })
+    })
+}
+
+/// Looks up, while this rank waits for the others to join, what setting
+/// up its engine will need and that needs no roster.
+pub(crate) fn prepare() {
+    cores();
 }
 
 pub struct SocketBackend {

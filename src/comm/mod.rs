@@ -77,7 +77,9 @@ impl Comm {
     fn create(meeting: &Meeting, rank: usize, size: usize, opts: &Options) -> Result<Comm> {
         log::raise_level(opts.debug);
         let offers_nccl = crate::backend::nccl::may_run(opts);
-        let joined = rendezvous::join(meeting, rank, size, opts, offers_nccl)?;
+        let mut joined = rendezvous::join(meeting, rank, size, opts, offers_nccl, &mut || {
+            crate::backend::prepare()
+        })?;
         let engine = Engine::connect(EngineSpec {
             rank,
             roster: joined.roster.clone(),
@@ -87,7 +89,7 @@ impl Comm {
             nobody_has_nccl: !joined.some_rank_offers_nccl,
         })
         .inspect_err(|e| joined.failed(e))?;
-        joined.all_ready(opts.timeout)?;
+        let release = joined.all_ready(opts.timeout)?;
         let local_rank = joined.local_rank;
         let store = joined.lasting_store();
         let places = joined.roster.clone();
@@ -95,6 +97,9 @@ impl Comm {
         if let Some(store) = store {
             comm.runner.record_to(store, size, places);
         }
+        // The host's other ranks go on now (this rank is their host's
+        // first), after this one is done.
+        drop(release);
         Ok(comm)
     }
 

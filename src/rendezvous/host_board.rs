@@ -45,23 +45,27 @@ pub(crate) enum Release {
     NotYet,
 }
 
+/// This rank's board, not mapped: most ranks of a host never use theirs
+/// (mapping and unmapping a page is not free on a busy host).
+pub(crate) struct OwnBoard(OwnedFd);
+
 /// A host board, mapped (made by this rank, or opened from another's).
 pub(crate) struct HostBoard {
     base: *mut u8,
     /// This rank's own board: the descriptor that keeps it, which the
     /// host's other ranks open.
-    own: Option<OwnedFd>,
+    _own: Option<OwnedFd>,
 }
 
-// SAFETY: the mapping is shared memory touched only through atomics and
-// written once (magic, job id) before any other process can see it.
+// SAFETY: the mapping is shared memory touched only through atomics (the
+// magic and job id were written before any other process could see it).
 unsafe impl Send for HostBoard {}
 unsafe impl Sync for HostBoard {}
 
-impl HostBoard {
-    /// Makes this rank's board for `job`; None where memfd or mmap fail
-    /// (the host's ranks then wait on the store).
-    pub fn create(job: &[u8; 16]) -> Option<HostBoard> {
+impl OwnBoard {
+    /// Makes this rank's board for `job`; None where memfd fails (the
+    /// host's ranks then wait on the store).
+    pub fn create(job: &[u8; 16]) -> Option<OwnBoard> {
         // SAFETY: memfd_create with a valid C string; the result is checked.
         let fd = unsafe { libc::memfd_create(c"rdist-host-board".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -73,27 +77,37 @@ impl HostBoard {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), BYTES as libc::off_t) } != 0 {
             return None;
         }
-        let base = map(fd.as_raw_fd())?;
-        // SAFETY: the fresh mapping is BYTES long and ours alone so far.
-        unsafe {
-            std::ptr::copy_nonoverlapping(job.as_ptr(), base.add(JOB_AT), 16);
-            base.add(MAGIC_AT).cast::<u32>().write(MAGIC);
+        let mut header = [0u8; JOB_AT + 16];
+        header[MAGIC_AT..MAGIC_AT + 4].copy_from_slice(&MAGIC.to_ne_bytes());
+        header[JOB_AT..].copy_from_slice(job);
+        // SAFETY: writes a live buffer to our own descriptor.
+        let wrote =
+            unsafe { libc::pwrite(fd.as_raw_fd(), header.as_ptr().cast(), header.len(), 0) };
+        if wrote != header.len() as isize {
+            return None;
         }
         // Under Yama's ptrace_scope=1 only a declared tracer may open our
         // descriptors through /proc (as for the rings, see shm::attach).
         // SAFETY: prctl with integer arguments.
         unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        Some(OwnBoard(fd))
+    }
+
+    /// The descriptor the host's other ranks open.
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    /// Mapped, to release the others (this rank is its host's first).
+    pub fn mapped(self) -> Option<HostBoard> {
         Some(HostBoard {
-            base,
-            own: Some(fd),
+            base: map(self.0.as_raw_fd())?,
+            _own: Some(self.0),
         })
     }
+}
 
-    /// The descriptor the host's other ranks open (this rank's board).
-    pub fn fd(&self) -> Option<RawFd> {
-        self.own.as_ref().map(AsRawFd::as_raw_fd)
-    }
-
+impl HostBoard {
     /// Opens the board process `pid` made for `job` and holds as `fd`;
     /// None when it cannot be opened or is not that job's board.
     pub fn open(pid: u32, fd: i32, job: &[u8; 16]) -> Option<HostBoard> {
@@ -107,7 +121,7 @@ impl HostBoard {
         }
         let board = HostBoard {
             base: map(file.as_raw_fd())?,
-            own: None,
+            _own: None,
         };
         // SAFETY: inside the mapping; written before the key that named it.
         let (magic, theirs) = unsafe {
@@ -205,9 +219,10 @@ mod tests {
     #[test]
     fn a_release_wakes_every_holder_and_a_foreign_job_is_refused() {
         let job = [7u8; 16];
-        let board = HostBoard::create(&job).expect("a board");
+        let own = OwnBoard::create(&job).expect("a board");
         let pid = std::process::id();
-        let fd = board.fd().unwrap();
+        let fd = own.fd();
+        let board = own.mapped().expect("mapped");
         assert!(HostBoard::open(pid, fd, &[8u8; 16]).is_none());
         let others: Vec<HostBoard> = (0..3)
             .map(|_| HostBoard::open(pid, fd, &job).expect("opened"))
@@ -225,7 +240,7 @@ mod tests {
             }
         });
         assert!(started.elapsed() < Duration::from_secs(5));
-        let failed = HostBoard::create(&job).unwrap();
+        let failed = OwnBoard::create(&job).unwrap().mapped().unwrap();
         failed.release(false);
         assert_eq!(failed.wait(Duration::ZERO), Release::Failed);
         assert!(HostBoard::open(pid, 987_654, &job).is_none());

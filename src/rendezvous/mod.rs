@@ -14,7 +14,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
 use crate::transport::roster::Roster;
-use host_board::HostBoard;
+use host_board::{HostBoard, OwnBoard};
 use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -51,6 +51,20 @@ pub struct Joined {
     board: Board,
 }
 
+/// Releases the host's other ranks when dropped, where this rank is its
+/// host's first: at the end of its own init, so that it is not left
+/// behind the thousand ranks it wakes (rank 0 was the slowest rank of a
+/// wide job, by 0.2-0.4 s, for that).
+pub struct Release(Option<HostBoard>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some(board) = &self.0 {
+            board.release(true);
+        }
+    }
+}
+
 /// This rank's part in its host's board (see `host_board`).
 enum Board {
     /// The store releases this rank itself.
@@ -80,8 +94,9 @@ impl Joined {
     /// setting up (1024 ranks on 2 cores: half of init's last second).
     /// The last rank to arrive releases everyone at once; on rdist's own
     /// store in one round trip and the store's one turn.
-    pub fn all_ready(&self, timeout: Duration) -> Result<()> {
+    pub fn all_ready(&mut self, timeout: Duration) -> Result<Release> {
         let deadline = Instant::now() + timeout;
+        let mut release = Release(None);
         let value = match &self.board {
             Board::Follower { at, leader } => {
                 match HostBoard::open(at.pid, at.fd, &self.roster.job) {
@@ -89,9 +104,14 @@ impl Joined {
                     None => self.released_by_store(deadline, timeout),
                 }
             }
-            Board::Leader(board) => {
+            Board::Leader(_) => {
                 let value = self.released_by_store(deadline, timeout);
-                board.release(value.as_deref().ok() == Some(READY));
+                if let Board::Leader(board) = std::mem::replace(&mut self.board, Board::None) {
+                    match value.as_deref() {
+                        Ok(READY) => release.0 = Some(board),
+                        _ => board.release(false),
+                    }
+                }
                 value
             }
             Board::None => self.released_by_store(deadline, timeout),
@@ -102,7 +122,7 @@ impl Joined {
             }
         }
         if value == READY {
-            return Ok(());
+            return Ok(release);
         }
         let text = String::from_utf8_lossy(&value);
         let (kind, why) = text
@@ -286,12 +306,17 @@ fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
 /// Meets the other ranks; blocks until all `size` have joined or the
 /// timeout passes. `offers_nccl`: NCCL may run in this process (published
 /// with the rank's address; see `Joined::some_rank_offers_nccl`).
+/// `meanwhile` runs once this rank has published itself, before it waits
+/// for the others: work that needs no roster done then is off the path
+/// of the last ranks of a wide job, which do everything after the roster
+/// comes while the cores are busiest.
 pub fn join(
     meeting: &Meeting,
     rank: usize,
     size: usize,
     opts: &Options,
     offers_nccl: bool,
+    meanwhile: &mut dyn FnMut(),
 ) -> Result<Joined> {
     if let Meeting::Method(Method::Alone) = meeting {
         if size == 1 {
@@ -299,13 +324,28 @@ pub fn join(
         }
         // More ranks, given as arguments: they meet as env:// always does.
         let master = method::env_master(&crate::options::process_env)?;
-        return join(&Meeting::Method(master), rank, size, opts, offers_nccl);
+        return join(
+            &Meeting::Method(master),
+            rank,
+            size,
+            opts,
+            offers_nccl,
+            meanwhile,
+        );
     }
     crate::transport::mesh::reserve_descriptors(rank, size)?;
     // On failure the lease goes, but the store lingers (see
     // store::hosted), so the other ranks can still ask it who is missing.
     let mut server = None;
-    join_hosting(meeting, rank, size, opts, offers_nccl, &mut server)
+    join_hosting(
+        meeting,
+        rank,
+        size,
+        opts,
+        offers_nccl,
+        meanwhile,
+        &mut server,
+    )
 }
 
 fn join_hosting(
@@ -314,6 +354,7 @@ fn join_hosting(
     size: usize,
     opts: &Options,
     offers_nccl: bool,
+    meanwhile: &mut dyn FnMut(),
     server: &mut Option<StoreLease>,
 ) -> Result<Joined> {
     let deadline = Instant::now() + opts.timeout;
@@ -446,14 +487,14 @@ fn join_hosting(
     // the roster; every rank offers a board (see `host_board`). Only
     // rdist's own store counts an arrival without answering.
     let board = (answers_wait_get && file_store.is_none() && size > 1)
-        .then(|| HostBoard::create(&job))
+        .then(|| OwnBoard::create(&job))
         .flatten();
     // The host id has no spaces (see `host_id`; an option's is checked).
     let me = format!(
         "{size} {addr} {host} {} {} {}",
         std::process::id(),
         u8::from(offers_nccl),
-        board.as_ref().and_then(HostBoard::fd).unwrap_or(-1)
+        board.as_ref().map_or(-1, OwnBoard::fd)
     );
     // The world size (the last to set it stays: see `wait_for_ranks`),
     // this rank's key and the count, in one round trip.
@@ -495,6 +536,7 @@ fn join_hosting(
             }
         }
     }
+    meanwhile();
     // In one round trip where the store answers it: its one turn then
     // answers every rank (a wait and a get took a turn per rank).
     let value = wait_for_ranks(&*store, rank, size, deadline, |slice| {
@@ -521,15 +563,17 @@ fn join_hosting(
     let shared = listing.hosts.iter().filter(|h| *h == mine).count() > 1;
     let board = match (board, listing.boards.iter().find(|(h, _)| h == mine)) {
         _ if !shared => Board::None,
-        (Some(own), _) if leader == rank => Board::Leader(own),
+        // A first rank that cannot map its board leaves the others to find
+        // the release in the store (at their first look, within a second).
+        (Some(own), _) if leader == rank => own.mapped().map_or(Board::None, Board::Leader),
         (_, Some((_, Some(at)))) if leader != rank => Board::Follower { at: *at, leader },
         _ => Board::None,
     };
     let roster = Roster {
         job,
         comm_id: 0,
-        addrs: listing.addrs.into(),
-        hosts: listing.hosts.into(),
+        addrs: listing.addrs,
+        hosts: listing.hosts,
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,

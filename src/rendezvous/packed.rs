@@ -8,6 +8,7 @@
 use crate::error::{Error, Result};
 use crate::transport::roster::HostId;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::sync::Arc;
 
 /// What one rank published: "SIZE ADDR HOST PID NCCL BOARD".
 #[derive(Clone, Debug, PartialEq)]
@@ -34,8 +35,8 @@ pub(crate) struct BoardAt {
 /// The roster's ranks, as every rank reads it.
 #[derive(Debug, PartialEq)]
 pub(crate) struct Listing {
-    pub addrs: Vec<SocketAddr>,
-    pub hosts: Vec<HostId>,
+    pub addrs: Arc<[SocketAddr]>,
+    pub hosts: Arc<[HostId]>,
     /// Some rank offered NCCL.
     pub some_offer_nccl: bool,
     /// Each host's board, as its first rank published it.
@@ -172,24 +173,32 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
     if r.0.len() != size.checked_mul(11)? {
         return None;
     }
-    let mut listing = Listing {
-        addrs: Vec::with_capacity(size),
-        hosts: Vec::with_capacity(size),
-        some_offer_nccl: false,
+    let records = r.0.chunks_exact(11);
+    let index = |rank: &[u8], at: usize| {
+        u32::from_le_bytes([rank[at], rank[at + 1], rank[at + 2], rank[at + 3]]) as usize
+    };
+    // Checked first, then read into the shared lists in one allocation
+    // each (every rank of a wide job does this after the roster comes).
+    if !(records.clone()).all(|rank| index(rank, 0) < hosts.len() && index(rank, 4) < ips.len()) {
+        return None;
+    }
+    let addrs: Arc<[SocketAddr]> = (records.clone())
+        .map(|rank| {
+            let port = u16::from_le_bytes([rank[8], rank[9]]);
+            match ips[index(rank, 4)] {
+                (IpAddr::V6(a), scope) => SocketAddr::V6(SocketAddrV6::new(a, port, 0, scope)),
+                (ip, _) => SocketAddr::new(ip, port),
+            }
+        })
+        .collect();
+    let listing = Listing {
+        addrs,
+        hosts: (records.clone())
+            .map(|rank| hosts[index(rank, 0)].clone())
+            .collect(),
+        some_offer_nccl: records.clone().any(|rank| rank[10] != 0),
         boards,
     };
-    for rank in r.0.chunks_exact(11) {
-        let host = u32::from_le_bytes(rank[0..4].try_into().ok()?) as usize;
-        let ip = u32::from_le_bytes(rank[4..8].try_into().ok()?) as usize;
-        let port = u16::from_le_bytes(rank[8..10].try_into().ok()?);
-        let (ip, scope) = *ips.get(ip)?;
-        listing.addrs.push(match ip {
-            IpAddr::V6(a) => SocketAddr::V6(SocketAddrV6::new(a, port, 0, scope)),
-            IpAddr::V4(_) => SocketAddr::new(ip, port),
-        });
-        listing.hosts.push(hosts.get(host)?.clone());
-        listing.some_offer_nccl |= rank[10] != 0;
-    }
     Some(listing)
 }
 
@@ -242,7 +251,7 @@ mod tests {
         let listing = decode(&bytes).unwrap();
         assert_eq!(
             listing.addrs,
-            entries.iter().map(|e| e.addr).collect::<Vec<_>>()
+            entries.iter().map(|e| e.addr).collect::<Arc<[_]>>()
         );
         let hosts: Vec<&str> = listing.hosts.iter().map(|h| &**h).collect();
         assert_eq!(

@@ -119,7 +119,9 @@ pub(crate) fn establish(
     }
     let ready = readiness(options, local_rank);
     let mine = [ready.is_ok() as u8];
-    let mut all = vec![0u8; size];
+    // Nobody can: no rank is asked, nor listed (each rank of a wide job
+    // wrote out every rank's number, for a message nobody reads).
+    let mut all = vec![0u8; if nobody_can { 0 } else { size }];
     if !nobody_can {
         let byte = Data {
             count: 1,
@@ -134,13 +136,19 @@ pub(crate) fn establish(
     if requested == Backend::Socket {
         return Ok(None);
     }
-    let lacking: Vec<String> = (0..size)
-        .filter(|&r| all[r] == 0)
-        .map(|r| r.to_string())
-        .collect();
+    let lacking: Vec<String> = match nobody_can {
+        true => vec![String::from("every rank")],
+        false => (0..size)
+            .filter(|&r| all[r] == 0)
+            .map(|r| r.to_string())
+            .collect(),
+    };
     if !lacking.is_empty() {
         let whose = match (&ready, lacking.len()) {
             (Err(why), _) => why.clone(),
+            (Ok(_), _) if nobody_can => {
+                "no rank published that it can run it (their logs say why)".to_string()
+            }
             (Ok(_), 1) => format!("rank {} cannot run it (its log says why)", lacking[0]),
             (Ok(_), _) => format!(
                 "ranks {} cannot run it (their logs say why)",
