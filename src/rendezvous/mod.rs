@@ -52,14 +52,24 @@ pub struct Joined {
 }
 
 /// Releases the host's other ranks when dropped, where this rank is its
-/// host's first: at the end of its own init, so that it is not left
-/// behind the thousand ranks it wakes (rank 0 was the slowest rank of a
-/// wide job, by 0.2-0.4 s, for that).
+/// host's first: at the end of its own init, and from a thread of its
+/// own. Waking a thousand ranks takes the waker 2 ms of CPU, after which
+/// the scheduler put it behind every rank it woke: rank 0 was the slowest
+/// rank of a wide job by 0.2-0.4 s, for that.
 pub struct Release(Option<HostBoard>);
 
 impl Drop for Release {
     fn drop(&mut self) {
-        if let Some(board) = &self.0 {
+        let Some(board) = self.0.take() else {
+            return;
+        };
+        let board = std::sync::Arc::new(board);
+        let waker = board.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rdist-release".into())
+            .spawn(move || waker.release(true));
+        // No thread to be had: released from here.
+        if spawned.is_err() {
             board.release(true);
         }
     }
@@ -166,7 +176,7 @@ impl Joined {
         let store = &*self.store;
         store.arrive_quietly(CONNECTED_KEY, self.size as i64, READY_KEY, READY)?;
         let _quietly = WakingQuietly::begin();
-        let mut slice = Duration::from_secs(1);
+        let mut slice = first_slice(self.size);
         loop {
             let released = board.wait(slice.min(left(deadline)));
             if released == host_board::Release::Ready {
@@ -612,11 +622,12 @@ fn wait_for_ranks<T>(
     deadline: Instant,
     mut wait: impl FnMut(Duration) -> Result<T>,
 ) -> Result<T> {
-    // Each look costs a few round trips with rank 0's store, and a wide
-    // job's ranks wait about as long as its launch takes (1024 ranks on 2
-    // cores: a second): the first slice is long enough for most to need
-    // none.
-    let mut slice = Duration::from_secs(1);
+    // Each look costs a round trip with rank 0's store, and a wide job's
+    // first ranks wait about as long as its launch takes (a millisecond or
+    // so a rank on a small host: 1.0-1.4 s for 1024 ranks on 2 cores): the
+    // first slice is long enough for most to need none, and looks taken
+    // meanwhile slow the launch.
+    let mut slice = first_slice(size);
     let _batch = WakingQuietly::begin();
     loop {
         let e = match wait(slice.min(left(deadline))) {
@@ -696,6 +707,12 @@ impl Drop for WakingQuietly {
             };
         }
     }
+}
+
+/// The first slice of a wait for the other ranks, before a look for what
+/// would make it vain: 1 s, and 2 ms a rank beyond 500 (up to 4 s).
+fn first_slice(size: usize) -> Duration {
+    Duration::from_millis((size as u64).saturating_mul(2).clamp(1000, 4000))
 }
 
 /// Where a rank that finds the meeting cannot succeed says why.
