@@ -88,8 +88,8 @@ impl Comm {
             options: opts,
             nobody_has_nccl: !joined.some_rank_offers_nccl,
         })
-        .inspect_err(|e| joined.failed(e))?;
-        let release = joined.all_ready(opts.timeout)?;
+        .map_err(|e| joined.failed(e))?;
+        let release = joined.all_ready()?;
         let local_rank = joined.local_rank;
         let store = joined.lasting_store();
         let places = joined.roster.clone();

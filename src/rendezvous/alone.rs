@@ -50,6 +50,8 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         answers_wait_get: true,
         place: "a world of one".into(),
         board: super::Board::None,
+        deadline: std::time::Instant::now() + opts.timeout,
+        timeout: opts.timeout,
     })
 }
 

@@ -10,10 +10,12 @@
 //! came. Here the store answers one rank per host, which wakes the
 //! others with one futex wake.
 //!
-//! Every rank makes a board before it publishes its key (a memfd: nothing
-//! is left behind however a rank ends); the host's first rank's is the
-//! one used. The others open it through /proc/<pid>/fd/<fd>, as the
-//! shared-memory rings are opened, and check the job id it carries.
+//! Every rank makes a board before it publishes its key (a memfd, sealed
+//! at its size: nothing is left behind however a rank ends); the host's
+//! first rank's is the one used. The others open it through
+//! /proc/<pid>/fd/<fd>, as the shared-memory rings are opened (a look at
+//! what is there first: a plain file of the board's size), and check the
+//! job id it carries.
 //! Whoever cannot (another PID namespace, /proc hidden) waits on the
 //! store as before: the board only wakes, the store still counts.
 
@@ -67,7 +69,12 @@ impl OwnBoard {
     /// host's ranks then wait on the store).
     pub fn create(job: &[u8; 16]) -> Option<OwnBoard> {
         // SAFETY: memfd_create with a valid C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"rdist-host-board".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"rdist-host-board".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return None;
         }
@@ -86,10 +93,16 @@ impl OwnBoard {
         if wrote != header.len() as isize {
             return None;
         }
-        // Under Yama's ptrace_scope=1 only a declared tracer may open our
-        // descriptors through /proc (as for the rings, see shm::attach).
-        // SAFETY: prctl with integer arguments.
-        unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        // Sealed at its size: no holder can shrink it under the others'
+        // mappings (SIGBUS).
+        // SAFETY: fcntl on our own descriptor with integer arguments.
+        unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
         Some(OwnBoard(fd))
     }
 
@@ -111,10 +124,19 @@ impl HostBoard {
     /// Opens the board process `pid` made for `job` and holds as `fd`;
     /// None when it cannot be opened or is not that job's board.
     pub fn open(pid: u32, fd: i32, job: &[u8; 16]) -> Option<HostBoard> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = format!("/proc/{pid}/fd/{fd}");
+        // What is behind the number now may be anything (the rank ended,
+        // the number was reused): opened only when it looks like a board.
+        let looks = std::fs::metadata(&path).ok()?;
+        if !looks.is_file() || looks.len() != BYTES as u64 {
+            return None;
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .open(format!("/proc/{pid}/fd/{fd}"))
+            .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+            .open(&path)
             .ok()?;
         if file.metadata().ok()?.len() != BYTES as u64 {
             return None;
@@ -141,8 +163,19 @@ impl HostBoard {
     /// Releases every rank waiting on the board (`ready`: every rank set
     /// up its communicator) with one wake.
     pub fn release(&self, ready: bool) {
+        self.mark(ready);
+        self.wake();
+    }
+
+    /// Says how the wait ended, for a waiter's next look.
+    pub fn mark(&self, ready: bool) {
         let word = self.release_word();
         word.store(if ready { READY } else { FAILED }, Ordering::Release);
+    }
+
+    /// Wakes every rank waiting on the board.
+    pub fn wake(&self) {
+        let word = self.release_word();
         // SAFETY: a futex wake on a word of our shared mapping.
         unsafe {
             libc::syscall(

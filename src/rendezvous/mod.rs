@@ -49,6 +49,9 @@ pub struct Joined {
     place: String,
     /// How the host's ranks are released from `all_ready`.
     board: Board,
+    /// The rendezvous's deadline (init's timeout), and the timeout.
+    deadline: Instant,
+    timeout: Duration,
 }
 
 /// Releases the host's other ranks when dropped, where this rank is its
@@ -63,14 +66,17 @@ impl Drop for Release {
         let Some(board) = self.0.take() else {
             return;
         };
+        // Marked here: a rank whose wake is lost (this process ended
+        // before the thread ran) still finds it at its next look.
+        board.mark(true);
         let board = std::sync::Arc::new(board);
         let waker = board.clone();
         let spawned = std::thread::Builder::new()
             .name("rdist-release".into())
-            .spawn(move || waker.release(true));
-        // No thread to be had: released from here.
+            .spawn(move || waker.wake());
+        // No thread to be had: woken from here.
         if spawned.is_err() {
-            board.release(true);
+            board.wake();
         }
     }
 }
@@ -96,84 +102,99 @@ impl Joined {
     /// Called once this rank's communicator is set up: returns when every
     /// rank's is (no rank's init returns before every rank can take part
     /// in a collective, as with NCCL's and torch's), or fails with what a
-    /// rank that could not set up published (`failed`), or when `timeout`
-    /// passes. A shared directory is then removed by the last rank out.
+    /// rank that could not set up published (`failed`), or when the
+    /// rendezvous's deadline (init's timeout) passes. Every rank comes out
+    /// alike: a rank that gives up says so where the release would be,
+    /// unless the release came first. A shared directory is then removed
+    /// by the last rank out.
     ///
     /// The ranks of a wide job that finished first went on to their first
     /// collective and, connecting, took the cores from the ranks still
     /// setting up (1024 ranks on 2 cores: half of init's last second).
     /// The last rank to arrive releases everyone at once; on rdist's own
     /// store in one round trip and the store's one turn.
-    pub fn all_ready(&mut self, timeout: Duration) -> Result<Release> {
-        let deadline = Instant::now() + timeout;
+    pub fn all_ready(&mut self) -> Result<Release> {
         let mut release = Release(None);
-        let value = match &self.board {
+        let waited = match &self.board {
             Board::Follower { at, leader } => {
                 match HostBoard::open(at.pid, at.fd, &self.roster.job) {
-                    Some(board) => self.released_by(&board, *leader, deadline, timeout),
-                    None => self.released_by_store(deadline, timeout),
+                    Some(board) => self.released_by(&board, *leader, *at),
+                    None => self.released_by_store(),
                 }
             }
-            Board::Leader(_) => {
-                let value = self.released_by_store(deadline, timeout);
-                if let Board::Leader(board) = std::mem::replace(&mut self.board, Board::None) {
-                    match value.as_deref() {
-                        Ok(READY) => release.0 = Some(board),
-                        _ => board.release(false),
-                    }
+            Board::Leader(_) => self.released_by_store(),
+            Board::None => self.released_by_store(),
+        };
+        let value = match waited {
+            // Said where the release would be, unless it came just now.
+            Err(e) if e.kind() == ErrorKind::Timeout => {
+                let gave_up = format!("{} rank {}: {}", e.kind().code(), self.rank, e.message());
+                match self.store.set_if_absent(READY_KEY, gave_up.as_bytes()) {
+                    Ok(value) if value == READY => Ok(value),
+                    _ => Err(e),
                 }
-                value
             }
-            Board::None => self.released_by_store(deadline, timeout),
-        }?;
-        if let Some(f) = &self.file_store {
-            if self.store.add("left", 1).unwrap_or(0) >= self.size as i64 {
-                let _ = f.remove();
+            other => other,
+        };
+        let ready = value.as_deref().ok() == Some(READY);
+        if let Board::Leader(board) = std::mem::replace(&mut self.board, Board::None) {
+            match ready {
+                true => release.0 = Some(board),
+                false => board.release(false),
             }
         }
+        match &self.file_store {
+            Some(f) => {
+                if self.store.add(LEFT_KEY, 1).unwrap_or(0) >= self.size as i64 {
+                    let _ = f.remove();
+                }
+            }
+            // For a unique id's host, which keeps its store until then.
+            None => drop(self.store.add_no_wait(LEFT_KEY, 1)),
+        }
+        let value = value?;
         if value == READY {
             return Ok(release);
         }
-        let text = String::from_utf8_lossy(&value);
-        let (kind, why) = text
-            .split_once(' ')
-            .and_then(|(code, why)| Some((ErrorKind::from_code(code.parse().ok()?)?, why)))
-            .unwrap_or((ErrorKind::PeerLost, &text));
-        Err(Error::new(kind, why.to_string()))
+        Err(published_error(&value))
     }
 
     /// Counts this rank in the store and waits there for the release.
-    fn released_by_store(&self, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+    fn released_by_store(&self) -> Result<Vec<u8>> {
         let (store, size) = (&*self.store, self.size);
         let mut arrived = false;
-        wait_for_ranks(store, self.rank, size, deadline, |slice| {
+        wait_for_ranks(store, self.rank, size, self.deadline, |slice| {
             if !std::mem::replace(&mut arrived, true) {
                 if self.answers_wait_get {
                     return store.arrive(CONNECTED_KEY, size as i64, READY_KEY, READY, slice);
                 }
                 // Unless a rank that failed said so there already.
-                if store.add(CONNECTED_KEY, 1)? >= size as i64 && !store.check(&[READY_KEY])? {
-                    store.set(READY_KEY, READY)?;
+                if store.add(CONNECTED_KEY, 1)? >= size as i64 {
+                    store.set_if_absent(READY_KEY, READY)?;
                 }
+            }
+            if self.answers_wait_get {
+                // One query: a unique id's host may stop its store once
+                // every rank has left, between a wait and a get.
+                return store.wait_get(READY_KEY, slice);
             }
             store.wait(&[READY_KEY], slice)?;
             store.get_present(READY_KEY)
         })
-        .map_err(|e| self.not_ready(e, timeout))
+        .map_err(|e| self.not_ready(e))
     }
 
     /// Counts this rank in the store (not waiting for an answer) and
     /// waits on the host's board for the host's first rank to release it;
-    /// meanwhile, in growing slices, looks in the store for the release
-    /// (a first rank that died releases nobody).
+    /// meanwhile, in growing slices, looks in the store for the release,
+    /// and whether the first rank still lives.
     fn released_by(
         &self,
         board: &HostBoard,
         leader: usize,
-        deadline: Instant,
-        timeout: Duration,
+        at: packed::BoardAt,
     ) -> Result<Vec<u8>> {
-        let store = &*self.store;
+        let (store, deadline) = (&*self.store, self.deadline);
         store.arrive_quietly(CONNECTED_KEY, self.size as i64, READY_KEY, READY)?;
         let _quietly = WakingQuietly::begin();
         let mut slice = first_slice(self.size);
@@ -182,49 +203,62 @@ impl Joined {
             if released == host_board::Release::Ready {
                 return Ok(READY.to_vec());
             }
-            // A store that cannot answer (a unique id's host stops its
-            // store once every rank is counted) leaves the board to say.
             let bound = left(deadline).clamp(Duration::from_secs(1), store::OPERATION_TIMEOUT);
-            let looked = store.read_within(&[READY_KEY], bound).ok();
-            if let Some(value) = looked.and_then(|mut v| v.pop().flatten()) {
+            let looked = store.read_within(&[READY_KEY], bound);
+            if let Ok(Some(value)) = looked.as_ref().map(|v| v.first().cloned().flatten()) {
                 return Ok(value);
             }
-            if released == host_board::Release::Failed {
+            // SAFETY: kill with signal 0 only asks whether the process is there.
+            let leader_lives = unsafe { libc::kill(at.pid as libc::pid_t, 0) } == 0
+                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+            if released == host_board::Release::Failed || !leader_lives {
+                let what = match leader_lives {
+                    true => "gave up waiting for the others (its error says why)",
+                    false => "exited before it released them",
+                };
+                let store_said = looked.err().map_or(String::new(), |e| format!("; {e}"));
                 return Err(Error::new(
                     ErrorKind::PeerLost,
                     format!(
-                        "rank {leader}, which waited for every rank on behalf of this host's \
-                         ranks, gave up before they all set up their communicators"
+                        "rank {leader} (pid {}), which waited for every rank on behalf of this \
+                         host's ranks, {what}{store_said}",
+                        at.pid
                     ),
                 ));
             }
             if left(deadline).is_zero() {
-                return Err(self.not_ready(Error::new(ErrorKind::Timeout, ""), timeout));
+                return Err(self.not_ready(Error::new(ErrorKind::Timeout, "")));
             }
             slice = (slice * 2).min(Duration::from_secs(2));
         }
     }
 
     /// Tells every rank waiting in `all_ready` that this one could not set
-    /// up its communicator, and why (best effort: a store that is gone
-    /// leaves them to their timeout).
-    pub fn failed(&self, e: &Error) {
+    /// up its communicator, and why; returns the error to report here.
+    /// The first failure published is the one every rank reports: a rank
+    /// that failed only because another did (the other's connection lost
+    /// in an exchange) reports that other's.
+    pub fn failed(&self, e: Error) -> Error {
         let text = format!(
             "{} rank {} could not set up its communicator: {}",
             e.kind().code(),
             self.rank,
             e.message()
         );
-        let _ = self
-            .store
-            .set_within(READY_KEY, text.as_bytes(), Duration::from_secs(1));
+        let first = self.store.set_if_absent(READY_KEY, text.as_bytes());
         if let Board::Leader(board) = &self.board {
             board.release(false);
+        }
+        match first {
+            Ok(first) if first != text.as_bytes() && e.kind() == ErrorKind::PeerLost => {
+                published_error(&first)
+            }
+            _ => e,
         }
     }
 
     /// A timeout of `all_ready`, saying how many ranks got there.
-    fn not_ready(&self, e: Error, timeout: Duration) -> Error {
+    fn not_ready(&self, e: Error) -> Error {
         if e.kind() != ErrorKind::Timeout {
             return e;
         }
@@ -240,11 +274,22 @@ impl Joined {
             format!(
                 "timed out after {:.1} s waiting through {} for every rank to set up its communicator{did} \
                  (every rank had joined: one has died or hangs in init since)",
-                timeout.as_secs_f64(),
+                self.timeout.as_secs_f64(),
                 self.place
             ),
         )
     }
+}
+
+/// The error a rank published where the release would be: its code, then
+/// its message.
+fn published_error(value: &[u8]) -> Error {
+    let text = String::from_utf8_lossy(value);
+    let (kind, why) = text
+        .split_once(' ')
+        .and_then(|(code, why)| Some((ErrorKind::from_code(code.parse().ok()?)?, why)))
+        .unwrap_or((ErrorKind::PeerLost, &text));
+    Error::new(kind, why.to_string())
 }
 
 /// Counts the ranks whose communicator is set up (also watched by a
@@ -255,6 +300,9 @@ const CONNECTED_KEY: &str = "connected";
 /// by a rank that failed to its error's code and message.
 const READY_KEY: &str = "ready";
 const READY: &[u8] = b"ok";
+/// Counts the ranks out of `all_ready`: a shared directory is removed,
+/// and a unique id's host stops its store, once every rank is.
+pub(crate) const LEFT_KEY: &str = "left";
 
 fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
@@ -607,6 +655,8 @@ fn join_hosting(
         answers_wait_get,
         place,
         board,
+        deadline,
+        timeout: opts.timeout,
     })
 }
 
@@ -801,4 +851,85 @@ fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &O
             shown.join(", ")
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Joins one rank per entry of `ranks` (threads, over a tcp:// store
+    /// rank 0 hosts): (host id, timeout in ms, delay in ms between the
+    /// roster and `all_ready`). Returns each rank's outcome, how long its
+    /// `all_ready` took, and whether a board released it.
+    fn ready(ranks: &[(&str, u64, u64)]) -> Vec<(Result<()>, Duration, bool)> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let meeting = Meeting::Method(Method::Tcp {
+            host: "127.0.0.1".into(),
+            port,
+        });
+        let size = ranks.len();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (ranks.iter().enumerate())
+                .map(|(rank, &(host, timeout_ms, delay_ms))| {
+                    let meeting = meeting.clone();
+                    s.spawn(move || {
+                        let mut opts = Options::default();
+                        opts.set("timeout_ms", &timeout_ms.to_string()).unwrap();
+                        opts.set("host_id", host).unwrap();
+                        let mut joined =
+                            join(&meeting, rank, size, &opts, false, &mut || {}).unwrap();
+                        let follower = matches!(joined.board, Board::Follower { .. });
+                        std::thread::sleep(Duration::from_millis(delay_ms));
+                        let started = Instant::now();
+                        let outcome = joined.all_ready().map(drop);
+                        (outcome, started.elapsed(), follower)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn a_hosts_ranks_are_released_through_its_board_at_once() {
+        // A follower whose wake were lost would wait for its first look
+        // (a second).
+        let out = ready(&[
+            ("h", 20_000, 0),
+            ("h", 20_000, 0),
+            ("h", 20_000, 0),
+            ("h", 20_000, 200),
+        ]);
+        for (rank, (outcome, took, follower)) in out.iter().enumerate() {
+            assert!(outcome.is_ok(), "rank {rank}: {outcome:?}");
+            assert_eq!(*follower, rank > 0, "rank {rank}");
+            assert!(
+                *took < Duration::from_millis(800),
+                "rank {rank} took {took:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rank_later_than_the_others_timeout_fails_as_they_did() {
+        // Ranks 0 and 1 give up after a second; rank 2, with more
+        // patience, comes after that: it must not find the world ready.
+        let out = ready(&[("a", 1_000, 0), ("a", 1_000, 0), ("b", 20_000, 2_000)]);
+        for (rank, (outcome, _, _)) in out.iter().enumerate() {
+            let e = outcome
+                .as_ref()
+                .expect_err("a rank succeeded where others gave up");
+            assert_eq!(e.kind(), ErrorKind::Timeout, "rank {rank}: {e}");
+        }
+        let e = out[2].0.as_ref().unwrap_err();
+        assert!(
+            e.message().starts_with("rank 0: timed out")
+                || e.message().starts_with("rank 1: timed out"),
+            "{e}"
+        );
+    }
 }

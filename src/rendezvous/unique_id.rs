@@ -110,7 +110,9 @@ pub fn create(ifname: Option<&str>, timeout: Duration, token: Option<Token>) -> 
     })
 }
 
-/// Keeps `server` alive until all ranks report connected, or the deadline.
+/// Keeps `server` alive until all ranks are out of init (they count
+/// themselves under `LEFT_KEY` once released), or the deadline: a rank
+/// released later than the others still reads its release here.
 fn host_until_joined(server: TcpStoreServer, local: &str, deadline: Instant, token: Option<Token>) {
     let Ok(client) = TcpStoreClient::connect_with(local, deadline, token.as_ref()) else {
         return;
@@ -119,7 +121,7 @@ fn host_until_joined(server: TcpStoreServer, local: &str, deadline: Instant, tok
         let done = client.check(&["world_size"]).unwrap_or(false)
             && match (
                 client.get("world_size", Duration::from_secs(1)),
-                client.add("connected", 0),
+                client.add(super::LEFT_KEY, 0),
             ) {
                 (Ok(size), Ok(n)) => String::from_utf8_lossy(&size)
                     .parse::<i64>()

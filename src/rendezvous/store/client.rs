@@ -329,17 +329,14 @@ impl TcpStoreClient {
         })
     }
 
-    /// Sends `bytes` (ending with a wait, or a wait for a value:
-    /// `with_value`, for `keys`), lets `before` read the answers to the
-    /// queries before the wait, then reads the wait's, withdrawing it
-    /// after `timeout`.
+    /// Sends `bytes` (a wait, or a wait for a value: `with_value`, for
+    /// `keys`) and reads its answer, withdrawing it after `timeout`.
     fn wait_for(
         &self,
         bytes: &[u8],
         keys: &[&str],
         timeout: Duration,
         with_value: bool,
-        before: impl FnOnce(&mut TcpStream) -> io::Result<()>,
     ) -> Result<Option<Vec<u8>>> {
         let mut c = lock(&self.connection);
         self.mend(&mut c, timeout.min(OPERATION_TIMEOUT))?;
@@ -351,7 +348,6 @@ impl TcpStoreClient {
             c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
             c.stream.set_write_timeout(Some(OPERATION_TIMEOUT))?;
             c.stream.write_all(bytes)?;
-            before(&mut c.stream)?;
             c.stream
                 .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
             match read_u8(&mut c.stream) {
@@ -848,15 +844,14 @@ impl Store for TcpStoreClient {
             &Query::Wait(full.iter().map(Vec::as_slice).collect()),
             &mut bytes,
         );
-        self.wait_for(&bytes, keys, timeout, false, |_| Ok(()))
-            .map(drop)
+        self.wait_for(&bytes, keys, timeout, false).map(drop)
     }
 
     fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let full = self.key(key)?;
         let mut bytes = Vec::new();
         encode_query(&Query::WaitGet(&full), &mut bytes);
-        let value = self.wait_for(&bytes, &[key], timeout, true, |_| Ok(()))?;
+        let value = self.wait_for(&bytes, &[key], timeout, true)?;
         value.ok_or_else(|| Error::internal("the store answered a wait for a value without one"))
     }
 
@@ -872,8 +867,13 @@ impl Store for TcpStoreClient {
         let mut bytes = Vec::new();
         let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?, true);
         encode_query(&query, &mut bytes);
-        let got = self.wait_for(&bytes, &[key], timeout, true, |_| Ok(()))?;
+        let got = self.wait_for(&bytes, &[key], timeout, true)?;
         got.ok_or_else(|| Error::internal("the store answered a wait for a value without one"))
+    }
+
+    /// One compare-and-set, which rdist's store and torch's both answer.
+    fn set_if_absent(&self, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+        self.compare_set(key, b"", value)
     }
 
     /// Sent without waiting for anything: the store answers nothing.

@@ -104,6 +104,15 @@ pub trait Store: Send + Sync {
         self.wait(&[key], timeout)?;
         self.get_present(key)
     }
+    /// Sets `key` to `value` unless it is set already; returns the value
+    /// it holds afterwards (the first writer's). Where the store cannot
+    /// do it at once, a check and then a set.
+    fn set_if_absent(&self, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+        if !self.check(&[key])? {
+            self.set(key, value)?;
+        }
+        self.get_present(key)
+    }
     /// `arrive` without the wait: counts this caller (setting `key` when
     /// it is the last) and returns, the answer not waited for.
     fn arrive_quietly(&self, counter: &str, last: i64, key: &str, value: &[u8]) -> Result<()> {

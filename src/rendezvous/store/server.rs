@@ -644,6 +644,14 @@ impl Server {
             Query::Wait(keys) => self.wait(slot, &keys)?,
             Query::WaitGet(key) => self.wait_get(slot, key)?,
             Query::Arrive(counter, last, key, value, wait) => {
+                if self.data.get(counter).is_some_and(|v| {
+                    std::str::from_utf8(v).map_or(true, |t| t.trim().parse::<i64>().is_err())
+                }) {
+                    return Err(format!(
+                        "it arrived at key '{}', whose value is not an integer",
+                        printable(counter)
+                    ));
+                }
                 self.add_one(counter)?;
                 if self.counter(counter) >= last && !self.data.contains_key(key) {
                     self.set(key, value.to_vec())?;
