@@ -65,7 +65,8 @@ fn machine_cores() -> usize {
 
 /// This process's cores and the machine's, looked up once per process:
 /// both read files (the cgroup's quota, sysfs), 40 us a rank that the
-/// last ranks of a wide job paid after the roster came.
+/// last ranks of a wide job paid after the roster came. (A program that
+/// changes its affinity between two communicators keeps the first count.)
 fn cores() -> (usize, usize) {
     static CORES: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| {

@@ -19,6 +19,7 @@
 //! Whoever cannot (another PID namespace, /proc hidden) waits on the
 //! store as before: the board only wakes, the store still counts.
 
+use crate::transport::futex;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -175,17 +176,7 @@ impl HostBoard {
 
     /// Wakes every rank waiting on the board.
     pub fn wake(&self) {
-        let word = self.release_word();
-        // SAFETY: a futex wake on a word of our shared mapping.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word.as_ptr(),
-                libc::FUTEX_WAKE,
-                i32::MAX,
-                std::ptr::null::<libc::timespec>(),
-            )
-        };
+        futex::wake_all(self.release_word());
     }
 
     /// Waits up to `timeout` for the release.
@@ -202,21 +193,8 @@ impl HostBoard {
             if left.is_zero() {
                 return Release::NotYet;
             }
-            let ts = libc::timespec {
-                tv_sec: left.as_secs() as libc::time_t,
-                tv_nsec: left.subsec_nanos() as libc::c_long,
-            };
-            // SAFETY: a futex wait on a word of our shared mapping, with a
-            // relative timeout; woken early or spuriously, it looks again.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    word.as_ptr(),
-                    libc::FUTEX_WAIT,
-                    WAITING,
-                    &ts as *const libc::timespec,
-                )
-            };
+            // Woken early or spuriously, it looks again.
+            futex::wait(word, WAITING, left);
         }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod channel;
 pub mod frame;
+pub(crate) mod futex;
 pub mod greeting;
 pub mod iface;
 pub mod link;

@@ -88,7 +88,8 @@ pub enum QueryType {
     /// store disconnects).
     AuthProof = 0xF1,
     /// rdist: key; replies STOP_WAITING and the value once the key exists
-    /// (withdrawn with CancelWait, as a wait). A wide job's ranks all wait
+    /// (withdrawn with CancelWait, as a wait; for a key, not a queue: a
+    /// push to a queue of that name answers it with an empty value). A wide job's ranks all wait
     /// for one value: answered in the store's one turn when it is set,
     /// where a wait and then a get took a turn of the store per rank.
     WaitGet = 0xF2,

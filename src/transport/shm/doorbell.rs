@@ -71,8 +71,7 @@ impl Doorbell {
             && self.sleeping().swap(0, Ordering::SeqCst) != 0
         {
             self.bell().fetch_add(1, Ordering::SeqCst);
-            // SAFETY: futex wake on a shared (not private) word.
-            unsafe { libc::syscall(libc::SYS_futex, self.bell, libc::FUTEX_WAKE, i32::MAX) };
+            crate::transport::futex::wake_all(self.bell());
         }
     }
 
@@ -94,21 +93,8 @@ impl Doorbell {
 
     /// Sleeps until a peer rings (since `prepare`) or `timeout` passes.
     pub fn sleep(&self, seen: u32, timeout: Duration) {
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: futex wait on a shared word with a live timespec; returns
-        // at once if the counter already moved on.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.bell,
-                libc::FUTEX_WAIT,
-                seen,
-                &ts as *const libc::timespec,
-            )
-        };
+        // Returns at once if the counter already moved on.
+        crate::transport::futex::wait(self.bell(), seen, timeout);
         self.done();
     }
 
