@@ -122,8 +122,7 @@ impl Joined {
                     None => self.released_by_store(),
                 }
             }
-            Board::Leader(_) => self.released_by_store(),
-            Board::None => self.released_by_store(),
+            Board::Leader(_) | Board::None => self.released_by_store(),
         };
         let value = match waited {
             // Said where the release would be, unless it came just now.
@@ -173,13 +172,9 @@ impl Joined {
                     store.set_if_absent(READY_KEY, READY)?;
                 }
             }
-            if self.answers_wait_get {
-                // One query: a unique id's host may stop its store once
-                // every rank has left, between a wait and a get.
-                return store.wait_get(READY_KEY, slice);
-            }
-            store.wait(&[READY_KEY], slice)?;
-            store.get_present(READY_KEY)
+            // One query where it can be: a unique id's host may stop its
+            // store once every rank has left, between a wait and a get.
+            wait_value(store, READY_KEY, slice, self.answers_wait_get)
         })
         .map_err(|e| self.not_ready(e))
     }
@@ -279,6 +274,21 @@ impl Joined {
             ),
         )
     }
+}
+
+/// Waits up to `slice` for `key` and returns its value: in one query on a
+/// store that `answers_wait_get`, else a wait and then a get.
+fn wait_value(
+    store: &dyn Store,
+    key: &str,
+    slice: Duration,
+    answers_wait_get: bool,
+) -> Result<Vec<u8>> {
+    if answers_wait_get {
+        return store.wait_get(key, slice);
+    }
+    store.wait(&[key], slice)?;
+    store.get_present(key)
 }
 
 /// The error a rank published where the release would be: its code, then
@@ -598,11 +608,7 @@ fn join_hosting(
     // In one round trip where the store answers it: its one turn then
     // answers every rank (a wait and a get took a turn per rank).
     let value = wait_for_ranks(&*store, rank, size, deadline, |slice| {
-        if answers_wait_get {
-            return store.wait_get(&roster_key, slice);
-        }
-        store.wait(&[&roster_key], slice)?;
-        store.get_present(&roster_key)
+        wait_value(&*store, &roster_key, slice, answers_wait_get)
     })
     .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
     if value.is_empty() {

@@ -402,6 +402,28 @@ impl TcpStoreClient {
         }
     }
 
+    /// Sends `bytes` without reading anything back; `owed`: the answers
+    /// they will get, read before the next query's (`settle`).
+    fn send_unread(&self, bytes: &[u8], owed: usize) -> Result<()> {
+        let mut c = lock(&self.connection);
+        self.mend(&mut c, OPERATION_TIMEOUT)?;
+        let sent = c
+            .stream
+            .set_write_timeout(Some(OPERATION_TIMEOUT))
+            .and_then(|()| c.stream.write_all(bytes));
+        match sent {
+            Ok(()) => {
+                c.owed += owed;
+                Ok(())
+            }
+            Err(e) => {
+                let err = self.connection_error(&e, OPERATION_TIMEOUT);
+                c.broken = Some(err.clone());
+                Err(err)
+            }
+        }
+    }
+
     /// One round trip; the time it took.
     pub fn ping(&self) -> Result<Duration> {
         let start = Instant::now();
@@ -667,23 +689,7 @@ impl Store for TcpStoreClient {
         let k = self.key(key)?;
         let mut bytes = Vec::new();
         encode_query(&Query::Add(&k, delta), &mut bytes);
-        let mut c = lock(&self.connection);
-        self.mend(&mut c, OPERATION_TIMEOUT)?;
-        let sent = c
-            .stream
-            .set_write_timeout(Some(OPERATION_TIMEOUT))
-            .and_then(|()| c.stream.write_all(&bytes));
-        match sent {
-            Ok(()) => {
-                c.owed += 1;
-                Ok(())
-            }
-            Err(e) => {
-                let err = self.connection_error(&e, OPERATION_TIMEOUT);
-                c.broken = Some(err.clone());
-                Err(err)
-            }
-        }
+        self.send_unread(&bytes, 1)
     }
 
     /// Every update back to back: the store answers them in order, so one
@@ -882,16 +888,6 @@ impl Store for TcpStoreClient {
         let mut bytes = Vec::new();
         let query = Query::Arrive(&counter_key, last, &full, self.value(key, value)?, false);
         encode_query(&query, &mut bytes);
-        let mut c = lock(&self.connection);
-        self.mend(&mut c, OPERATION_TIMEOUT)?;
-        let sent = c
-            .stream
-            .set_write_timeout(Some(OPERATION_TIMEOUT))
-            .and_then(|()| c.stream.write_all(&bytes));
-        sent.map_err(|e| {
-            let err = self.connection_error(&e, OPERATION_TIMEOUT);
-            c.broken = Some(err.clone());
-            err
-        })
+        self.send_unread(&bytes, 0)
     }
 }
