@@ -13,12 +13,19 @@
 //! `--seconds`; a batch's time is the maximum over ranks and the reported
 //! time the median batch. algbw = bytes / time; busbw applies nccl-tests'
 //! factor per collective (allreduce 2(n-1)/n; allgather, reduce_scatter,
-//! alltoall (n-1)/n; broadcast, reduce, sendrecv 1). #wrong counts elements that
-//! differ from an independently computed reference on a checked run.
+//! alltoall (n-1)/n; broadcast, reduce, point-to-point 1). #wrong counts
+//! elements that differ from an independently computed reference on a
+//! checked run.
+//!
+//! Point-to-point: `pingpong` (ranks 2i and 2i+1 send and receive in turn,
+//! blocking; the time is half the round trip), `exchange` (each rank posts
+//! a receive from the previous rank and a send to the next, then waits for
+//! both) and `sendrecv` (the same ring shift as one group).
 
 mod device;
 
-use rdist::{Comm, Options, ReduceOp};
+use rdist::internals::{Data, RawBuf};
+use rdist::{Comm, DType, Options, ReduceOp};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -32,11 +39,15 @@ enum Coll {
     AllToAll,
     Barrier,
     /// Point-to-point: each rank sends to the next and receives from the
-    /// previous at once (a ring shift).
+    /// previous at once (a ring shift), in one group.
     SendRecv,
+    /// Ranks 2i and 2i+1 send and receive in turn (blocking).
+    PingPong,
+    /// The ring shift as non-blocking receive and send, then two waits.
+    Exchange,
 }
 
-const ALL: [Coll; 8] = [
+const ALL: [Coll; 10] = [
     Coll::AllReduce,
     Coll::Broadcast,
     Coll::Reduce,
@@ -45,6 +56,8 @@ const ALL: [Coll; 8] = [
     Coll::AllToAll,
     Coll::Barrier,
     Coll::SendRecv,
+    Coll::PingPong,
+    Coll::Exchange,
 ];
 
 impl Coll {
@@ -58,6 +71,8 @@ impl Coll {
             Coll::AllToAll => "alltoall",
             Coll::Barrier => "barrier",
             Coll::SendRecv => "sendrecv",
+            Coll::PingPong => "pingpong",
+            Coll::Exchange => "exchange",
         }
     }
 
@@ -199,7 +214,12 @@ fn setup(c: Coll, count: usize, comm: &Comm) -> Bufs {
             .collect::<Vec<_>>()
     };
     match c {
-        Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => Bufs {
+        Coll::AllReduce
+        | Coll::Broadcast
+        | Coll::Reduce
+        | Coll::SendRecv
+        | Coll::PingPong
+        | Coll::Exchange => Bufs {
             send: fill(count, r),
             recv: vec![0.0; count],
         },
@@ -231,7 +251,35 @@ fn run_once(c: Coll, b: &mut Bufs, count: usize, a: &Args, comm: &Comm) -> rdist
             let (r, n) = (comm.rank(), comm.size());
             comm.sendrecv(&b.send, (r + 1) % n, &mut b.recv, (r + n - 1) % n)
         }
+        Coll::PingPong => {
+            let (r, n) = (comm.rank(), comm.size());
+            let peer = r ^ 1;
+            match (peer < n, r % 2 == 0) {
+                (false, _) => Ok(()),
+                (true, true) => comm.send(&b.send, peer).and(comm.recv(&mut b.recv, peer)),
+                (true, false) => comm.recv(&mut b.recv, peer).and(comm.send(&b.send, peer)),
+            }
+        }
+        Coll::Exchange => {
+            let (r, n) = (comm.rank(), comm.size());
+            let data = Data {
+                count: b.send.len(),
+                dtype: DType::Float32,
+            };
+            let (out, into) = (as_raw(&b.send), as_raw(&b.recv));
+            // SAFETY: both buffers outlive the requests, waited for here.
+            unsafe {
+                let recv = comm.irecv_message(into, data, Some((r + n - 1) % n), Some(0))?;
+                let send = comm.isend_message(out, data, (r + 1) % n, 0)?;
+                recv.wait().and(send.wait())
+            }
+        }
     }
+}
+
+/// A buffer as the raw calls take it.
+fn as_raw(v: &[f32]) -> RawBuf {
+    RawBuf::new(v.as_ptr().cast(), std::mem::size_of_val(v))
 }
 
 /// Elements of a checked run that differ from the reference (sum only).
@@ -262,10 +310,12 @@ fn count_wrong(c: Coll, count: usize, a: &Args, comm: &Comm) -> rdist::Result<u6
             .map(|j| v(j / count.max(1), r * count + j % count.max(1)))
             .collect(),
         Coll::Barrier => return Ok(0),
-        Coll::SendRecv => {
+        Coll::SendRecv | Coll::Exchange => {
             let left = (r + n - 1) % n;
             (0..count).map(|i| v(left, i)).collect()
         }
+        Coll::PingPong if r ^ 1 < n => (0..count).map(|i| v(r ^ 1, i)).collect(),
+        Coll::PingPong => return Ok(0),
     };
     let got = &b.recv[..want.len()];
     Ok(got.iter().zip(&want).filter(|(g, w)| g != w).count() as u64)
@@ -294,6 +344,10 @@ fn measure(c: Coll, count: usize, a: &Args, comm: &Comm) -> rdist::Result<f64> {
             run_once(c, &mut b, count, a, comm)?;
         }
         *batch = t.elapsed().as_secs_f64() / iters as f64;
+        if c == Coll::PingPong {
+            // An iteration is a round trip.
+            *batch /= 2.0;
+        }
     }
     comm.allreduce(&mut batches, ReduceOp::Max)?;
     batches.sort_by(|x, y| x.total_cmp(y));
