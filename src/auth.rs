@@ -88,23 +88,7 @@ impl Token {
 /// A fresh random nonce.
 pub fn nonce() -> [u8; NONCE_BYTES] {
     let mut n = [0u8; NONCE_BYTES];
-    let mut filled = 0;
-    while filled < n.len() {
-        // SAFETY: writes at most the remaining length into our array.
-        let got = unsafe { libc::getrandom(n[filled..].as_mut_ptr().cast(), n.len() - filled, 0) };
-        if got > 0 {
-            filled += got as usize;
-        } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            // No kernel entropy (ancient kernels): /dev/urandom.
-            use std::io::Read;
-            if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-                if f.read_exact(&mut n[filled..]).is_ok() {
-                    break;
-                }
-            }
-            panic!("rdist: no source of randomness for authentication nonces");
-        }
-    }
+    crate::random::fill(&mut n);
     n
 }
 

@@ -15,7 +15,7 @@
 // ffi -> comm -> backend -> algorithms -> transport, with rendezvous
 // beside backend (comm uses both). The rest are base modules every layer
 // may use: call, descriptor, dtype, reduce, copy, error, options, log,
-// trace.
+// trace, auth, random, sync.
 
 /// cbindgen:ignore
 pub(crate) mod algorithms;
@@ -41,9 +41,13 @@ pub(crate) mod log;
 /// cbindgen:ignore
 pub(crate) mod options;
 /// cbindgen:ignore
+pub(crate) mod random;
+/// cbindgen:ignore
 pub(crate) mod reduce;
 /// cbindgen:ignore
 pub(crate) mod rendezvous;
+/// cbindgen:ignore
+pub(crate) mod sync;
 /// cbindgen:ignore
 #[cfg(test)]
 mod test_rng;
@@ -62,6 +66,7 @@ pub mod internals {
     pub use crate::call::{Call, Data, Layout, RawBuf};
     pub use crate::comm::group;
     pub use crate::descriptor::OpKind;
+    pub use crate::random::fill as random_bytes;
     pub use crate::rendezvous::method;
 }
 

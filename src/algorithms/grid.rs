@@ -22,7 +22,7 @@ use crate::reduce::{self, ReduceOp};
 use crate::transport::Xfer;
 use std::ops::Range;
 
-use super::hierarchical::Layers;
+use super::layers::Layers;
 
 /// Target chunk size: a tick moves about this much over each host link
 /// (about 8 ms on 1 Gbit/s), large enough that a tick's overhead is

@@ -10,6 +10,7 @@ pub mod dissemination;
 pub mod grid;
 pub mod halving_doubling;
 pub mod hierarchical;
+pub mod layers;
 #[cfg(test)]
 pub mod mock;
 pub mod recursive_doubling;

@@ -325,7 +325,7 @@ impl Drop for ContextGuard {
 /// of the process, as the CUDA runtime does).
 pub fn primary_context(ordinal: i32) -> Result<usize> {
     static RETAINED: std::sync::Mutex<Vec<(i32, usize)>> = std::sync::Mutex::new(Vec::new());
-    let mut retained = RETAINED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut retained = crate::sync::lock(&RETAINED);
     if let Some(&(_, ctx)) = retained.iter().find(|(o, _)| *o == ordinal) {
         return Ok(ctx);
     }

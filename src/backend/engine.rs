@@ -16,12 +16,13 @@ use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{Backend, LogLevel, Options};
+use crate::sync::lock;
 use crate::trace::Trace;
 use crate::transport::roster::Roster;
 use crate::transport::signal::AbortSignal;
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The numbers every rank must agree on: one per collective, and one per
@@ -108,12 +109,6 @@ impl Aborter {
             raw.abort();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock was already reported as an error; the
-    // state itself stays consistent, so keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Engine {

@@ -1,7 +1,7 @@
 //! The socket backend: runs each call with the algorithm chosen for it over
 //! the TCP transport, and keeps the counters that label every frame.
 
-use crate::algorithms::hierarchical::Layers;
+use crate::algorithms::layers::Layers;
 use crate::algorithms::{
     self, binomial, bruck, chain, direct, dissemination, halving_doubling, hierarchical,
     recursive_doubling, ring, Algo, Link,

@@ -13,6 +13,7 @@ use crate::backend::p2p::{self, Mailbox, Status, Ticket};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rendezvous::store::Store;
+use crate::sync::{self, lock};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -88,11 +89,7 @@ impl Completion {
             if left.is_zero() {
                 return None;
             }
-            r = self
-                .ready
-                .wait_timeout(r, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            r = sync::wait_for(&self.ready, r, left);
         }
     }
 
@@ -179,12 +176,6 @@ struct Queued {
 /// enough for several queued calls.
 fn backstop(timeout: Duration) -> Duration {
     timeout * 4 + Duration::from_secs(10)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock was already reported as an error; the
-    // state itself stays consistent, so keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Queued {
@@ -429,11 +420,7 @@ impl Runner {
                     ),
                 ));
             }
-            q = self
-                .queue_changed
-                .wait_timeout(q, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            q = sync::wait_for(&self.queue_changed, q, left);
         }
         Ok(())
     }
@@ -652,10 +639,7 @@ impl Runner {
                     if q.closing {
                         return;
                     }
-                    q = self
-                        .queue_changed
-                        .wait(q)
-                        .unwrap_or_else(|p| p.into_inner());
+                    q = sync::wait(&self.queue_changed, q);
                 }
             };
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -2,7 +2,7 @@
 //! of 1, as an MPI program started without mpirun does, hosting no store.
 
 use super::store::Store;
-use super::{unique_id, Joined};
+use super::Joined;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{LogLevel, Options};
@@ -28,7 +28,7 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         .local_addr()
         .map_err(|e| Error::system("local_addr", &e))?;
     let mut job = [0u8; 16];
-    unique_id::random_bytes(&mut job);
+    crate::random::fill(&mut job);
     Ok(Joined {
         size: 1,
         local_rank: opts.local_rank.map_or(0, |l| l as usize),
@@ -62,9 +62,7 @@ struct OwnStore(Mutex<HashMap<String, Vec<u8>>>);
 
 impl OwnStore {
     fn data(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.0)
     }
 }
 

@@ -519,7 +519,7 @@ fn join_hosting(
             // answers `wait_get`), which only rank 0 knows.
             answers_wait_get = file_store.is_some() || server.is_some();
             let mut j = [0u8; 17];
-            unique_id::random_bytes(&mut j[..16]);
+            crate::random::fill(&mut j[..16]);
             j[16] = u8::from(answers_wait_get);
             store.set("job", &j)?;
             j[..16].try_into().expect("16 bytes")

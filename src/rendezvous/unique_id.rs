@@ -58,30 +58,6 @@ impl UniqueId {
     }
 }
 
-/// Fills `out` with random bytes from the kernel.
-pub fn random_bytes(out: &mut [u8]) {
-    let mut filled = 0;
-    while filled < out.len() {
-        // SAFETY: writes at most the remaining length into our slice.
-        let n =
-            unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
-        if n <= 0 {
-            // No entropy source: fall back to time and pid, still unique enough
-            // to tell jobs apart.
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-                ^ (u128::from(std::process::id()) << 64);
-            for (i, byte) in out[filled..].iter_mut().enumerate() {
-                *byte = (t >> ((i % 16) * 8)) as u8;
-            }
-            return;
-        }
-        filled += n as usize;
-    }
-}
-
 /// Starts hosting a rendezvous store and returns its id. The store lives
 /// in a background thread until every rank has connected, or `timeout`.
 pub fn create(ifname: Option<&str>, timeout: Duration, token: Option<Token>) -> Result<UniqueId> {
@@ -97,7 +73,7 @@ pub fn create(ifname: Option<&str>, timeout: Duration, token: Option<Token>) -> 
     let server = TcpStoreServer::bind_with(SocketAddr::new(wildcard, 0), limits)?;
     let port = server.local_addr().port();
     let mut job = [0u8; 16];
-    random_bytes(&mut job);
+    crate::random::fill(&mut job);
     let local = format!("127.0.0.1:{port}");
     let deadline = Instant::now() + timeout;
     std::thread::Builder::new()

@@ -15,9 +15,10 @@ use super::shm::{self, Doorbell, Home};
 use super::signal::AbortSignal;
 use crate::error::{Error, Result};
 use crate::options::ShmTuning;
+use crate::sync::lock;
 use std::net::TcpStream;
 use std::os::fd::RawFd;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long the answering side's part of a shared-memory agreement may
@@ -37,10 +38,6 @@ pub struct Links {
     arrived: Mutex<Vec<(usize, Box<dyn Channel>)>>,
     /// Readable while `arrived` may hold something.
     bell: AbortSignal,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Links {

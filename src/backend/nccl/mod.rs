@@ -6,7 +6,6 @@
 pub mod communicator;
 pub mod loader;
 pub mod probe;
-pub mod watchdog;
 
 pub use loader::{NcclLibrary, NcclVersion, Search};
 pub use probe::{availability, NcclInfo};

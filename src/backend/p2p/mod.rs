@@ -16,6 +16,7 @@ pub mod wire;
 use crate::call::RawBuf;
 use crate::dtype::DType;
 use crate::error::{describe_io, Error, ErrorKind, Result};
+use crate::sync::lock;
 use crate::transport::channel::read_remote;
 use crate::transport::channel::{Channel, TcpChannel};
 use crate::transport::greeting::{self, Greeted, Greeting, HELLO_DEADLINE};
@@ -27,7 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use wire::{Header, Kind, EAGER_MAX, FAILURE_MAX, HEADER_BYTES, REMOTE_BYTES, REMOTE_MIN};
@@ -320,10 +321,6 @@ struct Frame {
     payload: RawBuf,
     /// Completed when the frame is written.
     done: Option<(u64, Arc<Done>, Status)>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Stop reading new messages while this much is buffered unmatched.
@@ -689,12 +686,7 @@ impl Mailbox {
             if left.is_zero() {
                 break;
             }
-            r = t
-                .done
-                .ready
-                .wait_timeout(r, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            r = crate::sync::wait_for(&t.done.ready, r, left);
         }
         drop(r);
         let mut st = lock(&self.shared.state);

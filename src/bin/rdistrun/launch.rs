@@ -98,20 +98,7 @@ pub fn job_token(config: &Config) -> Option<String> {
 /// 32 random bytes as hex.
 fn random_token() -> String {
     let mut bytes = [0u8; 32];
-    let mut filled = 0;
-    while filled < bytes.len() {
-        // SAFETY: writes at most the remaining length into our array.
-        let n = unsafe {
-            libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
-        };
-        if n > 0 {
-            filled += n as usize;
-        } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            use std::io::Read;
-            let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-            break;
-        }
-    }
+    rdist::internals::random_bytes(&mut bytes);
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

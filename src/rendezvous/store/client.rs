@@ -19,9 +19,10 @@ use super::protocol::{
     READY, STOP_WAITING, WAIT_CANCELED,
 };
 use super::server::STORE_CONTEXT;
-use super::{key_timeout_error, lock, seconds, Store, Update, OPERATION_TIMEOUT};
+use super::{key_timeout_error, seconds, Store, Update, OPERATION_TIMEOUT};
 use crate::auth::{self, Side, Token, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{describe_io, Error, ErrorKind, Result};
+use crate::sync::lock;
 
 /// The most a handshake may take once connected.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

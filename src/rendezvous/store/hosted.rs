@@ -10,10 +10,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::lock;
 use super::server::{Limits, StoreLease, TcpStoreServer};
 use crate::auth::Token;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// How long an unleased store keeps serving after its last query.
 pub const LINGER: Duration = Duration::from_secs(5);

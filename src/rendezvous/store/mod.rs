@@ -2,8 +2,7 @@
 //!
 //! Rank 0 hosts a [`TcpStoreServer`]; every rank (rank 0 included) talks to it
 //! through a [`TcpStoreClient`]. On a shared file system a [`FileStore`] does
-//! the same job without a server. [`PrefixStore`] gives each user of a store its
-//! own key space.
+//! the same job without a server.
 //!
 //! Server and client speak PyTorch's TCPStore protocol (see the `protocol`
 //! module), so rdist meets through a store torch hosts (torchrun's agent
@@ -19,7 +18,6 @@ pub use client::TcpStoreClient;
 pub use file::FileStore;
 pub use server::{Limits, StoreLease, TcpStoreServer};
 
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -207,104 +205,6 @@ fn add_to_counter(key: &str, current: Option<&[u8]>, delta: i64) -> Result<i64> 
     })
 }
 
-/// Locks a mutex even if another thread panicked while holding it: the data
-/// behind our mutexes is never left half-updated.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-// ---------------------------------------------------------------------------
-// PrefixStore
-// ---------------------------------------------------------------------------
-
-/// A view of another store in which every key becomes `"{prefix}/{key}"`.
-/// Kept (and tested) for sharing one store with torch, whose keys live
-/// beside rdist's; nothing in rdist itself uses it yet.
-#[allow(dead_code)]
-pub struct PrefixStore {
-    inner: Arc<dyn Store>,
-    prefix: String,
-}
-
-#[allow(dead_code)]
-impl PrefixStore {
-    /// A view of `inner` that puts `prefix/` in front of every key.
-    pub fn new(inner: Arc<dyn Store>, prefix: impl Into<String>) -> PrefixStore {
-        PrefixStore {
-            inner,
-            prefix: prefix.into(),
-        }
-    }
-
-    fn full_key(&self, key: &str) -> String {
-        format!("{}/{key}", self.prefix)
-    }
-
-    fn full_keys(&self, keys: &[&str]) -> Vec<String> {
-        keys.iter().map(|k| self.full_key(k)).collect()
-    }
-}
-
-impl Store for PrefixStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.inner.set(&self.full_key(key), value)
-    }
-
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.inner.get(&self.full_key(key), timeout)
-    }
-
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.inner.add(&self.full_key(key), delta)
-    }
-
-    fn check(&self, keys: &[&str]) -> Result<bool> {
-        let full = self.full_keys(keys);
-        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
-        self.inner.check(&refs)
-    }
-
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let full = self.full_keys(keys);
-        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
-        self.inner.wait(&refs, timeout)
-    }
-
-    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        let full = self.full_keys(keys);
-        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
-        self.inner.get_all(&refs, timeout)
-    }
-
-    fn apply(&self, updates: &[Update<'_>]) -> Result<Vec<i64>> {
-        let full: Vec<String> = updates
-            .iter()
-            .map(|w| match w {
-                Update::Set(k, _) | Update::Add(k, _) => self.full_key(k),
-            })
-            .collect();
-        let inner: Vec<Update<'_>> = updates
-            .iter()
-            .zip(&full)
-            .map(|(w, k)| match *w {
-                Update::Set(_, v) => Update::Set(k, v),
-                Update::Add(_, d) => Update::Add(k, d),
-            })
-            .collect();
-        self.inner.apply(&inner)
-    }
-
-    fn get_present(&self, key: &str) -> Result<Vec<u8>> {
-        self.inner.get_present(&self.full_key(key))
-    }
-
-    fn add_no_wait(&self, key: &str, delta: i64) -> Result<()> {
-        self.inner.add_no_wait(&self.full_key(key), delta)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,26 +238,5 @@ mod tests {
             "timed out after 2.0 s waiting for keys 'k0', 'k1', 'k2', 'k3', 'k4', 'k5', 'k6', \
              'k7' and 3 more in the rendezvous store"
         );
-    }
-
-    #[test]
-    fn prefix_store_isolates_keys() {
-        let server = start_server();
-        let shared: Arc<dyn Store> = Arc::new(connect(&server));
-        let first = PrefixStore::new(Arc::clone(&shared), "job1");
-        let second = PrefixStore::new(Arc::clone(&shared), "job2");
-        first.set("rank", b"one").unwrap();
-        second.set("rank", b"two").unwrap();
-        assert_eq!(first.get("rank", PATIENCE).unwrap(), b"one");
-        assert_eq!(second.get("rank", PATIENCE).unwrap(), b"two");
-        assert_eq!(shared.get("job1/rank", PATIENCE).unwrap(), b"one");
-        assert_eq!(first.add("count", 3).unwrap(), 3);
-        assert!(!second.check(&["count"]).unwrap());
-        assert!(first.check(&["rank", "count"]).unwrap());
-        first.wait(&["rank", "count"], PATIENCE).unwrap();
-        let err = second
-            .wait(&["count"], Duration::from_millis(50))
-            .unwrap_err();
-        assert!(err.message().contains("'job2/count'"), "{err}");
     }
 }

@@ -21,13 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::lock;
 use super::protocol::{
     self, decode_query, put_i64, put_value, Query, Undecodable, AUTH_ACCEPTED, AUTH_CHALLENGE,
     AUTH_NO_TOKEN, MAGIC, NOT_READY, READY, STOP_WAITING, WAIT_CANCELED,
 };
 use crate::auth::{self, Side, Token};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// What store proofs are about (see `crate::auth`).
 pub const STORE_CONTEXT: &[u8] = b"rdist store";

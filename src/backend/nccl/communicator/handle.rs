@@ -6,6 +6,7 @@ use super::super::loader::{NcclLibrary, RawResult, NCCL_SUCCESS};
 use super::abi::{NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_IN_PROGRESS, NCCL_REMOTE_ERROR};
 use crate::backend::cuda::ContextGuard;
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{lock, try_lock};
 use cudarc::nccl::sys::ncclComm_t;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -71,17 +72,13 @@ impl Raw {
         if self.abort_requested.load(Ordering::Acquire) {
             return Err(self.gone());
         }
-        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let comm = lock(&self.comm);
         self.held(comm)
     }
 
     /// `hold` without waiting: None while another thread holds it.
     fn try_hold(&self) -> Option<Result<Held<'_>>> {
-        match self.comm.try_lock() {
-            Ok(comm) => Some(self.held(comm)),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(self.held(p.into_inner())),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+        try_lock(&self.comm).map(|comm| self.held(comm))
     }
 
     fn held<'a>(&'a self, comm: MutexGuard<'a, usize>) -> Result<Held<'a>> {
@@ -99,7 +96,7 @@ impl Raw {
 
     /// `ncclCommDestroy` (after a finalize), once.
     pub(super) fn destroy(&self) {
-        let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let mut comm = lock(&self.comm);
         if *comm != 0 && !self.freed.swap(true, Ordering::AcqRel) {
             if let Some(f) = self.lib.api.ncclCommDestroy {
                 let _ctx = ContextGuard::push(self.context);
@@ -125,14 +122,13 @@ impl Raw {
         let since = Instant::now();
         let mut pause = Duration::from_micros(50);
         let mut comm = loop {
-            match self.comm.try_lock() {
-                Ok(c) => break Some(c),
-                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) if since.elapsed() < ABORT_GRACE => {
+            match try_lock(&self.comm) {
+                Some(c) => break Some(c),
+                None if since.elapsed() < ABORT_GRACE => {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(5));
                 }
-                Err(std::sync::TryLockError::WouldBlock) => break None,
+                None => break None,
             }
         };
         let live = comm.as_ref().is_none_or(|c| **c != 0);

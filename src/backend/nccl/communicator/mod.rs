@@ -4,12 +4,12 @@
 
 mod abi;
 mod handle;
+pub(crate) mod watchdog;
 
 pub use abi::{abi_constants, config_layout, REQUIRED};
 pub(crate) use handle::Raw;
 
 use super::loader::{NcclLibrary, RawResult};
-use super::watchdog::{Watchdog, Watched};
 use crate::backend::cuda::{self, ContextGuard, Stream};
 use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
@@ -21,6 +21,7 @@ use handle::Held;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use watchdog::{Watchdog, Watched};
 
 /// An NCCL communicator for one device.
 pub(crate) struct NcclComm {

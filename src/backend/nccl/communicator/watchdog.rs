@@ -4,12 +4,13 @@
 //! abort the communicator (`ncclCommAbort`) and become the error of the
 //! next call, on this rank and, through `on_failure`, on its peers.
 
-use super::communicator::Raw;
+use super::handle::Raw;
 use crate::backend::cuda::{ContextGuard, Event, Stream};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::lock;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -89,10 +90,6 @@ impl Pending {
             n => format!("{first} and the {n} call(s) after it on its stream"),
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Watchdog {
