@@ -78,12 +78,12 @@ pub mod store {
     pub use crate::rendezvous::store::{FileStore, Limits, Store, TcpStoreClient, TcpStoreServer};
 }
 
-pub use backend::p2p::Status;
 pub use comm::{AbortHandle, Comm, Request};
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorKind, Result};
 pub use options::{Backend, Options};
 pub use reduce::ReduceOp;
+pub use transport::tagged::Status;
 
 /// The version, as in Cargo.toml (the header's RDIST_VERSION_* macros
 /// are checked against these by a test).

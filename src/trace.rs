@@ -3,7 +3,6 @@
 //! destroyed. `{rank}` in the path is replaced by the rank; without it,
 //! ranks of a multi-rank job append `.<rank>`.
 
-use crate::call::Call;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -16,7 +15,7 @@ pub struct Trace {
 
 struct Event {
     name: &'static str,
-    /// The call's number (see `backend::engine::Sequence`).
+    /// The call's number (see `backend::ledger`).
     seq: u64,
     start_us: f64,
     dur_us: f64,
@@ -41,14 +40,22 @@ impl Trace {
         }
     }
 
-    /// Records `call`, number `seq`, which started at `started` and ends now.
-    pub fn record(&mut self, call: &Call, seq: u64, started: Instant, ok: bool) {
+    /// Records call `name`, number `seq`, of `bytes`, which started at
+    /// `started` and ends now.
+    pub fn record(
+        &mut self,
+        name: &'static str,
+        seq: u64,
+        bytes: usize,
+        started: Instant,
+        ok: bool,
+    ) {
         self.events.push(Event {
-            name: call.name(),
+            name,
             seq,
             start_us: started.duration_since(self.epoch).as_secs_f64() * 1e6,
             dur_us: started.elapsed().as_secs_f64() * 1e6,
-            bytes: call.bytes(),
+            bytes,
             ok,
         });
     }

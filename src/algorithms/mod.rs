@@ -20,7 +20,7 @@ use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::transport::{Transport, Xfer};
+use crate::transport::{Shape, Transport, Xfer};
 use std::ops::Range;
 
 /// The algorithms rdist has (the wire value is the discriminant; ranks
@@ -148,19 +148,20 @@ const HIERARCHICAL_BYTES: usize = 256 << 10;
 const HALVING_DOUBLING_TCP_BYTES: usize = 4 << 20;
 
 /// Picks the algorithm for an operation; `forced` wins where it applies.
-/// `over_tcp`: the ranks talk through TCP (not shared memory);
-/// `across_hosts`: some of them are on other hosts, so the network, not
-/// the cores, is the bound; `layered`: several ranks on each of several
-/// hosts, as many on every host (see `hierarchical`).
+/// `shape`: what the media can do (through kernel sockets or shared
+/// memory; some ranks on other hosts, so the network, not the cores, is
+/// the bound); `layered`: several ranks on each of several hosts, as many
+/// on every host (see `hierarchical`).
 pub fn choose(
     kind: OpKind,
     bytes: usize,
     size: usize,
     forced: Option<Algo>,
-    over_tcp: bool,
-    across_hosts: bool,
+    shape: &Shape,
     layered: bool,
 ) -> Algo {
+    let over_tcp = shape.through_kernel();
+    let across_hosts = shape.across_hosts;
     let options = Algo::candidates(kind);
     if let Some(f) = forced.filter(|f| options.contains(f)) {
         return f;
@@ -346,6 +347,19 @@ pub fn split_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&
 mod tests {
     use super::*;
 
+    /// A shape over TCP or shared memory, across hosts or not.
+    fn shape(over_tcp: bool, across_hosts: bool) -> Shape {
+        let caps = crate::transport::Caps {
+            through_kernel: over_tcp,
+            ..Default::default()
+        };
+        Shape {
+            within_host: caps,
+            between_hosts: caps,
+            across_hosts,
+        }
+    }
+
     #[test]
     fn blocks_cover_the_buffer_exactly() {
         for count in [0, 1, 2, 5, 17, 100] {
@@ -385,11 +399,18 @@ mod tests {
     #[test]
     fn forced_algorithms_apply_only_where_they_can() {
         assert_eq!(
-            choose(OpKind::AllReduce, 8, 4, None, false, false, false),
+            choose(OpKind::AllReduce, 8, 4, None, &shape(false, false), false),
             Algo::RecursiveDoubling
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 64 << 20, 4, None, false, false, false),
+            choose(
+                OpKind::AllReduce,
+                64 << 20,
+                4,
+                None,
+                &shape(false, false),
+                false
+            ),
             Algo::Ring
         );
         assert_eq!(
@@ -398,19 +419,32 @@ mod tests {
                 8,
                 4,
                 Some(Algo::Ring),
-                false,
-                false,
+                &shape(false, false),
                 false
             ),
             Algo::Ring
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 4 << 20, 4, None, true, false, false),
+            choose(
+                OpKind::AllReduce,
+                4 << 20,
+                4,
+                None,
+                &shape(true, false),
+                false
+            ),
             Algo::HalvingDoubling
         );
         for (bytes, size) in [(4 << 20, 6), (4 << 20, 2), (1 << 20, 4)] {
             assert_eq!(
-                choose(OpKind::AllReduce, bytes, size, None, true, false, false),
+                choose(
+                    OpKind::AllReduce,
+                    bytes,
+                    size,
+                    None,
+                    &shape(true, false),
+                    false
+                ),
                 Algo::Ring,
                 "{bytes} B, {size} ranks"
             );
@@ -421,8 +455,7 @@ mod tests {
                 4 << 20,
                 8,
                 Some(Algo::Ring),
-                true,
-                false,
+                &shape(true, false),
                 false
             ),
             Algo::Ring
@@ -433,64 +466,119 @@ mod tests {
                 8,
                 4,
                 Some(Algo::Ring),
-                false,
-                false,
+                &shape(false, false),
                 false
             ),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, true, false, false),
+            choose(
+                OpKind::Broadcast,
+                64 << 20,
+                4,
+                None,
+                &shape(true, false),
+                false
+            ),
             Algo::Chain
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 4, None, false, false, false),
+            choose(
+                OpKind::Broadcast,
+                64 << 20,
+                4,
+                None,
+                &shape(false, false),
+                false
+            ),
             Algo::Binomial
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 20, 2, None, true, false, false),
+            choose(
+                OpKind::Broadcast,
+                64 << 20,
+                2,
+                None,
+                &shape(true, false),
+                false
+            ),
             Algo::Binomial
         );
         // Layered jobs: hierarchical allreduce from 256 KiB.
         assert_eq!(
-            choose(OpKind::AllReduce, 1 << 20, 6, None, true, true, true),
+            choose(
+                OpKind::AllReduce,
+                1 << 20,
+                6,
+                None,
+                &shape(true, true),
+                true
+            ),
             Algo::Hierarchical
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 8 << 10, 6, None, true, true, true),
+            choose(
+                OpKind::AllReduce,
+                8 << 10,
+                6,
+                None,
+                &shape(true, true),
+                true
+            ),
             Algo::RecursiveDoubling
         );
         assert_eq!(
-            choose(OpKind::AllReduce, 1 << 20, 6, None, true, true, false),
+            choose(
+                OpKind::AllReduce,
+                1 << 20,
+                6,
+                None,
+                &shape(true, true),
+                false
+            ),
             Algo::Ring
         );
         // Layered jobs: barriers by layers; broadcast and reduce from
         // 64 KiB (the chain host by host), small ones on the flat tree.
         assert_eq!(
-            choose(OpKind::Barrier, 0, 6, None, true, true, true),
+            choose(OpKind::Barrier, 0, 6, None, &shape(true, true), true),
             Algo::Hierarchical
         );
         for kind in [OpKind::Broadcast, OpKind::Reduce] {
             assert_eq!(
-                choose(kind, 64 << 10, 6, None, true, true, true),
+                choose(kind, 64 << 10, 6, None, &shape(true, true), true),
                 Algo::Hierarchical
             );
             assert_eq!(
-                choose(kind, 8 << 10, 6, None, true, true, true),
+                choose(kind, 8 << 10, 6, None, &shape(true, true), true),
                 Algo::Binomial
             );
         }
         assert_eq!(
-            choose(OpKind::Barrier, 0, 6, None, true, true, false),
+            choose(OpKind::Barrier, 0, 6, None, &shape(true, true), false),
             Algo::Dissemination
         );
         // Between hosts the chain from 64 KiB (3+ ranks); small ones stay on the tree.
         assert_eq!(
-            choose(OpKind::Broadcast, 64 << 10, 3, None, true, true, false),
+            choose(
+                OpKind::Broadcast,
+                64 << 10,
+                3,
+                None,
+                &shape(true, true),
+                false
+            ),
             Algo::Chain
         );
         assert_eq!(
-            choose(OpKind::Broadcast, 8 << 10, 3, None, true, true, false),
+            choose(
+                OpKind::Broadcast,
+                8 << 10,
+                3,
+                None,
+                &shape(true, true),
+                false
+            ),
             Algo::Binomial
         );
         // Reduce mirrors broadcast: a chain over TCP from 16 MiB, between
@@ -502,7 +590,14 @@ mod tests {
             (8 << 10, true, true, Algo::Binomial),
         ] {
             assert_eq!(
-                choose(OpKind::Reduce, bytes, 4, None, over_tcp, across, false),
+                choose(
+                    OpKind::Reduce,
+                    bytes,
+                    4,
+                    None,
+                    &shape(over_tcp, across),
+                    false
+                ),
                 want,
                 "{bytes} over_tcp {over_tcp} across {across}"
             );
@@ -513,8 +608,7 @@ mod tests {
                 1 << 20,
                 4,
                 Some(Algo::Chain),
-                false,
-                false,
+                &shape(false, false),
                 false
             ),
             Algo::Chain

@@ -1,13 +1,15 @@
 //! The engine: everything that runs a communicator's calls. It owns the
-//! socket backend, NCCL (when every rank has it), the CUDA staging pool,
-//! the operation sequence and the trace. Every call, on any backend,
-//! starts and ends in `Engine::run`: it is numbered there, traced there,
-//! and sent where its buffers say (`route`).
+//! socket backend, NCCL (when every rank has it), the CUDA staging pool
+//! and the ledger. Every call but a tagged message on host memory starts
+//! and ends in `Engine::run`: it is numbered and traced in the ledger and
+//! sent where its buffers say (`route`). Tagged messages on host memory go
+//! to the transport's endpoint through `messages`, numbered and traced in
+//! the same ledger, so that they move whatever the collectives are doing.
 
-use super::board::Board;
 use super::cuda::{self, Cuda, Stream};
+use super::ledger::Ledger;
+use super::messages::Messages;
 use super::nccl::communicator::{NcclComm, Raw};
-use super::p2p::Mailbox;
 use super::route::{self, Route};
 use super::socket::{Settings, SocketBackend};
 use super::staging::StagingPool;
@@ -24,44 +26,6 @@ use std::net::TcpListener;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-
-/// The numbers every rank must agree on: one per collective, and one per
-/// message between each pair of ranks. They label the frames on the wire
-/// and the trace, and name calls in errors ("allreduce #19").
-pub(crate) struct Sequence {
-    collectives: u64,
-    sent: Vec<u64>,
-    received: Vec<u64>,
-}
-
-impl Sequence {
-    fn new(size: usize) -> Sequence {
-        Sequence {
-            collectives: 0,
-            sent: vec![0; size],
-            received: vec![0; size],
-        }
-    }
-
-    /// The number of `call`, advancing its counter.
-    pub(crate) fn number(&mut self, call: &Call) -> u64 {
-        let counter = match *call {
-            Call::Send { peer, .. } => &mut self.sent[peer],
-            Call::Recv { peer, .. } => &mut self.received[peer],
-            _ => &mut self.collectives,
-        };
-        let n = *counter;
-        *counter += 1;
-        n
-    }
-
-    /// The number the next collective (or split) gets, advancing it.
-    pub(crate) fn next_collective(&mut self) -> u64 {
-        let n = self.collectives;
-        self.collectives += 1;
-        n
-    }
-}
 
 /// What an engine is made from, besides its connections.
 pub(crate) struct EngineSpec<'a> {
@@ -86,12 +50,10 @@ pub(crate) struct Engine {
     cuda: Option<&'static Cuda>,
     /// Host buffers and events for staging device buffers.
     staging: StagingPool,
-    sequence: Sequence,
-    trace: Option<Trace>,
-    /// Host-memory sends and receives, in their own context.
-    mailbox: Arc<Mailbox>,
-    /// Which collective this rank is in, and which it last finished.
-    board: Arc<Board>,
+    /// Numbers and traces every call (and holds the flight recorder's board).
+    ledger: Arc<Ledger>,
+    /// Tagged messages on host memory.
+    messages: Arc<Messages>,
 }
 
 /// Ends a communicator's work without its engine's lock, which a call
@@ -130,11 +92,12 @@ impl Engine {
         let addr = roster.addrs[rank];
         let settings = Settings::new(options, forced);
         let mut socket = SocketBackend::connect(rank, roster, listener, signal.clone(), settings)?;
-        let mailbox = Mailbox::new(
-            socket
-                .take_p2p(options.timeout, signal.clone())
-                .ok_or_else(|| Error::internal("no point-to-point listener"))?,
-        )?;
+        let trace = options
+            .trace_file
+            .as_deref()
+            .map(|p| Trace::new(p, rank, size));
+        let ledger = Arc::new(Ledger::new(size, trace));
+        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
         log::emit(
             LogLevel::Info,
             Some(rank),
@@ -144,10 +107,9 @@ impl Engine {
                 socket.transport_detail(),
             ),
         );
-        let mut sequence = Sequence::new(size);
         let nccl = super::nccl::establish(
             &mut |call: &Call| {
-                let seq = sequence.number(call);
+                let seq = ledger.number(call);
                 // SAFETY: establish passes calls on its own live buffers.
                 unsafe { socket.run(call, seq) }
             },
@@ -165,24 +127,25 @@ impl Engine {
             nccl,
             cuda: cuda::driver(),
             staging: StagingPool::default(),
-            sequence,
-            trace: options
-                .trace_file
-                .as_deref()
-                .map(|p| Trace::new(p, rank, size)),
-            mailbox,
-            board: Arc::default(),
+            ledger,
+            messages,
         })
     }
 
-    /// What this rank is doing, for the flight recorder (see `board`).
-    pub(crate) fn board(&self) -> Arc<Board> {
-        self.board.clone()
+    /// Where calls are numbered and traced (and the flight recorder's board).
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        self.ledger.clone()
     }
 
-    /// The point-to-point context (host memory).
-    pub(crate) fn mailbox(&self) -> Arc<Mailbox> {
-        self.mailbox.clone()
+    /// Tagged messages on host memory.
+    pub(crate) fn messages(&self) -> Arc<Messages> {
+        self.messages.clone()
+    }
+
+    /// Has the endpoint's thread run `hook` now and then (the flight
+    /// recorder's publisher).
+    pub(crate) fn set_hook(&self, hook: Box<dyn FnMut() + Send>) {
+        self.socket.endpoint().set_hook(hook);
     }
 
     pub(crate) fn backend(&self) -> Backend {
@@ -250,12 +213,6 @@ impl Engine {
             self.socket.fail(e.clone());
             return Some(Err(e));
         }
-        // A peer's failure heard only by the point-to-point context (the
-        // collectives may never have connected to anyone).
-        if let Some(e) = self.mailbox.reported_failure() {
-            self.socket.fail(e.clone());
-            return Some(Err(e));
-        }
         if self.signal.is_aborted() {
             return Some(Err(Error::new(
                 ErrorKind::Aborted,
@@ -298,15 +255,11 @@ impl Engine {
                 let deadline = Instant::now() + self.timeout;
                 let Engine {
                     socket,
-                    sequence,
-                    trace,
+                    ledger,
                     staging,
-                    board,
                     ..
                 } = self;
-                let r = plan.run(calls, deadline, staging, |c| {
-                    run_host(socket, sequence, trace, board, c)
-                });
+                let r = plan.run(calls, deadline, staging, |c| run_host(socket, ledger, c));
                 Some(r.map_err(|e| self.mixed(e)))
             }
         }
@@ -314,13 +267,7 @@ impl Engine {
 
     /// Host buffers: the socket backend.
     unsafe fn run_host(&mut self, calls: &[Call]) -> Result<()> {
-        run_host(
-            &mut self.socket,
-            &mut self.sequence,
-            &mut self.trace,
-            &self.board,
-            calls,
-        )
+        run_host(&mut self.socket, &self.ledger, calls)
     }
 
     /// Device buffers of NCCL's device: NCCL, numbered and traced like
@@ -335,30 +282,28 @@ impl Engine {
             return Err(Error::internal("device route without NCCL"));
         };
         let started = Instant::now();
-        let seqs: Vec<u64> = calls.iter().map(|c| self.sequence.number(c)).collect();
+        let seqs: Vec<u64> = calls.iter().map(|c| self.ledger.number(c)).collect();
         let first = calls
             .first()
             .map(|c| c.op_kind())
             .zip(seqs.first().copied());
         if let Some((kind, seq)) = first {
-            self.board.begin(kind, seq);
+            self.ledger.begin(kind, seq);
         }
         let r = match calls {
             [Call::Barrier] => n.barrier(),
             _ => n.run(calls, streams, finish_on_device),
         };
         if let Some((kind, seq)) = first {
-            self.board.end(kind, seq);
+            self.ledger.end(kind, seq);
         }
         // An error that failed NCCL's communicator fails the whole
         // communicator, and the peers hear of it now.
         if let (Err(e), Some(_)) = (&r, n.failure()) {
             self.socket.fail(e.clone());
         }
-        if let Some(t) = self.trace.as_mut() {
-            for (c, seq) in calls.iter().zip(seqs) {
-                t.record(c, seq, started, r.is_ok());
-            }
+        for (c, seq) in calls.iter().zip(seqs) {
+            self.ledger.record(c, seq, started, r.is_ok());
         }
         r
     }
@@ -383,7 +328,7 @@ impl Engine {
     /// too (those without a color included, as ncclCommSplit requires).
     pub(crate) fn split(&mut self, color: i32, key: i32) -> Result<Option<(usize, Engine)>> {
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
-        let seq = self.sequence.next_collective();
+        let seq = self.ledger.next_collective();
         let split = self.socket.split(color, key, seq, signal.clone())?;
         let shape = split
             .as_ref()
@@ -392,15 +337,12 @@ impl Engine {
             Some(n) => n.split(color, key, shape)?,
             None => None,
         };
-        let Some((rank, mut socket)) = split else {
+        let Some((rank, socket)) = split else {
             return Ok(None);
         };
         let size = socket.roster().addrs.len();
-        let mailbox = Mailbox::new(
-            socket
-                .take_p2p(self.timeout, signal.clone())
-                .ok_or_else(|| Error::internal("no point-to-point listener"))?,
-        )?;
+        let ledger = Arc::new(Ledger::new(size, None));
+        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
         Ok(Some((
             rank,
             Engine {
@@ -411,10 +353,8 @@ impl Engine {
                 nccl,
                 cuda: self.cuda,
                 staging: StagingPool::default(),
-                sequence: Sequence::new(size),
-                trace: None,
-                mailbox,
-                board: Arc::default(),
+                ledger,
+                messages,
             },
         )))
     }
@@ -428,16 +368,13 @@ impl Engine {
     }
 
     /// Local: NCCL first (finalizing flushes work the peers take part in),
-    /// then the sockets; writes the trace.
+    /// then the endpoint (tagged sends finish first); writes the trace.
     pub(crate) fn close(&mut self) {
-        self.mailbox.close();
         if let Some(n) = self.nccl.as_mut() {
             n.close();
         }
         self.socket.close();
-        if let Some(t) = &self.trace {
-            t.write();
-        }
+        self.ledger.write_trace();
     }
 }
 
@@ -446,24 +383,18 @@ impl Engine {
 ///
 /// # Safety
 /// Buffers of `calls` valid until this returns.
-unsafe fn run_host(
-    socket: &mut SocketBackend,
-    sequence: &mut Sequence,
-    trace: &mut Option<Trace>,
-    board: &Board,
-    calls: &[Call],
-) -> Result<()> {
+unsafe fn run_host(socket: &mut SocketBackend, ledger: &Ledger, calls: &[Call]) -> Result<()> {
     let mut i = 0;
     while i < calls.len() {
-        let started = trace.as_ref().map(|_| Instant::now());
+        let started = ledger.tracing().then(Instant::now);
         if !calls[i].is_p2p() {
-            let seq = sequence.number(&calls[i]);
+            let seq = ledger.number(&calls[i]);
             let kind = calls[i].op_kind();
-            board.begin(kind, seq);
+            ledger.begin(kind, seq);
             let result = socket.run(&calls[i], seq);
-            board.end(kind, seq);
-            if let (Some(t), Some(started)) = (trace.as_mut(), started) {
-                t.record(&calls[i], seq, started, result.is_ok());
+            ledger.end(kind, seq);
+            if let Some(started) = started {
+                ledger.record(&calls[i], seq, started, result.is_ok());
             }
             result?;
             i += 1;
@@ -476,12 +407,12 @@ unsafe fn run_host(
             .map_or(calls.len(), |k| i + k);
         let numbered: Vec<(&Call, u64)> = calls[i..end]
             .iter()
-            .map(|c| (c, sequence.number(c)))
+            .map(|c| (c, ledger.number(c)))
             .collect();
         let result = socket.run_p2p(&numbered);
-        if let (Some(t), Some(started)) = (trace.as_mut(), started) {
+        if let Some(started) = started {
             for (c, seq) in &numbered {
-                t.record(c, *seq, started, result.is_ok());
+                ledger.record(c, *seq, started, result.is_ok());
             }
         }
         result?;

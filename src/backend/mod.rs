@@ -1,16 +1,18 @@
-//! Backends run calls. `engine` is where every call starts and ends: it
-//! numbers and traces it and sends it where `route` says from where its
-//! buffers live: `socket` (rdist's algorithms over the transport) for host
-//! buffers, `nccl` for device buffers when every rank can run it, and
-//! `staging` (host copies) for device buffers NCCL cannot take. `cuda` is
-//! the driver, loaded at run time. `p2p` is the point-to-point context:
-//! sends and receives matched by source and tag, beside the collectives.
+//! Backends run calls. `engine` is where calls start and end: it sends
+//! each where `route` says from where its buffers live: `socket` (rdist's
+//! algorithms over the transport) for host buffers, `nccl` for device
+//! buffers when every rank can run it, and `staging` (host copies) for
+//! device buffers NCCL cannot take. `messages` posts tagged messages on
+//! host memory to the transport's endpoint. Every call of either kind is
+//! numbered and traced in the `ledger`. `cuda` is the driver, loaded at
+//! run time.
 
 pub(crate) mod board;
 pub mod cuda;
 pub(crate) mod engine;
+pub(crate) mod ledger;
+pub(crate) mod messages;
 pub mod nccl;
-pub(crate) mod p2p;
 pub(crate) mod route;
 pub(crate) mod socket;
 

@@ -1,5 +1,5 @@
 //! The socket backend: runs each call with the algorithm chosen for it over
-//! the TCP transport, and keeps the counters that label every frame.
+//! the transport's endpoint (shared memory on a host, TCP across hosts).
 
 use crate::algorithms::layers::Layers;
 use crate::algorithms::{
@@ -12,12 +12,14 @@ use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
-use crate::transport::link::Links;
+use crate::transport::endpoint::{Endpoint, EndpointSpec};
+use crate::transport::media;
+use crate::transport::medium::Wanted;
 use crate::transport::mesh::MeshSpec;
 use crate::transport::roster::{fnv1a, Roster};
 use crate::transport::signal::AbortSignal;
-use crate::transport::stream::{StreamTransport, Tuning};
-use crate::transport::{Transport, Xfer};
+use crate::transport::stream::Tuning;
+use crate::transport::{Shape, Transport, Xfer};
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -84,16 +86,11 @@ pub(crate) fn prepare() {
 }
 
 pub struct SocketBackend {
-    transport: StreamTransport,
+    /// This rank's end of the communicator: every connection, both
+    /// contexts.
+    endpoint: Arc<Endpoint>,
     /// For the log: the transport and what was decided for it.
     transport_detail: String,
-    /// Some ranks are on other hosts (the network is the bound).
-    across_hosts: bool,
-    /// The algorithms' view of the medium, from what every rank knows
-    /// alike (the roster, the options), never from this rank's own
-    /// channels: a host whose shared memory failed, or that holds one rank
-    /// of a multi-host job, must choose as the others do.
-    over_tcp: bool,
     /// This rank's host and cross-host groups, when the job has the
     /// shape for hierarchical collectives.
     layers: Option<Layers>,
@@ -105,9 +102,6 @@ pub struct SocketBackend {
     scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
     to_self: VecDeque<Vec<u8>>,
-    /// What the point-to-point context starts from: the listener, whose
-    /// thread also admits the peers' collectives connections (`links`).
-    p2p: Option<(TcpListener, Arc<Links>)>,
 }
 
 /// The receive blocks of an uneven collective, as disjoint slices of
@@ -176,7 +170,7 @@ impl SocketBackend {
                 .map(|h| *h != roster.hosts[rank])
                 .collect(),
         };
-        let p2p_listener = listener
+        let listener = listener
             .try_clone()
             .map_err(|e| Error::system("keeping the listener", &e))?;
         let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
@@ -185,11 +179,6 @@ impl SocketBackend {
             .iter()
             .filter(|h| **h == roster.hosts[rank])
             .count();
-        // Shared memory with the ranks of this host, TCP with the others,
-        // each pair agreeing when it connects (on first use).
-        let want_shm = settings.transport == TransportKind::Auto;
-        let links = Arc::new(Links::new(spec, want_shm, settings.shm)?);
-        let shm_here = links.doorbell().is_some();
         let cores = online_cores();
         // Hosts that are containers or network namespaces of one machine
         // share its cores: 4 "hosts" of 2 ranks on a 2-core machine, each
@@ -214,6 +203,44 @@ impl SocketBackend {
             .count();
         let oversubscribed = local_ranks > cores || machine_ranks > machine_cores();
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
+        // Shared memory with the ranks of this host, TCP with the others,
+        // each pair agreeing when it connects (on first use).
+        let wanted = Wanted {
+            shm: settings.transport == TransportKind::Auto,
+            tuning: settings.shm,
+        };
+        let endpoint = Endpoint::new(EndpointSpec {
+            mesh: spec,
+            listener,
+            local_ranks,
+            wanted,
+            tuning: Tuning {
+                timeout,
+                spin: settings.spin,
+                yield_when_idle: oversubscribed,
+                single_copy_min,
+                mixed: false,
+                tagged_single_copy_min: settings.single_copy.min_tagged_bytes(),
+            },
+            signal,
+        })?;
+        let shm_here = endpoint.links().doorbell().is_some();
+        let media = endpoint.links().media();
+        // The algorithms' view of the media, from what every rank knows
+        // alike (the roster, the options), never from this rank's own
+        // channels: a host whose shared memory failed, or that holds one
+        // rank of a multi-host job, must choose as the others do.
+        let shape = Shape {
+            within_host: media::nominal(media, true),
+            between_hosts: media::nominal(media, false),
+            across_hosts: !same_host,
+        };
+        let mixed = shm_here && !same_host;
+        {
+            let mut core = endpoint.core();
+            core.set_shape(shape);
+            core.set_mixed(mixed);
+        }
         let name = match (shm_here, same_host) {
             (false, _) => "tcp",
             (true, true) => "shared memory",
@@ -227,55 +254,27 @@ impl SocketBackend {
                 (true, n) => format!(", single copy from {n} B where a pair can read each other"),
             };
         }
-        let mixed = shm_here && !same_host;
         Ok(SocketBackend {
-            across_hosts: !same_host,
-            over_tcp: !same_host || settings.transport == TransportKind::Tcp,
             layers: Layers::of(&roster.hosts, rank),
             transport_detail,
-            transport: StreamTransport::on_demand(
-                rank,
-                size,
-                links.clone(),
-                signal,
-                Tuning {
-                    timeout,
-                    spin: settings.spin,
-                    yield_when_idle: oversubscribed,
-                    single_copy_min,
-                    mixed,
-                },
-            ),
+            endpoint: Arc::new(endpoint),
             rank,
             size,
             roster,
             settings,
             to_self: VecDeque::new(),
-            p2p: Some((p2p_listener, links)),
             scratch: Vec::new(),
         })
+    }
+
+    /// This rank's end of the communicator.
+    pub(crate) fn endpoint(&self) -> Arc<Endpoint> {
+        self.endpoint.clone()
     }
 
     /// The transport with its cores and single-copy choice, for the log.
     pub fn transport_detail(&self) -> &str {
         &self.transport_detail
-    }
-
-    /// What the point-to-point context starts from (once).
-    pub(crate) fn take_p2p(
-        &mut self,
-        timeout: Duration,
-        signal: Arc<AbortSignal>,
-    ) -> Option<crate::backend::p2p::MailboxSpec> {
-        let (listener, links) = self.p2p.take()?;
-        Some(crate::backend::p2p::MailboxSpec {
-            mesh: links.spec.clone(),
-            listener,
-            links,
-            timeout,
-            spin: self.settings.spin,
-            signal,
-        })
     }
 
     pub fn roster(&self) -> &Roster {
@@ -284,40 +283,46 @@ impl SocketBackend {
 
     /// Tells the peers this rank aborted (if nobody did yet).
     pub fn abort(&mut self) {
-        if self.transport.failure().is_none() {
+        let mut core = self.endpoint.core();
+        if core.failure().is_none() {
             let e = Error::new(
                 ErrorKind::Aborted,
                 format!("rdist_comm_abort was called on rank {}", self.rank),
             );
-            self.transport.fail(e, true);
+            core.fail(e, true);
         }
     }
 
+    /// Local: lets tagged sends finish, says goodbye to the peers, closes
+    /// every connection and stops the endpoint's thread.
     pub fn close(&mut self) {
-        self.transport.close();
+        self.endpoint.close();
     }
 
-    /// A peer whose connection has closed (see `StreamTransport::closed_peer`).
+    /// A peer whose connection has closed (see `StreamTransport::closed_peer`),
+    /// when no call holds the core.
     pub fn closed_peer(&self) -> Option<usize> {
-        self.transport.closed_peer()
+        self.endpoint.try_core()?.closed_peer()
     }
 
     /// Fails the communicator with `e` (another part of it failed, e.g.
     /// NCCL) and tells every reachable peer.
     pub fn fail(&mut self, e: Error) {
-        if self.transport.failure().is_none() {
-            self.transport.fail(e, true);
+        let mut core = self.endpoint.core();
+        if core.failure().is_none() {
+            core.fail(e, true);
         }
     }
 
-    fn label(&self, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
+    /// The algorithm for a call, chosen by what the media can do as the
+    /// transport says every rank sees it.
+    fn label(&self, transport: &dyn Transport, mut desc: Desc, bytes: usize) -> (Desc, Algo) {
         let algo = algorithms::choose(
             desc.kind,
             bytes,
             self.size,
             self.settings.forced,
-            self.over_tcp,
-            self.across_hosts,
+            &transport.shape(),
             self.layers.is_some(),
         );
         desc.algo = algo as u8;
@@ -354,6 +359,9 @@ impl SocketBackend {
 
     unsafe fn run_call(&mut self, call: &Call, seq: u64) -> Result<()> {
         let desc = |kind: OpKind, data: Data| Desc::new(kind, seq).data(data.count, data.dtype);
+        // The core is this call's from its start to its end.
+        let endpoint = self.endpoint.clone();
+        let mut core = endpoint.core();
         match *call {
             Call::AllReduce {
                 send,
@@ -362,10 +370,10 @@ impl SocketBackend {
                 op,
             } => {
                 let d = desc(OpKind::AllReduce, data).reduction(op);
-                let (desc, algo) = self.label(d, recv.len());
+                let (desc, algo) = self.label(&*core, d, recv.len());
                 move_bytes(&send, recv.addr(), recv.len());
                 let buf = recv.bytes_mut();
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 match algo {
                     Algo::RecursiveDoubling => {
                         recursive_doubling::allreduce(&mut link, buf, data.dtype, op)
@@ -391,11 +399,11 @@ impl SocketBackend {
                 root,
             } => {
                 let d = desc(OpKind::Broadcast, data).root(root);
-                let (desc, algo) = self.label(d, recv.len());
+                let (desc, algo) = self.label(&*core, d, recv.len());
                 if self.rank == root {
                     move_bytes(&send, recv.addr(), recv.len());
                 }
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 match (algo, &self.layers) {
                     (Algo::Hierarchical, Some(layers)) => {
                         hierarchical::broadcast(&mut link, recv.bytes_mut(), root, layers)
@@ -412,8 +420,8 @@ impl SocketBackend {
                 root,
             } => {
                 let d = desc(OpKind::Reduce, data).reduction(op).root(root);
-                let (desc, algo) = self.label(d, send.len());
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let (desc, algo) = self.label(&*core, d, send.len());
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 let layers = self.layers.as_ref();
                 let run = |link: &mut Link<'_>, acc: &mut [u8]| match (algo, layers) {
                     (Algo::Hierarchical, Some(layers)) => {
@@ -432,10 +440,10 @@ impl SocketBackend {
             }
             Call::AllGather { send, recv, data } => {
                 let d = desc(OpKind::AllGather, data);
-                let (desc, algo) = self.label(d, recv.len());
+                let (desc, algo) = self.label(&*core, d, recv.len());
                 let bb = send.len();
                 move_bytes(&send, recv.addr() + self.rank * bb, bb);
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 match (algo, &self.layers) {
                     (Algo::Hierarchical, Some(layers)) => {
                         hierarchical::allgather(&mut link, recv.bytes_mut(), bb, layers)
@@ -451,7 +459,7 @@ impl SocketBackend {
                 op,
             } => {
                 let d = desc(OpKind::ReduceScatter, data).reduction(op);
-                let (desc, algo) = self.label(d, send.len());
+                let (desc, algo) = self.label(&*core, d, send.len());
                 let copy;
                 let input: &[u8] = if send.overlaps(&recv) {
                     copy = send.bytes().to_vec();
@@ -459,7 +467,7 @@ impl SocketBackend {
                 } else {
                     send.bytes()
                 };
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 match (algo, &self.layers) {
                     (Algo::Hierarchical, Some(layers)) => hierarchical::reduce_scatter(
                         &mut link,
@@ -479,8 +487,8 @@ impl SocketBackend {
                 root,
             } => {
                 let d = desc(OpKind::Gather, data).root(root);
-                let (desc, _) = self.label(d, send.len());
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let (desc, _) = self.label(&*core, d, send.len());
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 let bb = send.len();
                 if self.rank == root {
                     move_bytes(&send, recv.addr() + root * bb, bb);
@@ -496,8 +504,8 @@ impl SocketBackend {
                 root,
             } => {
                 let d = desc(OpKind::Scatter, data).root(root);
-                let (desc, _) = self.label(d, recv.len());
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let (desc, _) = self.label(&*core, d, recv.len());
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 let bb = recv.len();
                 if self.rank == root {
                     let own = RawBuf::new((send.addr() + root * bb) as *const u8, bb);
@@ -527,7 +535,7 @@ impl SocketBackend {
                 layout,
             } => {
                 let d = Desc::new(OpKind::AllGatherV, seq).data(0, dtype);
-                let (desc, _) = self.label(d, recv.len());
+                let (desc, _) = self.label(&*core, d, recv.len());
                 let es = dtype.size();
                 let rank = self.rank;
                 // This rank's block goes to every rank: into its own place
@@ -543,7 +551,7 @@ impl SocketBackend {
                 let own: &[u8] = blocks[rank].take().expect("own block");
                 let sends: Vec<&[u8]> = vec![own; self.size];
                 direct::exchange_v(
-                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+                    &mut Link::new(&mut *core, desc, &mut self.scratch),
                     &sends,
                     blocks,
                     es,
@@ -557,7 +565,7 @@ impl SocketBackend {
                 recv_layout,
             } => {
                 let d = Desc::new(OpKind::AllToAllV, seq).data(0, dtype);
-                let (desc, _) = self.label(d, recv.len());
+                let (desc, _) = self.label(&*core, d, recv.len());
                 let es = dtype.size();
                 // In place: the send side is copied out first.
                 let copy;
@@ -577,7 +585,7 @@ impl SocketBackend {
                     .map(Some)
                     .collect();
                 direct::exchange_v(
-                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+                    &mut Link::new(&mut *core, desc, &mut self.scratch),
                     &sends,
                     blocks,
                     es,
@@ -585,7 +593,7 @@ impl SocketBackend {
             }
             Call::AllToAll { send, recv, data } => {
                 let d = desc(OpKind::AllToAll, data);
-                let (desc, _) = self.label(d, send.len());
+                let (desc, _) = self.label(&*core, d, send.len());
                 let copy;
                 let input: &[u8] = if send.overlaps(&recv) {
                     copy = send.bytes().to_vec();
@@ -595,7 +603,7 @@ impl SocketBackend {
                 };
                 let bb = recv.len() / self.size;
                 direct::alltoall(
-                    &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+                    &mut Link::new(&mut *core, desc, &mut self.scratch),
                     input,
                     recv.bytes_mut(),
                     bb,
@@ -603,8 +611,8 @@ impl SocketBackend {
             }
             Call::Barrier => {
                 let d = Desc::new(OpKind::Barrier, seq);
-                let (desc, algo) = self.label(d, 0);
-                let mut link = Link::new(&mut self.transport, desc, &mut self.scratch);
+                let (desc, algo) = self.label(&*core, d, 0);
+                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
                 match (algo, &self.layers) {
                     (Algo::Hierarchical, Some(layers)) => hierarchical::barrier(&mut link, layers),
                     _ => dissemination::barrier(&mut link),
@@ -647,7 +655,7 @@ impl SocketBackend {
                 _ => {}
             }
         }
-        self.transport.exchange(&mut xfers)
+        self.endpoint.core().exchange(&mut xfers)
     }
 
     unsafe fn recv_from_self(&mut self, buf: RawBuf, data: Data) -> Result<()> {
@@ -685,8 +693,10 @@ impl SocketBackend {
         seq: u64,
         signal: Arc<AbortSignal>,
     ) -> Result<Option<(usize, SocketBackend)>> {
+        let endpoint = self.endpoint.clone();
+        let mut core = endpoint.core();
         let d = Desc::new(OpKind::Split, seq);
-        let (desc, _) = self.label(d, 0);
+        let (desc, _) = self.label(&*core, d, 0);
         let ip = self.roster.addrs[self.rank].ip();
         let listener = TcpListener::bind((ip, 0))
             .map_err(|e| Error::system(format!("binding a listener on {ip} for comm_split"), &e))?;
@@ -703,10 +713,11 @@ impl SocketBackend {
         mine[8..10].copy_from_slice(&port.to_le_bytes());
         // Few bytes per rank: latency-bound whatever the world (Bruck).
         bruck::allgather(
-            &mut Link::new(&mut self.transport, desc, &mut self.scratch),
+            &mut Link::new(&mut *core, desc, &mut self.scratch),
             &mut all,
             REC,
         )?;
+        drop(core);
         if color < 0 {
             return Ok(None);
         }

@@ -11,13 +11,13 @@ mod typed;
 
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Engine, EngineSpec};
-use crate::backend::p2p::{Incoming, Status};
 use crate::call::{Call, Data, RawBuf};
 use crate::error::{Error, Result};
 use crate::log;
 use crate::options::{self, Backend, Options};
 use crate::rendezvous::store::StoreLease;
 use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
+use crate::transport::tagged::{Incoming, Status};
 use fork::Birth;
 pub use queue::Request;
 use queue::Runner;
@@ -174,7 +174,7 @@ impl Comm {
             ));
         }
         if call.is_p2p() {
-            if self.runner.goes_to_mailbox(&call) {
+            if self.runner.is_tagged_host(&call) {
                 return self.runner.post(&call, None);
             }
             return Ok(self.runner.hold(call));
@@ -200,7 +200,7 @@ impl Comm {
         self.birth.check()?;
         check_tag(tag)?;
         let call = Call::Send { buf, data, peer };
-        if !self.runner.goes_to_mailbox(&call) {
+        if !self.runner.is_tagged_host(&call) {
             device_tag(tag == 0)?;
             return self.run_on(call, stream);
         }
@@ -226,7 +226,7 @@ impl Comm {
         self.birth.check()?;
         check_tag(tag)?;
         let call = Call::Send { buf, data, peer };
-        if !self.runner.goes_to_mailbox(&call) {
+        if !self.runner.is_tagged_host(&call) {
             device_tag(tag == 0)?;
             return self.submit(call);
         }

@@ -1,19 +1,20 @@
 //! Issue order: a communicator's calls run inline on the caller's thread
 //! when nothing is queued, otherwise behind the queued non-blocking calls
 //! on the communicator's worker thread. Sends and receives on host memory
-//! go to the point-to-point context (backend/p2p) instead, and start when
-//! posted. Those on device memory (NCCL's, or staged) are held until their
+//! go to the tagged context (backend/messages, on the transport's
+//! endpoint) instead, and start when posted. Those on device memory (NCCL's, or staged) are held until their
 //! request is waited for or tested, or another call comes, and then start
 //! together as one exchange. `Request` is a non-blocking call in flight.
 
 use crate::backend::board::Board;
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Aborter, Engine};
-use crate::backend::p2p::{self, Mailbox, Status, Ticket};
+use crate::backend::messages::{Messages, Posted};
 use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rendezvous::store::Store;
 use crate::sync::{self, lock};
+use crate::transport::tagged::{Incoming, Outgoing, Status};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -31,7 +32,7 @@ pub(crate) struct Runner {
     aborter: Aborter,
     has_nccl: bool,
     /// Host-memory sends and receives.
-    mailbox: Arc<Mailbox>,
+    messages: Arc<Messages>,
     queue: Mutex<Queue>,
     queue_changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -105,16 +106,16 @@ pub struct Request(Kind, Option<Box<[usize]>>);
 enum Kind {
     /// A collective, or a device send/receive, on the worker.
     Queued(Queued),
-    /// A host send or receive in the point-to-point context.
+    /// A host send or receive in the tagged context.
     P2p {
-        mailbox: Arc<Mailbox>,
-        ticket: Ticket,
+        messages: Arc<Messages>,
+        posted: Posted,
     },
 }
 
 impl Request {
-    fn p2p(mailbox: Arc<Mailbox>, ticket: Ticket) -> Request {
-        Request(Kind::P2p { mailbox, ticket }, None)
+    fn p2p(messages: Arc<Messages>, posted: Posted) -> Request {
+        Request(Kind::P2p { messages, posted }, None)
     }
 
     /// Blocks until the call completes and returns its result (bounded by
@@ -127,7 +128,7 @@ impl Request {
     pub fn wait_status(&self) -> Result<Option<Status>> {
         match &self.0 {
             Kind::Queued(q) => q.wait().map(|_| None),
-            Kind::P2p { mailbox, ticket } => mailbox.wait(ticket).map(Some),
+            Kind::P2p { messages, posted } => messages.wait(posted).map(Some),
         }
     }
 
@@ -135,9 +136,7 @@ impl Request {
     pub fn test(&self) -> Option<Result<()>> {
         match &self.0 {
             Kind::Queued(q) => q.test(),
-            Kind::P2p {
-                mailbox, ticket, ..
-            } => mailbox.test(ticket).map(|r| r.map(|_| ())),
+            Kind::P2p { messages, posted } => messages.test(posted).map(|r| r.map(|_| ())),
         }
     }
 
@@ -153,9 +152,7 @@ impl Request {
     pub fn status(&self) -> Option<Status> {
         match &self.0 {
             Kind::Queued(_) => None,
-            Kind::P2p {
-                mailbox, ticket, ..
-            } => mailbox.test(ticket).and_then(|r| r.ok()),
+            Kind::P2p { messages, posted } => messages.test(posted).and_then(|r| r.ok()),
         }
     }
 }
@@ -226,8 +223,8 @@ impl Runner {
     pub(crate) fn new(rank: usize, timeout: Duration, engine: Engine) -> Arc<Runner> {
         let aborter = engine.aborter();
         let has_nccl = engine.has_nccl();
-        let mailbox = engine.mailbox();
-        let board = engine.board();
+        let messages = engine.messages();
+        let board = engine.ledger().board();
         let engine = Arc::new(Mutex::new(engine));
         crate::backend::engine::watch_nccl(&engine);
         Arc::new(Runner {
@@ -236,7 +233,7 @@ impl Runner {
             engine,
             aborter,
             has_nccl,
-            mailbox,
+            messages,
             queue: Mutex::new(Queue::default()),
             queue_changed: Condvar::new(),
             worker: Mutex::new(None),
@@ -256,7 +253,7 @@ impl Runner {
         size: usize,
         places: super::progress::Places,
     ) {
-        self.mailbox.set_hook(Box::new(super::progress::publisher(
+        lock(&self.engine).set_hook(Box::new(super::progress::publisher(
             store.clone(),
             self.rank,
             self.board.clone(),
@@ -291,12 +288,12 @@ impl Runner {
         // Receives first: a payload that arrives while the batch is being
         // posted then goes straight into its buffer.
         for call in calls.iter().filter(|c| matches!(c, Call::Recv { .. })) {
-            if self.goes_to_mailbox(call) {
+            if self.is_tagged_host(call) {
                 posted.push(self.post(call, None)?);
             }
         }
         for (call, stream) in calls.into_iter().zip(streams) {
-            if call.is_p2p() && self.goes_to_mailbox(&call) {
+            if call.is_p2p() && self.is_tagged_host(&call) {
                 if matches!(call, Call::Send { .. }) {
                     posted.push(self.post(&call, None)?);
                 }
@@ -309,7 +306,7 @@ impl Runner {
             Ok(())
         } else {
             self.run_rest(rest_calls, rest_streams)
-                .map_err(|e| self.with_p2p_pending(e))
+                .map_err(|e| self.explained(e))
         };
         let mut first = rest.err();
         for r in &posted {
@@ -342,7 +339,7 @@ impl Runner {
     /// # Safety
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
-        if call.is_p2p() && self.goes_to_mailbox(&call) {
+        if call.is_p2p() && self.is_tagged_host(&call) {
             return self.post(&call, None)?.wait();
         }
         if call.is_p2p() && self.has_held.load(Ordering::Acquire) {
@@ -355,7 +352,7 @@ impl Runner {
         } else {
             self.run_now(std::slice::from_ref(&call), Some(&[stream]), false)
         };
-        r.map_err(|e| self.with_p2p_pending(e))
+        r.map_err(|e| self.explained(e))
     }
 
     /// Runs calls on the engine now.
@@ -456,38 +453,25 @@ impl Runner {
         )
     }
 
-    /// A collective's timeout names the sends/receives pending here too
-    /// (a deadlock between the two contexts shows both sides).
-    fn with_p2p_pending(&self, e: Error) -> Error {
+    /// A collective's timeout says what the other ranks last did (the
+    /// flight recorder).
+    fn explained(&self, e: Error) -> Error {
         if e.kind() != ErrorKind::Timeout {
             return e;
         }
         let recorder = lock(&self.recorder).clone();
-        let e = match recorder {
+        match recorder {
             Some((store, size, places)) => {
                 super::progress::explain_timeout(e, &*store, self.rank, size, &self.board, &places)
             }
             None => e,
-        };
-        let pending = self.mailbox.pending();
-        if pending.is_empty() {
-            return e;
         }
-        let shown: Vec<String> = pending.into_iter().take(8).collect();
-        Error::new(
-            ErrorKind::Timeout,
-            format!(
-                "{}; point-to-point calls pending on this rank: {}",
-                e.message(),
-                shown.join("; ")
-            ),
-        )
     }
 
-    /// Whether a send/receive goes to the point-to-point context: its
+    /// Whether a send/receive goes to the tagged context: its
     /// buffer is host memory (device memory keeps NCCL's semantics, or is
     /// staged with the collectives).
-    pub(crate) fn goes_to_mailbox(&self, call: &Call) -> bool {
+    pub(crate) fn is_tagged_host(&self, call: &Call) -> bool {
         let buf = match call {
             Call::Send { buf, .. } | Call::Recv { buf, .. } => buf,
             _ => return false,
@@ -495,21 +479,21 @@ impl Runner {
         crate::backend::cuda::is_host(buf.addr(), buf.len())
     }
 
-    /// Posts a host send/receive in the point-to-point context.
+    /// Posts a host send/receive in the tagged context.
     ///
     /// # Safety
     /// The call's buffer valid (and, for a receive, untouched) until the
     /// request completes.
     pub(crate) unsafe fn post(self: &Arc<Self>, call: &Call, tag: Option<i32>) -> Result<Request> {
-        let ticket = match *call {
-            Call::Send { buf, data, peer } => self.mailbox.send(p2p::Outgoing {
+        let posted = match *call {
+            Call::Send { buf, data, peer } => self.messages.send(Outgoing {
                 buf,
                 dtype: data.dtype,
                 count: data.count,
                 peer,
                 tag: tag.unwrap_or(0),
             })?,
-            Call::Recv { buf, data, peer } => self.mailbox.recv(p2p::Incoming {
+            Call::Recv { buf, data, peer } => self.messages.recv(Incoming {
                 buf,
                 dtype: data.dtype,
                 count: data.count,
@@ -523,16 +507,16 @@ impl Runner {
                 ))
             }
         };
-        Ok(Request::p2p(self.mailbox.clone(), ticket))
+        Ok(Request::p2p(self.messages.clone(), posted))
     }
 
     /// Posts a receive with wildcards (tagged API).
     ///
     /// # Safety
     /// As `post`.
-    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: p2p::Incoming) -> Result<Request> {
-        let ticket = self.mailbox.recv(r)?;
-        Ok(Request::p2p(self.mailbox.clone(), ticket))
+    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: Incoming) -> Result<Request> {
+        let posted = self.messages.recv(r)?;
+        Ok(Request::p2p(self.messages.clone(), posted))
     }
 
     /// Holds a non-blocking send/receive until its request is waited for or
@@ -672,7 +656,6 @@ impl Runner {
     /// finishes queued calls, joins the worker and closes the engine.
     pub(crate) fn close(self: &Arc<Self>) {
         let _ = self.start_held();
-        self.mailbox.close();
         lock(&self.queue).closing = true;
         self.queue_changed.notify_all();
         if let Some(h) = lock(&self.worker).take() {

@@ -3,12 +3,12 @@
 
 use super::group;
 use super::Comm;
-use crate::backend::p2p::Status;
 use crate::call::{Call, Data, Layout, RawBuf};
 use crate::descriptor::OpKind;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
+use crate::transport::tagged::Status;
 
 /// Counts, then the displacements of blocks packed in rank order.
 fn packed_layout(counts: &[usize], size: usize, what: &str) -> Result<Vec<usize>> {

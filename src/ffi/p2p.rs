@@ -5,12 +5,12 @@ use super::collectives::{data_call, issue};
 use super::types::*;
 use super::{boundary, check_out, handle, write_out};
 use crate::backend::cuda::Stream;
-use crate::backend::p2p::Status;
 use crate::call::{check_rank, Call, Data, RawBuf};
 use crate::comm::Comm;
 use crate::descriptor::OpKind;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::transport::tagged::Status;
 use std::ffi::{c_int, c_void};
 
 /// Sends count elements to `peer`; returns when buf may be reused.

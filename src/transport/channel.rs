@@ -1,12 +1,33 @@
-//! A byte stream between two ranks, non-blocking in both directions: a TCP
-//! connection, or a pair of shared-memory rings (see shm/). The stream
-//! transport frames messages on top and does not care which.
+//! A byte stream between two ranks, non-blocking in both directions, as a
+//! medium makes it (a TCP connection, tcp/; a pair of shared-memory rings,
+//! shm/). The stream core frames messages on top and asks the channel
+//! what it can do (`Caps`), never which medium it is.
 
 use std::io;
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::net::Shutdown;
+use std::os::fd::RawFd;
+
+/// What a channel can do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps {
+    /// Writes are copied into the kernel's socket buffers: poll() wakes
+    /// when data comes, and large payloads get padding that places them
+    /// well there (`frame::pad_for`).
+    pub through_kernel: bool,
+    /// Keeps message boundaries: a small message is written, and lent to
+    /// the reader, whole (`write_whole`, `peek_whole`).
+    pub whole_messages: bool,
+    /// Incoming bytes can be combined straight into the destination, in
+    /// place, without a copy (`read_combine`).
+    pub lends: bool,
+    /// The receiver can copy a payload straight out of the sender's
+    /// memory (`peer_pid` says whose): single copy.
+    pub single_copy: bool,
+}
 
 pub trait Channel: Send {
+    /// What this channel can do.
+    fn caps(&self) -> Caps;
     /// Reads what is available; `WouldBlock` when nothing is, `Ok(0)` at
     /// end of stream (the peer closed or died).
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
@@ -27,11 +48,6 @@ pub trait Channel: Send {
     /// (process_vm_readv), for single-copy transfers of large payloads.
     fn peer_pid(&self) -> Option<i32> {
         None
-    }
-    /// True when writes are copied into kernel socket buffers (TCP), where
-    /// large payloads get padding that places them well (`frame::pad_for`).
-    fn copies_through_kernel(&self) -> bool {
-        false
     }
     /// Writes `a` then `b` as one message if all of it fits now (channels
     /// that keep message boundaries: shared memory); false, with nothing
@@ -89,46 +105,6 @@ pub fn read_remote(pid: i32, addr: u64, dest: &mut [u8]) -> io::Result<()> {
         done += n as usize;
     }
     Ok(())
-}
-
-/// A connected, non-blocking TCP stream.
-pub struct TcpChannel(pub TcpStream);
-
-impl Channel for TcpChannel {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        io::Read::read(&mut self.0, buf)
-    }
-
-    fn write2(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
-        writev(self.0.as_raw_fd(), a, b)
-    }
-
-    fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    fn copies_through_kernel(&self) -> bool {
-        true
-    }
-
-    fn has_data(&self) -> bool {
-        // Only asked while spinning: one non-blocking peek.
-        let mut b = [0u8; 1];
-        // SAFETY: peeks at most one byte into a live buffer.
-        let n = unsafe {
-            libc::recv(
-                self.0.as_raw_fd(),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        n != -1 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock
-    }
-
-    fn shutdown(&self, how: Shutdown) {
-        let _ = self.0.shutdown(how);
-    }
 }
 
 /// One writev of `a` then `b` (either may be empty).

@@ -1,4 +1,7 @@
-//! The frame header every message carries on a stream connection.
+//! The frame header every message carries on a pair's connection, for
+//! both contexts: the collectives' frames (labelled with the call they
+//! belong to, which the receiver checks) and tagged point-to-point
+//! messages (matched by source and tag, see `tagged`).
 
 use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
@@ -51,7 +54,38 @@ pub enum FrameKind {
     Remote = 4,
     /// The receiver finished copying the oldest Remote payload.
     Ack = 5,
+    /// A tagged message with its payload (eager).
+    TagEager = 6,
+    /// A tagged message's envelope; its payload follows the receiver's
+    /// `TagCts` (rendezvous).
+    TagRts = 7,
+    /// Clear to send tagged message `seq` (receiver to sender).
+    TagCts = 8,
+    /// The payload of tagged message `seq`, after `TagCts`.
+    TagData = 9,
+    /// A tagged message left in the sender's memory for the receiver to
+    /// copy (single copy, same host); the payload is [address, length].
+    TagRemote = 10,
+    /// The receiver copied tagged message `seq` (answer to `TagRemote`).
+    TagAck = 11,
 }
+
+impl FrameKind {
+    /// Whether the frame belongs to the tagged context.
+    pub fn is_tagged(self) -> bool {
+        self as u8 >= FrameKind::TagEager as u8
+    }
+}
+
+/// Tagged messages up to this size travel with their envelope, before
+/// their receive is posted (the receiver keeps them until it is); larger
+/// ones wait for it (`TagRts`). Large enough that a blocking send of any
+/// usual size never waits for its receive (programs that send before they
+/// receive, in both directions, keep working).
+pub const EAGER_MAX: usize = 64 << 20;
+
+/// Longest failure report.
+pub const FAILURE_MAX: usize = 1 << 16;
 
 /// Bytes of a Remote frame's descriptor.
 pub const REMOTE_BYTES: usize = 16;
@@ -82,6 +116,37 @@ impl Header {
             payload: payload as u64,
             pad: 0,
         }
+    }
+
+    /// A tagged frame: message `seq` of its pair, `count` elements of
+    /// `dtype` with `tag`, and `payload` bytes after the header.
+    pub fn tagged(
+        kind: FrameKind,
+        seq: u64,
+        tag: i32,
+        count: u64,
+        dtype: DType,
+        payload: u64,
+    ) -> Header {
+        Header {
+            kind,
+            desc: Desc {
+                kind: OpKind::Send,
+                dtype,
+                redop: ReduceOp::Sum,
+                root: tag,
+                seq,
+                count,
+                algo: 0,
+            },
+            payload,
+            pad: 0,
+        }
+    }
+
+    /// A tagged message's tag.
+    pub fn tag(&self) -> i32 {
+        self.desc.root
     }
 
     pub fn encode(&self) -> [u8; HEADER_BYTES] {
@@ -117,6 +182,12 @@ impl Header {
             3 => FrameKind::Failure,
             4 => FrameKind::Remote,
             5 => FrameKind::Ack,
+            6 => FrameKind::TagEager,
+            7 => FrameKind::TagRts,
+            8 => FrameKind::TagCts,
+            9 => FrameKind::TagData,
+            10 => FrameKind::TagRemote,
+            11 => FrameKind::TagAck,
             _ => return Err(corrupt("unknown frame kind")),
         };
         let op = OpKind::from_wire(b[3]).ok_or_else(|| corrupt("unknown operation"))?;
@@ -131,7 +202,7 @@ impl Header {
             a.copy_from_slice(&b[r]);
             u64::from_le_bytes(a)
         };
-        Ok(Header {
+        let h = Header {
             kind,
             desc: Desc {
                 kind: op,
@@ -144,7 +215,31 @@ impl Header {
             },
             payload: word(32..40),
             pad,
-        })
+        };
+        // A tagged frame's sizes must agree with its count and stay within
+        // what its kind allows: a length never makes the receiver
+        // allocate more than `EAGER_MAX` (or a failure report more than
+        // `FAILURE_MAX`).
+        let bytes = (h.desc.count as usize).checked_mul(dtype.size());
+        let sized = |want: Option<usize>| want.is_some_and(|b| h.payload == b as u64);
+        let ok = match kind {
+            FrameKind::TagEager => sized(bytes) && h.payload <= EAGER_MAX as u64 && h.tag() >= 0,
+            FrameKind::TagRts => h.payload == 0 && bytes.is_some() && h.tag() >= 0,
+            FrameKind::TagData => sized(bytes),
+            FrameKind::TagCts | FrameKind::TagAck => h.payload == 0,
+            FrameKind::TagRemote => {
+                h.payload == REMOTE_BYTES as u64 && bytes.is_some() && h.tag() >= 0
+            }
+            FrameKind::Failure => h.payload <= FAILURE_MAX as u64,
+            _ => true,
+        };
+        if !ok {
+            return Err(corrupt("sizes that do not agree"));
+        }
+        if kind.is_tagged() && op != OpKind::Send {
+            return Err(corrupt("a tagged frame for a collective"));
+        }
+        Ok(h)
     }
 }
 
@@ -194,6 +289,28 @@ mod tests {
         // A malloc'd buffer (16 bytes into a page) is the case that needs it.
         assert_eq!(pad_for(16), 104);
         assert_eq!(pad_for(2048), 0);
+    }
+
+    #[test]
+    fn tagged_lengths_that_lie_are_refused() {
+        let ok = Header::tagged(FrameKind::TagEager, 3, 7, 5, DType::Float32, 20);
+        assert_eq!(Header::decode(&ok.encode(), 1).unwrap(), ok);
+        for bad in [
+            // More than an eager message may hold.
+            Header::tagged(FrameKind::TagEager, 0, 0, 1 << 40, DType::Float64, 8 << 40),
+            // Payload and count disagree.
+            Header::tagged(FrameKind::TagEager, 0, 0, 2, DType::Float64, 17),
+            Header::tagged(FrameKind::TagData, 0, 0, 2, DType::Float64, 17),
+            // Overflowing counts, negative tags, answers with payloads.
+            Header::tagged(FrameKind::TagRts, 0, 0, u64::MAX, DType::Float64, 0),
+            Header::tagged(FrameKind::TagEager, 0, -4, 1, DType::Float64, 8),
+            Header::tagged(FrameKind::TagCts, 0, 0, 0, DType::Uint8, 5),
+            Header::tagged(FrameKind::TagRemote, 0, 0, 4, DType::Uint8, 4),
+            Header::control(FrameKind::Failure, FAILURE_MAX + 1),
+        ] {
+            let e = Header::decode(&bad.encode(), 3).unwrap_err();
+            assert!(e.message().contains("rank 3"), "{e}");
+        }
     }
 
     #[test]

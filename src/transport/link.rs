@@ -1,148 +1,232 @@
-//! Connecting a pair of ranks on first use. A rank holds connections only
-//! to the peers its algorithms exchange with (a few dozen at 1024 ranks,
-//! not 1023), made when an exchange first names the peer.
+//! Connecting a pair of ranks on first use: one connection per pair, for
+//! both contexts. A rank holds connections only to the peers it talks to
+//! (a few dozen at 1024 ranks, not 1023).
 //!
-//! The higher rank of a pair dials. The lower rank's point-to-point thread,
-//! always running because it serves the listener, greets the connection,
-//! agrees on shared memory when the pair shares a host (`shm::answer`),
-//! and leaves the channel here; the transport takes it when an exchange
-//! needs that peer. So a dial never waits for the peer's caller, which may
-//! be busy in an earlier call, computing, or waiting for this very rank.
+//! Whichever side needs the pair first dials (the collectives leave it to
+//! the higher rank; a tagged message dials from either side). The other
+//! side's endpoint thread, always running because it serves the listener,
+//! greets the connection and runs the media's agreement (`medium::agree`),
+//! and leaves the channel here; the stream core takes it when it needs
+//! that peer. So a dial never waits for the peer's caller, which may be
+//! busy in an earlier call, computing, or waiting for this very rank.
+//!
+//! When both sides dial at once, the higher rank's connection is the
+//! pair's: each side's thread refuses the other's dial only when it is
+//! dialing itself and its rank is the higher (`Verdict::Duplicate`), so
+//! exactly one of the two is welcomed, and the refused side waits for
+//! the other's to arrive.
 
-use super::channel::{Channel, TcpChannel};
-use super::mesh::{self, MeshSpec};
-use super::shm::{self, Doorbell, Home};
-use super::signal::AbortSignal;
-use crate::error::{Error, Result};
-use crate::options::ShmTuning;
+use super::channel::Channel;
+use super::doorbell::Doorbell;
+use super::media;
+use super::medium::{Medium, Pair};
+use super::mesh::{self, Dialed, MeshSpec, Verdict};
+use super::signal::Wake;
+use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::sync::lock;
 use std::net::TcpStream;
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// How long the answering side's part of a shared-memory agreement may
-/// take (the dialer is in it already, so only a stalled peer takes long).
+/// How long the answering side's part of the media's agreement may take
+/// (the dialer is in it already, so only a stalled peer takes long).
 const AGREE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Where a pair's connection stands, as this side sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Idle,
+    /// A thread of this rank is dialing it.
+    Dialing,
+    /// Made (by either side): its channel is in `arrived`, or taken.
+    Connected,
+    /// This side's dial was refused for the peer's own: it will arrive.
+    Awaiting,
+}
+
+/// What a `connect` came to.
+pub enum Connect {
+    /// The channel is in `arrived` (or on its way there, from the peer's
+    /// dial): take it.
+    Arriving,
+    /// Another thread of this rank is dialing it.
+    Elsewhere,
+}
+
+struct Shared {
+    /// Per rank (one byte each: a wide job's rank keeps 1023).
+    states: Vec<State>,
+    /// Channels made (dialed or admitted) and not taken yet.
+    arrived: Vec<(usize, Box<dyn Channel>)>,
+}
 
 /// What both sides of every pair of one communicator share.
 pub struct Links {
     pub spec: MeshSpec,
-    /// Per rank: on this host (the pair agrees on shared memory, or on
-    /// TCP, when it connects).
-    near: Vec<bool>,
-    /// This rank's segment, when it has peers on this host and shared
-    /// memory could be made.
-    home: Option<Home>,
-    /// Channels the point-to-point thread made for peers that dialed.
-    arrived: Mutex<Vec<(usize, Box<dyn Channel>)>>,
+    /// The media a pair tries, in order (see `media::open`).
+    media: Vec<Box<dyn Medium>>,
+    shared: Mutex<Shared>,
     /// Readable while `arrived` may hold something.
-    bell: AbortSignal,
+    bell: Wake,
+    /// Set while `arrived` may hold something (looked at without the lock
+    /// on every pass of a waiting caller).
+    pending: AtomicBool,
 }
 
 impl Links {
-    /// `want_shm`: shared memory with the ranks of this host (else TCP
-    /// with every peer).
-    pub fn new(spec: MeshSpec, want_shm: bool, tuning: ShmTuning) -> Result<Links> {
-        // Every pair of one host runs the agreement, whatever it wants: a
-        // rank that wants no shared memory offers none (no segment), so
-        // ranks that differ in RDIST_TRANSPORT still agree on TCP.
-        let near: Vec<bool> = (0..spec.size)
-            .map(|p| p != spec.rank && !spec.far[p])
-            .collect();
-        let local_ranks = 1 + near.iter().filter(|n| **n).count();
-        let home = match want_shm && local_ranks > 1 {
-            true => Home::new(spec.rank, spec.size, local_ranks, tuning),
-            false => None,
-        };
+    pub fn new(spec: MeshSpec, media: Vec<Box<dyn Medium>>) -> Result<Links> {
         Ok(Links {
-            near,
-            home,
-            arrived: Mutex::new(Vec::new()),
-            bell: AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?,
+            shared: Mutex::new(Shared {
+                states: vec![State::Idle; spec.size],
+                arrived: Vec::new(),
+            }),
+            media,
+            bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
+            pending: AtomicBool::new(false),
             spec,
         })
     }
 
-    /// Whether pairs on this host may share memory (this rank made its
-    /// segment); the transport then sleeps on `doorbell`.
-    pub fn doorbell(&self) -> Option<Doorbell> {
-        self.home.as_ref().map(Home::doorbell)
+    /// The media, in the order pairs try them.
+    pub fn media(&self) -> &[Box<dyn Medium>] {
+        &self.media
     }
 
-    /// Dials `peer` (a lower rank) and agrees on the channel, bounded by
-    /// `deadline`.
-    pub fn dial(&self, peer: usize, deadline: Instant) -> Result<Box<dyn Channel>> {
-        let mut s = mesh::dial_collectives(&self.spec, peer, deadline)?;
-        if !self.near[peer] {
-            return tcp(s);
+    /// What this rank sleeps on while waiting on channels that wake no
+    /// descriptor (shared memory), if it has any.
+    pub fn doorbell(&self) -> Option<Doorbell> {
+        self.media.iter().find_map(|m| m.doorbell())
+    }
+
+    fn pair(&self, peer: usize) -> Pair {
+        Pair {
+            peer,
+            near: !self.spec.far[peer],
         }
+    }
+
+    /// Makes the pair's connection unless it is made or being made:
+    /// dials `peer` (bounded by `deadline`) and agrees on a medium. The
+    /// channel lands in `arrived`.
+    pub fn connect(&self, peer: usize, deadline: Instant) -> Result<Connect> {
+        {
+            let mut sh = lock(&self.shared);
+            match sh.states[peer] {
+                State::Idle => sh.states[peer] = State::Dialing,
+                State::Dialing => return Ok(Connect::Elsewhere),
+                State::Connected | State::Awaiting => return Ok(Connect::Arriving),
+            }
+        }
+        let made = self.dial(peer, deadline);
+        let mut sh = lock(&self.shared);
+        match made {
+            Ok(Some(chan)) => {
+                sh.states[peer] = State::Connected;
+                sh.arrived.push((peer, chan));
+                self.pending.store(true, Ordering::Release);
+                self.bell.ring();
+            }
+            Ok(None) => {
+                // Refused for the peer's own dial, which this side's
+                // thread admits (perhaps already has).
+                if sh.states[peer] == State::Dialing {
+                    sh.states[peer] = State::Awaiting;
+                }
+            }
+            // The peer's own dial made the pair meanwhile: this one's
+            // failure (the peer may have left since) does not matter.
+            Err(_) if sh.states[peer] == State::Connected => {}
+            Err(e) => {
+                if sh.states[peer] == State::Dialing {
+                    sh.states[peer] = State::Idle;
+                }
+                return Err(e);
+            }
+        }
+        Ok(Connect::Arriving)
+    }
+
+    /// Dials and agrees; None when the peer keeps its own connection.
+    fn dial(&self, peer: usize, deadline: Instant) -> Result<Option<Box<dyn Channel>>> {
+        let s = match mesh::dial(&self.spec, peer, deadline)? {
+            Dialed::Welcomed(s) => s,
+            Dialed::Duplicate => return Ok(None),
+        };
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        let agreed = s
-            .set_read_timeout(Some(left))
-            .and_then(|()| shm::offer(self.home.as_ref(), peer, &mut s));
-        match agreed {
-            Ok(Some(pair)) => Ok(self.home.as_ref().expect("agreed").channel(peer, pair, s)),
-            Ok(None) => tcp(s),
-            Err(e) => Err(Error::new(
-                crate::error::ErrorKind::PeerLost,
-                format!(
-                    "rank {} lost its connection to rank {peer} while agreeing on shared memory ({})",
-                    self.spec.rank,
-                    crate::error::describe_io(&e)
-                ),
-            )),
-        }
+        s.set_read_timeout(Some(left))
+            .and_then(|()| media::agree(&self.media, &self.pair(peer), s, true))
+            .map(Some)
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {} lost its connection to rank {peer} while agreeing on a medium ({})",
+                        self.spec.rank,
+                        describe_io(&e)
+                    ),
+                )
+            })
     }
 
-    /// The point-to-point thread's part: answers a greeted collectives
-    /// hello and, when welcomed, leaves the channel for the transport.
+    /// The endpoint thread's part: answers a greeted hello and, when
+    /// welcomed, agrees on a medium and leaves the channel for the core.
     /// Blocking for a pair of this host (its agreement is three short
     /// messages with a dialer that is in it already), bounded.
     pub fn admit(&self, hello: &[u8; mesh::HELLO_BYTES], mut s: TcpStream) {
-        let Some(rank) = mesh::answer_collectives(&self.spec, hello, &mut s) else {
-            return;
-        };
-        let chan = if self.near[rank] {
-            let agreed = s
-                .set_read_timeout(Some(AGREE_DEADLINE))
-                .and_then(|()| shm::answer(self.home.as_ref(), rank, &mut s));
-            match agreed {
-                Ok(Some(pair)) => Some(self.home.as_ref().expect("agreed").channel(rank, pair, s)),
-                Ok(None) => tcp(s).ok(),
-                Err(_) => None, // the dialer hears it as a lost connection
+        let rank = match mesh::judge(&self.spec, hello) {
+            Ok(rank) => rank,
+            Err(verdict) => {
+                mesh::answer(&self.spec, verdict, 0, &mut s);
+                return;
             }
-        } else {
-            tcp(s).ok()
         };
-        if let Some(chan) = chan {
-            lock(&self.arrived).push((rank, chan));
-            self.bell.abort();
+        let verdict = {
+            let mut sh = lock(&self.shared);
+            let dialing_and_higher = sh.states[rank] == State::Dialing && self.spec.rank > rank;
+            match sh.states[rank] {
+                State::Connected => Verdict::Duplicate,
+                _ if dialing_and_higher => Verdict::Duplicate,
+                _ => {
+                    sh.states[rank] = State::Connected;
+                    Verdict::Welcome
+                }
+            }
+        };
+        if !mesh::answer(&self.spec, verdict, rank, &mut s) || verdict != Verdict::Welcome {
+            return;
+        }
+        let agreed = s
+            .set_read_timeout(Some(AGREE_DEADLINE))
+            .and_then(|()| media::agree(&self.media, &self.pair(rank), s, false));
+        let mut sh = lock(&self.shared);
+        match agreed {
+            Ok(chan) => {
+                sh.arrived.push((rank, chan));
+                self.pending.store(true, Ordering::Release);
+                self.bell.ring();
+            }
+            // The dialer hears it as a lost connection.
+            Err(_) => sh.states[rank] = State::Idle,
         }
     }
 
-    /// The channels made for peers that dialed, since the last call.
+    /// The channels made for peers, since the last call.
     pub fn take_arrived(&self) -> Vec<(usize, Box<dyn Channel>)> {
-        let mut arrived = lock(&self.arrived);
-        let mut b = [0u8; 8];
-        // SAFETY: reads 8 bytes into a live buffer from our own
-        // non-blocking eventfd (resetting it; nothing waiting: EAGAIN).
-        unsafe { libc::read(self.bell.fd(), b.as_mut_ptr().cast(), 8) };
-        std::mem::take(&mut *arrived)
+        if !self.pending.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut sh = lock(&self.shared);
+        self.pending.store(false, Ordering::Release);
+        self.bell.drain();
+        std::mem::take(&mut sh.arrived)
     }
 
     /// Readable when a channel may have arrived.
     pub fn arrival_fd(&self) -> RawFd {
         self.bell.fd()
     }
-}
-
-fn tcp(stream: TcpStream) -> Result<Box<dyn Channel>> {
-    stream
-        .set_read_timeout(None)
-        .and_then(|()| stream.set_nonblocking(true))
-        .map_err(|e| Error::system("set_nonblocking", &e))?;
-    Ok(Box::new(TcpChannel(stream)))
 }

@@ -1,10 +1,9 @@
 //! Who may connect, and how: the hello that starts every connection
-//! between ranks (job, communicator, rank, world size and context, inside
-//! the challenge-response of `greeting` when there is an `auth_token`),
-//! the one-byte verdict that answers it, dialing a peer, and the socket
-//! settings of a connection. Pairs connect on first use (see `link`):
-//! the higher rank of a pair dials the collectives' connection, the
-//! sender a point-to-point one.
+//! between ranks (job, communicator, rank and world size, inside the
+//! challenge-response of `greeting` when there is an `auth_token`), the
+//! one-byte verdict that answers it, dialing a peer, and the socket
+//! settings of a connection. Pairs connect on first use, one connection
+//! each (see `link`).
 
 use super::greeting::{self, Refusal};
 use crate::auth::Token;
@@ -17,18 +16,6 @@ use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x5244_4831; // "RDH1"
 pub use super::greeting::HELLO_BYTES;
-
-/// Which traffic a connection carries (byte 36 of the hello).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Context {
-    /// The collectives' connection of a pair, dialed by its higher rank
-    /// on first use.
-    Collectives = 0,
-    /// Point-to-point messages, one connection per ordered pair, dialed
-    /// by the sender on first use.
-    P2p = 1,
-}
 
 /// Who this rank is, and how it reaches its peers.
 #[derive(Clone, Debug)]
@@ -54,13 +41,9 @@ pub enum Verdict {
     Welcome = 0,
     OtherJob = 1,
     OtherWorld = 2,
-}
-
-/// The hello a rank sends on a connection of `context`.
-pub fn hello_for(spec: &MeshSpec, context: Context) -> [u8; HELLO_BYTES] {
-    let mut b = hello(spec);
-    b[36] = context as u8;
-    b
+    /// The pair is connected already, or both sides dialed at once and
+    /// this side's dial wins: the dialer uses the other connection.
+    Duplicate = 3,
 }
 
 fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
@@ -70,27 +53,12 @@ fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
     b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
     b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
     b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
-    b[36] = Context::Collectives as u8;
     b
 }
 
-/// Judges a point-to-point hello: the dialing rank when it belongs to this
-/// communicator (any rank but this one).
-pub fn judge_p2p(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> Option<usize> {
-    let rank = u32::from_le_bytes([b[28], b[29], b[30], b[31]]) as usize;
-    let ok = b[36] == Context::P2p as u8
-        && u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == HELLO_MAGIC
-        && b[4..20] == spec.job
-        && b[20..28] == spec.comm_id.to_le_bytes()
-        && u32::from_le_bytes([b[32], b[33], b[34], b[35]]) as usize == spec.size
-        && rank < spec.size
-        && rank != spec.rank;
-    ok.then_some(rank)
-}
-
-/// Judges a collectives hello; returns the dialing rank when it belongs
-/// here (a higher rank of this communicator).
-fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, Verdict> {
+/// Judges a hello; returns the dialing rank when it belongs here (another
+/// rank of this communicator).
+pub fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, Verdict> {
     let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
     if u32_at(0) != HELLO_MAGIC || b[4..20] != spec.job {
         return Err(Verdict::OtherJob);
@@ -99,7 +67,7 @@ fn judge(spec: &MeshSpec, b: &[u8; HELLO_BYTES]) -> std::result::Result<usize, V
     let rank = u32_at(28) as usize;
     if comm != spec.comm_id
         || u32_at(32) as usize != spec.size
-        || rank <= spec.rank
+        || rank == spec.rank
         || rank >= spec.size
     {
         return Err(Verdict::OtherWorld);
@@ -153,12 +121,19 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// Dials `peer` for the pair's collectives connection and waits for its
-/// verdict, bounded by `deadline`. One attempt: every rank listens from
-/// before the roster is published, and its point-to-point thread answers,
-/// so a refusal means the peer is gone (exited, or destroyed its
-/// communicator).
-pub fn dial_collectives(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<TcpStream> {
+/// What a dial came to.
+pub enum Dialed {
+    /// The pair's connection, welcomed.
+    Welcomed(TcpStream),
+    /// The peer keeps the connection it dialed itself (see `Verdict::Duplicate`).
+    Duplicate,
+}
+
+/// Dials `peer` for the pair's connection and waits for its verdict,
+/// bounded by `deadline`. One attempt: every rank listens from before the
+/// roster is published, and its endpoint's thread answers, so a refusal
+/// means the peer is gone (exited, or destroyed its communicator).
+pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
     let addr = spec.addrs[peer];
     let rank = spec.rank;
     let mut s = TcpStream::connect_timeout(&addr, left(deadline)).map_err(|e| {
@@ -217,7 +192,8 @@ pub fn dial_collectives(spec: &MeshSpec, peer: usize, deadline: Instant) -> Resu
         ));
     }
     match verdict[0] {
-        v if v == Verdict::Welcome as u8 => Ok(s),
+        v if v == Verdict::Welcome as u8 => Ok(Dialed::Welcomed(s)),
+        v if v == Verdict::Duplicate as u8 => Ok(Dialed::Duplicate),
         v if v == Verdict::OtherJob as u8 => Err(Error::new(
             ErrorKind::Auth,
             format!(
@@ -234,27 +210,16 @@ pub fn dial_collectives(spec: &MeshSpec, peer: usize, deadline: Instant) -> Resu
     }
 }
 
-/// Answers a greeted collectives hello: the verdict, then (welcomed) the
-/// connection's settings. Returns the dialing rank when welcomed.
-pub fn answer_collectives(
-    spec: &MeshSpec,
-    b: &[u8; HELLO_BYTES],
-    s: &mut TcpStream,
-) -> Option<usize> {
-    let verdict = judge(spec, b);
-    let byte = match verdict {
-        Ok(_) => Verdict::Welcome,
-        Err(v) => v,
-    };
-    s.write_all(&[byte as u8]).ok()?;
-    let rank = verdict.ok()?;
-    spec.configure(s, rank);
-    Some(rank)
-}
-
-/// Whether a greeted hello is for the collectives (else point-to-point).
-pub fn is_collectives(b: &[u8; HELLO_BYTES]) -> bool {
-    b[36] == Context::Collectives as u8
+/// Sends a verdict on a greeted connection; for a welcome, also the
+/// connection's settings.
+pub fn answer(spec: &MeshSpec, verdict: Verdict, rank: usize, s: &mut TcpStream) -> bool {
+    if s.write_all(&[verdict as u8]).is_err() {
+        return false;
+    }
+    if verdict == Verdict::Welcome {
+        spec.configure(s, rank);
+    }
+    true
 }
 
 /// Widens a listener's backlog to `size` dialers at least (std listens

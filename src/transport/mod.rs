@@ -1,17 +1,32 @@
-//! How bytes move between ranks. Algorithms see only the `Transport` trait:
-//! a set of sends and receives that run concurrently until all complete.
+//! How bytes move between ranks. Algorithms see only the `Transport` trait
+//! (a set of sends and receives that run concurrently until all complete)
+//! and the `Shape` of the media; the backend holds one `Endpoint` per
+//! communicator, which carries both contexts, the collectives' exchanges
+//! and tagged point-to-point messages, over one connection per pair.
+//!
+//! The media (TCP, shared memory) are folders behind `medium::Medium`,
+//! registered in `media::open`.
 
 pub mod channel;
+pub mod doorbell;
+pub mod endpoint;
 pub mod frame;
 pub(crate) mod futex;
 pub mod greeting;
 pub mod iface;
 pub mod link;
+pub mod media;
+pub mod medium;
 pub mod mesh;
 pub(crate) mod roster;
+mod service;
 pub mod shm;
 pub mod signal;
 pub mod stream;
+pub mod tagged;
+pub mod tcp;
+
+pub use channel::Caps;
 
 use crate::descriptor::Desc;
 use crate::dtype::DType;
@@ -77,10 +92,36 @@ impl<'a> Xfer<'a> {
     }
 }
 
+/// What every rank of a communicator assumes of the media between its
+/// ranks, alike on each (from the roster and the options, never from one
+/// rank's own channels: ranks must choose the same algorithm).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Shape {
+    /// What a pair of one host's channel can do.
+    pub within_host: Caps,
+    /// What a pair of two hosts' channel can do.
+    pub between_hosts: Caps,
+    /// Some ranks are on other hosts (the network, not the cores, is
+    /// the bound).
+    pub across_hosts: bool,
+}
+
+impl Shape {
+    /// Some pair's bytes go through kernel socket buffers: copies there
+    /// (and the network), not memory bandwidth, are the bound.
+    pub fn through_kernel(&self) -> bool {
+        self.across_hosts || self.within_host.through_kernel
+    }
+}
+
 /// A connected group of ranks.
 pub trait Transport: Send {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
+    /// What the ranks assume of the media between them.
+    fn shape(&self) -> Shape {
+        Shape::default()
+    }
     /// Runs every transfer concurrently and returns when all have completed,
     /// or with the first error (after which the transport is unusable).
     /// Messages between two ranks are matched in the order they were sent.

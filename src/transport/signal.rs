@@ -1,5 +1,5 @@
-//! A flag plus an eventfd: lets another thread (rdist_comm_abort) wake a
-//! rank that is blocked in poll().
+//! Eventfds that wake a thread blocked in poll(): the abort flag with its
+//! eventfd (rdist_comm_abort, from another thread), and a plain `Wake`.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +35,45 @@ impl AbortSignal {
     }
 
     /// The fd to poll for POLLIN; it stays readable once aborted.
+    pub fn fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+}
+
+/// An eventfd another thread rings to wake one that sleeps in poll(),
+/// drained by the sleeper.
+pub struct Wake {
+    event: OwnedFd,
+}
+
+impl Wake {
+    pub fn new() -> std::io::Result<Wake> {
+        // SAFETY: eventfd has no memory arguments; the fd is checked below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Wake {
+            // SAFETY: fd is a fresh descriptor owned by nobody else.
+            event: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    pub fn ring(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
+        unsafe { libc::write(self.event.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Takes the rings so far (the fd reads as idle again).
+    pub fn drain(&self) {
+        let mut b = [0u8; 8];
+        // SAFETY: reads 8 bytes into a live buffer from our own
+        // non-blocking eventfd (nothing there: EAGAIN).
+        unsafe { libc::read(self.event.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+    }
+
+    /// The fd to poll for POLLIN.
     pub fn fd(&self) -> RawFd {
         self.event.as_raw_fd()
     }

@@ -13,10 +13,10 @@
 //! single-copy reads only if each could read the other's memory.
 
 use super::channel::ShmChannel;
-use super::doorbell::{register_membarrier, Doorbell};
 use super::segment::{ring_bytes_for, Segment};
 use crate::options::ShmTuning;
 use crate::transport::channel::Channel;
+use crate::transport::doorbell::{register_membarrier, Doorbell};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -140,8 +140,6 @@ impl Home {
             Arc::new(stream),
             pair.pid,
             self.asymmetric,
-            0,
-            0,
         ))
     }
 }

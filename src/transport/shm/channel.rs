@@ -1,10 +1,10 @@
 //! `ShmChannel`: the channel to one peer on the same host, a ring from it
 //! and a ring to it, with the TCP connection kept only to notice its death.
 
-use super::doorbell::Doorbell;
 use super::ring::Ring;
 use super::segment::Segment;
-use crate::transport::channel::Channel;
+use crate::transport::channel::{Caps, Channel};
+use crate::transport::doorbell::Doorbell;
 use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -16,10 +16,9 @@ pub struct ShmChannel {
     to_peer: Ring,
     /// Rung after every transfer, so a sleeping peer wakes.
     peer_bell: Doorbell,
-    /// Kept open only so the peer's exit shows as end-of-stream; shared
-    /// by the pair's channels (collectives and point-to-point), so a
-    /// local peer costs one descriptor, not three (at 256 ranks on a host,
-    /// three put every rank past the common limit of 1024).
+    /// Kept open only so the peer's exit shows as end-of-stream (one
+    /// descriptor a local peer: at 256 ranks on a host, three put every
+    /// rank past the common limit of 1024).
     liveness: Arc<TcpStream>,
     peer_closed: bool,
     asked: u32,
@@ -28,11 +27,8 @@ pub struct ShmChannel {
 }
 
 impl ShmChannel {
-    /// `mine` is this rank's segment (slot = base + peer), `theirs` the
-    /// peer's (slot = base + this rank): `base` picks the ring pair (0 for
-    /// the collectives; point-to-point has its own, see attach). The
-    /// peer's doorbell is at `bell_base` + its rank.
-    #[allow(clippy::too_many_arguments)]
+    /// `mine` is this rank's segment (slot = peer), `theirs` the peer's
+    /// (slot = this rank); the peer's doorbell is in its own slot.
     pub fn new(
         mine: &Arc<Segment>,
         theirs: &Arc<Segment>,
@@ -41,14 +37,12 @@ impl ShmChannel {
         liveness: Arc<TcpStream>,
         cma_pid: Option<i32>,
         asymmetric: bool,
-        base: usize,
-        bell_base: usize,
     ) -> ShmChannel {
         let _ = liveness.set_nonblocking(true);
         ShmChannel {
-            from_peer: mine.ring(base + peer),
-            to_peer: theirs.ring(base + rank),
-            peer_bell: theirs.doorbell(bell_base + peer, asymmetric),
+            from_peer: mine.ring(peer),
+            to_peer: theirs.ring(rank),
+            peer_bell: theirs.doorbell(peer, asymmetric),
             liveness,
             peer_closed: false,
             asked: 0,
@@ -80,6 +74,15 @@ impl ShmChannel {
 }
 
 impl Channel for ShmChannel {
+    fn caps(&self) -> Caps {
+        Caps {
+            through_kernel: false,
+            whole_messages: true,
+            lends: true,
+            single_copy: self.cma_pid.is_some(),
+        }
+    }
+
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);

@@ -2,8 +2,10 @@
 //! and ring per rank), naming, creating or opening, mapping and unlinking.
 
 use crate::error::{Error, Result};
+use crate::transport::doorbell::Doorbell;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 
 /// Bytes of one ring's data area, with few ranks on the host.
 pub const RING_BYTES: usize = 1 << 20;
@@ -11,18 +13,18 @@ pub const RING_BYTES: usize = 1 << 20;
 /// largest record).
 pub const MIN_RING_BYTES: usize = 128 << 10;
 /// What the rings of one host may hold at most, every ring full: each
-/// pair of ranks has three (collectives, and point-to-point both ways),
-/// and a page once written stays in /dev/shm (tmpfs, often half the RAM;
-/// a full one kills the rank that touches a new page with SIGBUS).
+/// pair of ranks has two (one each way, for both contexts), and a page
+/// once written stays in memory (a memfd counts against tmpfs-like
+/// limits; a full one kills the rank that touches a new page with SIGBUS).
 const HOST_RINGS_BYTES: usize = 4 << 30;
 /// Control block: head and tail on separate cache lines.
 pub(super) const CTL_BYTES: usize = 128;
 
-/// The ring size for `local_ranks` ranks on one host: 1 MiB up to 32
-/// ranks, shrinking by halves to 128 KiB from 128. Every rank of the host
+/// The ring size for `local_ranks` ranks on one host: 1 MiB up to 64
+/// ranks, shrinking by halves to 128 KiB from 256. Every rank of the host
 /// computes the same from the same count, as both ends of a ring must.
 pub fn ring_bytes_for(local_ranks: usize) -> usize {
-    let rings = 3 * local_ranks * local_ranks.saturating_sub(1);
+    let rings = local_ranks * local_ranks.saturating_sub(1);
     let fit = HOST_RINGS_BYTES / rings.max(1);
     let pow2 = if fit.is_power_of_two() {
         fit
@@ -159,6 +161,29 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// The doorbell of the rank that owns this segment (in its own slot).
+    pub fn doorbell(self: &Arc<Self>, owner: usize, asymmetric: bool) -> Doorbell {
+        assert!(
+            (owner + 1) * self.slot_bytes() <= self.len,
+            "doorbell slot out of the segment"
+        );
+        // SAFETY: inside the mapping; the two words sit on separate lines.
+        let ctl = unsafe { self.base.add(owner * self.slot_bytes()) };
+        // SAFETY: the words are inside the mapping, which the doorbell's
+        // clone of the segment keeps.
+        unsafe {
+            Doorbell::at(
+                self.clone(),
+                ctl.cast(),
+                // 64 bytes in, inside the control block.
+                ctl.add(64).cast(),
+                asymmetric,
+            )
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,14 +194,14 @@ mod tests {
     fn rings_shrink_as_the_host_fills() {
         assert_eq!(ring_bytes_for(1), RING_BYTES);
         assert_eq!(ring_bytes_for(8), RING_BYTES);
-        assert_eq!(ring_bytes_for(32), RING_BYTES);
-        assert_eq!(ring_bytes_for(64), 256 << 10);
-        assert_eq!(ring_bytes_for(128), MIN_RING_BYTES);
+        assert_eq!(ring_bytes_for(64), RING_BYTES);
+        assert_eq!(ring_bytes_for(128), 256 << 10);
+        assert_eq!(ring_bytes_for(256), MIN_RING_BYTES);
         assert_eq!(ring_bytes_for(1024), MIN_RING_BYTES);
-        for n in [2, 16, 33, 48, 64, 90] {
+        for n in [2, 16, 33, 48, 64, 90, 128] {
             let r = ring_bytes_for(n);
             assert!(
-                r.is_power_of_two() && 3 * n * (n - 1) * r <= HOST_RINGS_BYTES,
+                r.is_power_of_two() && n * (n - 1) * r <= HOST_RINGS_BYTES,
                 "{n}: {r}"
             );
         }

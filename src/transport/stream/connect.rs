@@ -1,6 +1,7 @@
 //! Connecting the peers an exchange names, on first use (see
 //! `transport::link`): this rank dials the lower ones itself and waits for
-//! the higher ones' connections, which its point-to-point thread admits.
+//! the higher ones' connections, which its endpoint's thread admits
+//! (unless a tagged call made the pair already).
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
@@ -40,12 +41,11 @@ impl StreamTransport {
                 continue;
             }
             if peer < self.rank {
-                let chan = links.dial(peer, deadline)?;
-                self.install(peer, chan);
-            } else {
-                awaited.push(peer);
+                links.connect(peer, deadline)?;
             }
+            awaited.push(peer);
         }
+        self.take_arrived();
         let mut next_probe = Instant::now() + PROBE_EVERY;
         loop {
             awaited.retain(|p| self.conns[*p].is_none());
@@ -141,7 +141,7 @@ impl StreamTransport {
     }
 
     fn install(&mut self, peer: usize, chan: Box<dyn Channel>) {
-        if self.doorbell.is_some() && chan.copies_through_kernel() {
+        if self.doorbell.is_some() && chan.caps().through_kernel {
             // A peer over TCP rings no doorbell: naps on it stay short.
             self.mixed = true;
         }

@@ -1,26 +1,33 @@
-//! The stream transport: one non-blocking channel per peer (TCP, or
-//! shared-memory rings) carrying framed messages, and a progress loop run
-//! by the calling thread. Every exchange also drains frames arriving early
-//! from any peer (into a per-peer inbox), so that symmetric sends never
-//! deadlock and a failure report from any rank, or a dead connection, is
-//! noticed while waiting for something else.
+//! The stream core: one non-blocking channel per peer (a medium's: TCP,
+//! shared-memory rings) carrying framed messages of both contexts, the
+//! collectives' and the tagged messages', and the progress run by
+//! whoever holds the core. A collective's exchange runs with the core
+//! held from its start to its end; tagged messages move whenever anyone
+//! holds it (the exchange takes those it meets; a waiting caller or the
+//! endpoint's thread drives them otherwise, `drive`). Every exchange also
+//! drains frames arriving early from any peer (into a per-peer inbox), so
+//! that symmetric sends never deadlock and a failure report from any
+//! rank, or a dead connection, is noticed while waiting for something
+//! else.
 //!
 //! Waiting: over TCP, poll(); over shared memory, spinning (yielding the
-//! core between checks) for up to `spin` before sleeping in poll() on the
-//! sockets with short, growing timeouts.
+//! core between checks) for up to `spin` before sleeping on the doorbell
+//! or in poll() with short, growing timeouts.
 
 mod connect;
+mod drive;
 mod notice;
 mod progress;
 mod single_copy;
 mod small;
 
 use super::channel::Channel;
+use super::doorbell::Doorbell;
 use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES};
 use super::link::Links;
-use super::shm::Doorbell;
 use super::signal::AbortSignal;
-use super::{Dir, Transport, Xfer};
+use super::tagged::{Path, Posts, Sink, Tagged};
+use super::{Dir, Shape, Transport, Xfer};
 use crate::descriptor::{Desc, OpKind};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::reduce;
@@ -75,6 +82,15 @@ pub struct StreamTransport {
     /// reaches everyone, and its closed connection alone would say only
     /// "exited".
     heard: Option<Error>,
+    /// The tagged context: its posted calls, matching and protocol.
+    pub(crate) tagged: Tagged,
+    /// Tagged calls posted while another thread held the core, taken in
+    /// at the next look.
+    posts: Arc<Posts>,
+    /// Bookkeeping of progress outside an exchange (no transfers).
+    idle: Progress,
+    /// What every rank assumes of the media between them.
+    shape: Shape,
 }
 
 /// Why a peer can no longer be reached.
@@ -120,6 +136,9 @@ enum Incoming {
 enum Target {
     /// Straight into the buffer of transfer `i` of the current exchange.
     Posted(usize),
+    /// A tagged frame's payload, where the tagged context says (with the
+    /// bytes of a single-copy descriptor).
+    Tagged(Sink, [u8; REMOTE_BYTES]),
     /// Into the inbox (nobody asked for it yet).
     Early(Vec<u8>),
     /// A control frame's payload.
@@ -194,6 +213,15 @@ struct Progress {
 }
 
 impl Progress {
+    /// Bookkeeping for `size` ranks with no transfers.
+    fn sized(size: usize) -> Progress {
+        let mut p = Progress::default();
+        for queues in [&mut p.recvs, &mut p.sends, &mut p.acked] {
+            queues.resize_with(size, VecDeque::new);
+        }
+        p
+    }
+
     /// Whether a new frame from `peer` may be read now: one this exchange
     /// waits for (a receive, or the ack of a single-copy send), or any
     /// frame once reading ahead is allowed.
@@ -215,6 +243,9 @@ pub struct Tuning {
     pub single_copy_min: usize,
     /// Shared memory to some peers and TCP to others (see `doze`).
     pub mixed: bool,
+    /// Tagged messages from this size go single-copy where a pair can;
+    /// usize::MAX: never.
+    pub tagged_single_copy_min: usize,
 }
 
 impl StreamTransport {
@@ -226,20 +257,21 @@ impl StreamTransport {
         doorbell: Option<Doorbell>,
         signal: Arc<AbortSignal>,
         tuning: Tuning,
-    ) -> StreamTransport {
+    ) -> Result<StreamTransport> {
         let Tuning {
             timeout,
             spin,
             yield_when_idle,
             single_copy_min,
             mixed,
+            tagged_single_copy_min,
         } = tuning;
         let size = channels.len();
         let conns = channels
             .into_iter()
             .map(|c| c.map(|c| Box::new(Conn::new(c))))
             .collect();
-        StreamTransport {
+        Ok(StreamTransport {
             rank,
             size,
             conns,
@@ -259,18 +291,37 @@ impl StreamTransport {
             heard: None,
             links: None,
             probed: 0,
-        }
+            tagged: Tagged::new(rank, size, tagged_single_copy_min),
+            posts: Arc::new(Posts::new()?),
+            idle: Progress::sized(size),
+            shape: Shape::default(),
+        })
     }
 
-    /// A transport with no channel yet: each is made when an exchange
-    /// first names its peer (see `transport::link`).
+    /// Where tagged calls are posted while another thread holds the core.
+    pub fn posts(&self) -> Arc<Posts> {
+        self.posts.clone()
+    }
+
+    /// What every rank assumes of the media (see `Shape`).
+    pub fn set_shape(&mut self, shape: Shape) {
+        self.shape = shape;
+    }
+
+    /// Some peers are over TCP beside the shared memory (see `doze`).
+    pub fn set_mixed(&mut self, mixed: bool) {
+        self.mixed = mixed;
+    }
+
+    /// A transport with no channel yet: each is made when a call first
+    /// names its peer (see `transport::link`).
     pub fn on_demand(
         rank: usize,
         size: usize,
         links: Arc<Links>,
         signal: Arc<AbortSignal>,
         tuning: Tuning,
-    ) -> StreamTransport {
+    ) -> Result<StreamTransport> {
         let doorbell = links.doorbell();
         let mut t = StreamTransport::new(
             rank,
@@ -278,9 +329,9 @@ impl StreamTransport {
             doorbell,
             signal,
             tuning,
-        );
+        )?;
         t.links = Some(links);
-        t
+        Ok(t)
     }
 
     fn conn(&mut self, peer: usize) -> &mut Conn {
@@ -322,7 +373,7 @@ impl StreamTransport {
         p.sockets_only = xfers.iter().all(|x| {
             self.conns[x.peer]
                 .as_ref()
-                .is_some_and(|c| c.chan.copies_through_kernel())
+                .is_some_and(|c| c.chan.caps().through_kernel)
         });
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
@@ -330,7 +381,7 @@ impl StreamTransport {
                     let single_copy = data.len() >= self.single_copy_min
                         && self.conns[x.peer]
                             .as_ref()
-                            .is_some_and(|c| c.chan.peer_pid().is_some());
+                            .is_some_and(|c| c.chan.caps().single_copy);
                     if single_copy {
                         let mut d = [0u8; REMOTE_BYTES];
                         d[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
@@ -344,7 +395,7 @@ impl StreamTransport {
                         if data.len() >= PAD_MIN_PAYLOAD
                             && self.conns[x.peer]
                                 .as_ref()
-                                .is_some_and(|c| c.chan.copies_through_kernel())
+                                .is_some_and(|c| c.chan.caps().through_kernel)
                         {
                             h.pad = frame::pad_for(data.as_ptr() as usize) as u16;
                         }
@@ -439,9 +490,23 @@ impl StreamTransport {
         Ok(())
     }
 
-    /// Writes as much as the socket takes of the sends queued for `peer`.
+    /// Writes as much as the channel takes of what waits for `peer`: a
+    /// frame cut short first, then whole frames: tagged ones and
+    /// acknowledgements between the exchange's sends, never inside one.
     fn pump_sends(&mut self, peer: usize, xfers: &[Xfer<'_>], p: &mut Progress) -> Result<()> {
-        while let Some(&i) = p.sends[peer].front() {
+        loop {
+            let cut = self.conns[peer]
+                .as_ref()
+                .is_some_and(|c| c.unfinished_out > 0);
+            if !cut && self.tagged.has_output(peer) {
+                self.write_tagged(peer, p)?;
+                if self.tagged.mid_frame(peer) {
+                    return Ok(());
+                }
+            }
+            let Some(&i) = p.sends[peer].front() else {
+                break;
+            };
             // Acknowledgements go out between data frames.
             if p.written[i] == 0 && !self.flush_acks(peer, p)? {
                 return Ok(());
@@ -469,9 +534,7 @@ impl StreamTransport {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         conn.unfinished_out = total - p.written[i];
-                        let why = describe_io(&e);
-                        conn.gone = Some(Gone::Lost(why.clone()));
-                        return Err(self.lost(peer, &why, p.desc));
+                        return Err(self.lose(peer, &describe_io(&e), p.desc));
                     }
                 }
             }
@@ -488,21 +551,57 @@ impl StreamTransport {
         Ok(())
     }
 
+    /// Writes what the tagged context has for `peer`.
+    fn write_tagged(&mut self, peer: usize, p: &Progress) -> Result<()> {
+        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+        let caps = conn.chan.caps();
+        let path = Path {
+            single_copy_pid: conn.chan.peer_pid().filter(|_| caps.single_copy),
+        };
+        match self.tagged.write(peer, &mut *conn.chan, path) {
+            Ok(moved) => {
+                self.moved = self.moved.wrapping_add(u64::from(moved));
+                Ok(())
+            }
+            Err(e) => Err(self.lose(peer, &describe_io(&e), p.desc)),
+        }
+    }
+
+    /// The connection to `peer` broke: it is gone, the tagged calls with
+    /// it fail, and the error says so.
+    pub(super) fn lose(&mut self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
+        let err = self.lost(peer, why, desc);
+        if let Some(conn) = self.conns[peer].as_mut() {
+            if conn.gone.is_none() {
+                conn.gone = Some(Gone::Lost(why.to_string()));
+            }
+        }
+        self.tagged.fail_peer(peer, err.clone());
+        err
+    }
+
     /// Reads everything `peer` has sent so far, completing posted receives
     /// and keeping early frames in its inbox.
     fn pump_reads(&mut self, peer: usize, xfers: &mut [Xfer<'_>], p: &mut Progress) -> Result<()> {
         loop {
+            let tagged_wants = self.tagged.wants(peer);
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
             if conn.gone.is_some() {
                 return Ok(());
             }
             // Between frames, with this exchange complete, leave the next
             // frames where they are: the next call reads them straight into
-            // its buffers, instead of into the inbox now and copied later.
+            // its buffers, instead of into the inbox now and copied later
+            // (unless a tagged call may be waiting behind them).
             let between_frames = conn.between_frames();
-            if between_frames && (p.remaining == 0 || !p.reads_from(peer)) {
+            if between_frames && !tagged_wants && (p.remaining == 0 || !p.reads_from(peer)) {
                 return Ok(());
             }
+            // A whole tagged message, lent by the channel (shared memory).
+            if between_frames && conn.inbox.is_empty() && self.take_tagged_whole(peer)? {
+                continue;
+            }
+            let conn = self.conns[peer].as_mut().expect("peer is not this rank");
             // The next frame for the posted receive, whole in one record
             // (small messages over shared memory): no header/payload steps.
             if let (true, Some(&i)) = (between_frames, p.recvs[peer].front()) {
@@ -539,6 +638,7 @@ impl StreamTransport {
                 }
             }
             let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+            let mut discard = [0u8; 4096];
             let result = match &mut conn.incoming {
                 Incoming::Header { buf, got } => conn.chan.read(&mut buf[*got..]),
                 Incoming::Payload { skip, .. } if *skip > 0 => {
@@ -565,19 +665,23 @@ impl StreamTransport {
                         },
                         Target::Early(v) | Target::Control(v) => &mut v[*got..],
                         Target::Descriptor(d) => &mut d[*got..],
+                        Target::Tagged(Sink::Descriptor(_), d) => &mut d[*got..],
+                        Target::Tagged(sink, _) => {
+                            let left = header.payload as usize - *got;
+                            match sink.buffer(*got) {
+                                Some(b) => &mut b[..left],
+                                None => &mut discard[..left.min(4096)],
+                            }
+                        }
                     };
                     conn.chan.read(dest)
                 }
             };
             let n = match result {
                 Ok(0) => {
-                    let conn = self.conn(peer);
-                    if conn.gone.is_none() {
-                        conn.gone = Some(Gone::Lost("connection closed".into()));
-                    }
-                    return match conn.gone {
-                        Some(Gone::Lost(_)) => Err(self.lost(peer, "connection closed", p.desc)),
-                        _ => Ok(()),
+                    return match self.conn(peer).gone {
+                        Some(Gone::Bye) => Ok(()),
+                        _ => Err(self.lose(peer, "connection closed", p.desc)),
                     };
                 }
                 Ok(n) => {
@@ -586,11 +690,7 @@ impl StreamTransport {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    let why = describe_io(&e);
-                    self.conn(peer).gone = Some(Gone::Lost(why.clone()));
-                    return Err(self.lost(peer, &why, p.desc));
-                }
+                Err(e) => return Err(self.lose(peer, &describe_io(&e), p.desc)),
             };
             self.advance_incoming(peer, n, xfers, p)?;
         }
@@ -662,7 +762,35 @@ impl StreamTransport {
                     buf: [0; HEADER_BYTES],
                     got: 0,
                 };
+                // What it sent before it left stays receivable.
+                let left = Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {peer} destroyed its communicator: nothing more will come from it, and it takes nothing more (rank {})",
+                        self.rank
+                    ),
+                );
+                self.tagged.fail_peer(peer, left);
                 return Ok(());
+            }
+            FrameKind::TagEager
+            | FrameKind::TagRts
+            | FrameKind::TagCts
+            | FrameKind::TagData
+            | FrameKind::TagRemote
+            | FrameKind::TagAck => {
+                let pid = self.conn(peer).chan.peer_pid();
+                match self.tagged.on_header(peer, &header, pid)? {
+                    Some(sink) => Target::Tagged(sink, [0; REMOTE_BYTES]),
+                    None => {
+                        self.moved = self.moved.wrapping_add(1);
+                        self.conn(peer).incoming = Incoming::Header {
+                            buf: [0; HEADER_BYTES],
+                            got: 0,
+                        };
+                        return Ok(());
+                    }
+                }
             }
             FrameKind::Failure => Target::Control(vec![0; header.payload.min(1 << 16) as usize]),
             FrameKind::Remote if header.payload == REMOTE_BYTES as u64 => {
@@ -727,6 +855,10 @@ impl StreamTransport {
                 return self.match_inbox(peer, xfers, p);
             }
             Target::Descriptor(d) => return self.copy_remote(peer, header, d, xfers, p),
+            Target::Tagged(sink, d) => {
+                let pid = conn.chan.peer_pid();
+                self.tagged.on_payload(peer, sink, &d, pid);
+            }
             Target::Control(payload) => {
                 let (kind, text) = frame::decode_failure(&payload);
                 self.heard = Some(Error::new(kind, text.clone()));
@@ -755,6 +887,10 @@ impl Transport for StreamTransport {
 
     fn size(&self) -> usize {
         self.size
+    }
+
+    fn shape(&self) -> Shape {
+        self.shape
     }
 
     fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {

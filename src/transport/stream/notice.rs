@@ -47,13 +47,29 @@ impl StreamTransport {
             };
             let payload = frame::encode_failure(&report);
             let header = Header::control(FrameKind::Failure, payload.len()).encode();
+            self.cut_tagged();
             for conn in self.conns.iter_mut().flatten() {
                 if conn.gone.is_none() {
                     conn.send_control(&header, &payload);
                 }
             }
         }
+        // The tagged calls fail with it (their pending frames are cut).
+        self.cut_tagged();
+        self.tagged.fail_all(err.clone());
         err
+    }
+
+    /// A tagged frame cut short counts as the connection's unfinished
+    /// frame (a control frame pads it with zeros first), before the tagged
+    /// calls are failed and forget it.
+    fn cut_tagged(&mut self) {
+        for (peer, conn) in self.conns.iter_mut().enumerate() {
+            if let Some(conn) = conn {
+                conn.unfinished_out += self.tagged.unfinished(peer);
+            }
+        }
+        self.tagged.forget_cut_frames();
     }
 
     /// Goodbye: tells peers this rank is leaving (cleanly, or after which
@@ -76,6 +92,7 @@ impl StreamTransport {
                 )
             }
         };
+        self.cut_tagged();
         for conn in self.conns.iter_mut().flatten() {
             if conn.gone.is_none() {
                 conn.send_control(&header, &payload);
@@ -84,6 +101,8 @@ impl StreamTransport {
             conn.drain();
         }
         self.conns.clear();
+        self.tagged
+            .fail_all(Error::invalid_usage("the communicator was destroyed"));
     }
 
     pub(super) fn lost(&self, peer: usize, why: &str, desc: Option<Desc>) -> Error {

@@ -25,13 +25,24 @@ const RATE_MIN_BYTES: usize = 64 << 10;
 const SPIN_PAYS_WITHIN: u32 = 4;
 
 impl StreamTransport {
+    /// A collective's timeout, naming whom it waited for and the tagged
+    /// calls pending on this rank (a deadlock between the two contexts
+    /// shows both sides).
     fn timeout_error(&self, p: &Progress) -> Error {
         let waiting = self.waiting_for(p);
         let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+        let tagged: Vec<String> = self.tagged.pending().into_iter().take(8).collect();
+        let tagged = match tagged.is_empty() {
+            true => String::new(),
+            false => format!(
+                "; point-to-point calls pending on this rank: {}",
+                tagged.join("; ")
+            ),
+        };
         Error::new(
             ErrorKind::Timeout,
             format!(
-                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?",
+                "rank {} timed out after {:.1} s{during} waiting for {}; is that rank alive and making the same calls?{tagged}",
                 self.rank,
                 self.timeout.as_secs_f64(),
                 waiting.join(", ")
@@ -90,7 +101,7 @@ impl StreamTransport {
             .filter(|x| {
                 self.conns[x.peer]
                     .as_ref()
-                    .is_some_and(|c| c.chan.copies_through_kernel())
+                    .is_some_and(|c| c.chan.caps().through_kernel)
             })
             .filter_map(|x| x.dir.recv_buf().map(|b| b.len()))
             .sum()
@@ -152,6 +163,11 @@ impl StreamTransport {
                 continue;
             }
             self.check_departed(p)?;
+            // Tagged calls posted meanwhile by other threads, and
+            // connections that arrived for them.
+            if self.posts.pending() {
+                self.take_posts();
+            }
             if self.signal.is_aborted() {
                 return Err(Error::new(
                     ErrorKind::Aborted,
@@ -206,6 +222,11 @@ impl StreamTransport {
                 events: libc::POLLIN,
                 revents: 0,
             });
+            fds.push(libc::pollfd {
+                fd: self.posts.bell.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
             for (peer, conn) in self.conns.iter().enumerate() {
                 let Some(conn) = conn else { continue };
                 let mut events = 0;
@@ -213,10 +234,13 @@ impl StreamTransport {
                     // Frames nobody asked for yet stay unread (and unpolled).
                     let mid_frame = !conn.between_frames();
                     events |= libc::POLLRDHUP;
-                    if mid_frame || p.reads_from(peer) {
+                    if mid_frame || p.reads_from(peer) || self.tagged.wants(peer) {
                         events |= libc::POLLIN;
                     }
-                    if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
+                    if !p.sends[peer].is_empty()
+                        || !conn.acks_out.is_empty()
+                        || self.tagged.has_output(peer)
+                    {
                         events |= libc::POLLOUT;
                     }
                 }
@@ -249,12 +273,12 @@ impl StreamTransport {
                 }
                 return Err(Error::system("poll", &e));
             }
-            for k in 1..fds.len() {
+            for k in 2..fds.len() {
                 let revents = fds[k].revents;
                 if revents == 0 {
                     continue;
                 }
-                let peer = peers_of[k - 1];
+                let peer = peers_of[k - 2];
                 if revents & libc::POLLOUT != 0 {
                     self.pump_sends(peer, xfers, p)?;
                 }
@@ -323,7 +347,7 @@ impl StreamTransport {
             let Some(c) = self.conns[peer].as_ref() else {
                 return false;
             };
-            !c.chan.copies_through_kernel()
+            !c.chan.caps().through_kernel
                 && (!p.recvs[peer].is_empty()
                     || !p.sends[peer].is_empty()
                     || !p.acked[peer].is_empty()
@@ -342,7 +366,10 @@ impl StreamTransport {
                 continue;
             }
             let readable = all || conn.chan.has_data();
-            if !p.sends[peer].is_empty() || !conn.acks_out.is_empty() {
+            if !p.sends[peer].is_empty()
+                || !conn.acks_out.is_empty()
+                || self.tagged.has_output(peer)
+            {
                 self.pump_sends(peer, xfers, p)?;
             }
             if readable {
@@ -358,9 +385,10 @@ pub(super) mod tests {
     use super::*;
     use crate::descriptor::{Desc, OpKind};
     use crate::dtype::DType;
-    use crate::transport::channel::{Channel, TcpChannel};
+    use crate::transport::channel::Channel;
     use crate::transport::signal::AbortSignal;
     use crate::transport::stream::Tuning;
+    use crate::transport::tcp::TcpChannel;
     use crate::transport::Transport;
     use std::net::{TcpListener, TcpStream};
     use std::sync::Arc;
@@ -391,8 +419,10 @@ pub(super) mod tests {
                     yield_when_idle: true,
                     single_copy_min: usize::MAX,
                     mixed: false,
+                    tagged_single_copy_min: usize::MAX,
                 };
                 StreamTransport::new(rank, c, None, Arc::new(AbortSignal::new().unwrap()), tuning)
+                    .unwrap()
             })
             .collect()
     }

@@ -2,7 +2,7 @@
 //! of the sender's memory (from the descriptor the sender wrote) and
 //! acknowledges it, which completes the send.
 
-use super::{Gone, Progress, StreamTransport, STAGE_BYTES};
+use super::{Progress, StreamTransport, STAGE_BYTES};
 use crate::descriptor::OpKind;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::reduce;
@@ -15,6 +15,9 @@ impl StreamTransport {
     /// Writes pending acknowledgements (only between data frames). True
     /// when none are left.
     pub(super) fn flush_acks(&mut self, peer: usize, p: &Progress) -> Result<bool> {
+        if self.tagged.mid_frame(peer) {
+            return Ok(false);
+        }
         let conn = self.conns[peer].as_mut().expect("peer is not this rank");
         if conn.acks_out.is_empty() {
             return Ok(true);
@@ -37,11 +40,7 @@ impl StreamTransport {
                     return Ok(false);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    let why = describe_io(&e);
-                    conn.gone = Some(Gone::Lost(why.clone()));
-                    return Err(self.lost(peer, &why, p.desc));
-                }
+                Err(e) => return Err(self.lose(peer, &describe_io(&e), p.desc)),
             }
         }
         conn.unfinished_out = 0;

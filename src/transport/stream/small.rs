@@ -2,8 +2,10 @@
 //! shared-memory ring records, without the bookkeeping of `run`.
 
 use super::{deliver, StreamTransport};
+use crate::error::Result;
 use crate::transport::channel::Channel;
-use crate::transport::frame::{Header, HEADER_BYTES};
+use crate::transport::frame::{FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
+use crate::transport::tagged::Sink;
 use crate::transport::{Dir, Xfer};
 
 /// Most transfers `exchange_whole` takes on (it tracks them in a bitmask).
@@ -109,7 +111,11 @@ impl StreamTransport {
         };
         let idle = conn.gone.is_none()
             && match sending {
-                true => conn.unfinished_out == 0 && conn.acks_out.is_empty(),
+                true => {
+                    conn.unfinished_out == 0
+                        && conn.acks_out.is_empty()
+                        && !self.tagged.has_output(x.peer)
+                }
                 false => conn.inbox.is_empty() && conn.between_frames(),
             };
         idle && (0..i).all(|j| {
@@ -130,6 +136,51 @@ impl StreamTransport {
                 .write_whole(&Header::data(x.desc, data.len()).encode(), data),
             Dir::Recv(_) | Dir::RecvReduce(..) => read_whole(&mut *conn.chan, x),
         }
+    }
+}
+
+impl StreamTransport {
+    /// Takes the next record from `peer` when it is a whole tagged frame
+    /// (shared memory lends small messages whole): the tagged context
+    /// matches it without the byte-stream steps. False when the next
+    /// record is not one (or nothing is there).
+    pub(super) fn take_tagged_whole(&mut self, peer: usize) -> Result<bool> {
+        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+        let Some(record) = conn.chan.peek_whole() else {
+            return Ok(false);
+        };
+        if record.len() < HEADER_BYTES || record[2] < FrameKind::TagEager as u8 {
+            return Ok(false);
+        }
+        let head: &[u8; HEADER_BYTES] = record[..HEADER_BYTES].try_into().expect("a header");
+        let header = Header::decode(head, peer)?;
+        if !header.kind.is_tagged() || header.payload != (record.len() - HEADER_BYTES) as u64 {
+            return Ok(false);
+        }
+        let len = record.len();
+        let payload = &record[HEADER_BYTES..];
+        let pid = conn.chan.peer_pid();
+        match header.kind {
+            FrameKind::TagEager => self.tagged.on_whole(peer, &header, payload)?,
+            _ => match self.tagged.on_header(peer, &header, pid)? {
+                None => {}
+                Some(Sink::Descriptor(env)) => {
+                    let mut d = [0u8; REMOTE_BYTES];
+                    d.copy_from_slice(&payload[..REMOTE_BYTES]);
+                    self.tagged.on_payload(peer, Sink::Descriptor(env), &d, pid);
+                }
+                Some(mut sink) => {
+                    if let Some(b) = sink.buffer(0) {
+                        b[..payload.len()].copy_from_slice(payload);
+                    }
+                    self.tagged.on_payload(peer, sink, &[], pid);
+                }
+            },
+        }
+        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
+        conn.chan.consume_whole(len);
+        self.moved = self.moved.wrapping_add(1);
+        Ok(true)
     }
 }
 

@@ -1,37 +1,20 @@
-//! The doorbell a rank sleeps on while its peers are in shared memory
-//! (a futex word in its own segment), and the membarrier registration
-//! that lets ringing it skip a fence.
+//! The doorbell a rank sleeps on while its peers' channels wake no
+//! descriptor (shared memory): a futex word that every peer bumps after
+//! writing to or reading from a channel shared with this rank, and the
+//! membarrier registration that lets ringing it skip a fence. Its words
+//! live in memory the rank shares with its peers (shm/ puts them in its
+//! own segment).
 
-use super::segment::Segment;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-impl Segment {
-    /// The doorbell of the rank that owns this segment (in its own slot).
-    pub fn doorbell(self: &Arc<Self>, owner: usize, asymmetric: bool) -> Doorbell {
-        assert!(
-            (owner + 1) * self.slot_bytes() <= self.len,
-            "doorbell slot out of the segment"
-        );
-        // SAFETY: inside the mapping; the two words sit on separate lines.
-        let ctl = unsafe { self.base.add(owner * self.slot_bytes()) };
-        Doorbell {
-            _segment: self.clone(),
-            bell: ctl.cast(),
-            // SAFETY: 64 bytes in, inside the control block.
-            sleeping: unsafe { ctl.add(64) }.cast(),
-            asymmetric,
-        }
-    }
-}
-
 /// A rank's doorbell: a counter that every peer bumps after writing to or
-/// reading from a ring shared with this rank, plus a flag saying whether
-/// this rank sleeps on it (futex), so a bump wakes it only then. It lives
-/// in the otherwise unused slot of the rank's own segment.
+/// reading from a channel shared with this rank, plus a flag saying
+/// whether this rank sleeps on it (futex), so a bump wakes it only then.
 pub struct Doorbell {
-    _segment: Arc<Segment>,
+    /// Keeps the memory of the two words mapped.
+    _memory: Arc<dyn Send + Sync + std::panic::RefUnwindSafe>,
     bell: *const AtomicU32,
     sleeping: *const AtomicU32,
     /// Every rank registered for membarrier: the sleeper pays for the
@@ -41,10 +24,32 @@ pub struct Doorbell {
     asymmetric: bool,
 }
 
-// SAFETY: see Segment.
+// SAFETY: the words are shared memory, and every access goes through
+// atomics, from any thread.
 unsafe impl Send for Doorbell {}
+unsafe impl Sync for Doorbell {}
 
 impl Doorbell {
+    /// The doorbell whose counter is at `bell` and sleeping flag at
+    /// `sleeping` (aligned words on separate cache lines), inside memory
+    /// that `memory` keeps mapped.
+    ///
+    /// # Safety
+    /// Both words stay valid while `memory` lives.
+    pub unsafe fn at(
+        memory: Arc<dyn Send + Sync + std::panic::RefUnwindSafe>,
+        bell: *const AtomicU32,
+        sleeping: *const AtomicU32,
+        asymmetric: bool,
+    ) -> Doorbell {
+        Doorbell {
+            _memory: memory,
+            bell,
+            sleeping,
+            asymmetric,
+        }
+    }
+
     fn bell(&self) -> &AtomicU32 {
         // SAFETY: an aligned word of the live mapping.
         unsafe { &*self.bell }
@@ -71,7 +76,7 @@ impl Doorbell {
             && self.sleeping().swap(0, Ordering::SeqCst) != 0
         {
             self.bell().fetch_add(1, Ordering::SeqCst);
-            crate::transport::futex::wake_all(self.bell());
+            super::futex::wake_all(self.bell());
         }
     }
 
@@ -94,7 +99,7 @@ impl Doorbell {
     /// Sleeps until a peer rings (since `prepare`) or `timeout` passes.
     pub fn sleep(&self, seen: u32, timeout: Duration) {
         // Returns at once if the counter already moved on.
-        crate::transport::futex::wait(self.bell(), seen, timeout);
+        super::futex::wait(self.bell(), seen, timeout);
         self.done();
     }
 
@@ -106,7 +111,7 @@ impl Doorbell {
 /// Registers this process for expedited global membarriers; false where
 /// the kernel has none (then doorbells use a fence on both sides).
 /// `wanted` false (RDIST_NO_MEMBARRIER) skips it.
-pub(super) fn register_membarrier(wanted: bool) -> bool {
+pub fn register_membarrier(wanted: bool) -> bool {
     if !wanted {
         return false;
     }

@@ -1,0 +1,88 @@
+//! Tagged point-to-point on host buffers, as the backend offers it: the
+//! transport's endpoint matches and moves the messages (in their own
+//! context, on the pairs' connections); here each call is numbered and
+//! traced in the communicator's ledger, like every other call.
+
+use super::ledger::Ledger;
+use crate::error::Result;
+use crate::transport::endpoint::Endpoint;
+use crate::transport::tagged::{Incoming, Outgoing, Status, Ticket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A communicator's tagged calls.
+pub(crate) struct Messages {
+    endpoint: Arc<Endpoint>,
+    ledger: Arc<Ledger>,
+}
+
+/// A posted tagged call.
+pub struct Posted {
+    ticket: Ticket,
+    /// Its number in the ledger, and what the trace records.
+    seq: u64,
+    name: &'static str,
+    bytes: usize,
+    started: Option<Instant>,
+    recorded: AtomicBool,
+}
+
+impl Messages {
+    pub(crate) fn new(endpoint: Arc<Endpoint>, ledger: Arc<Ledger>) -> Messages {
+        Messages { endpoint, ledger }
+    }
+
+    fn posted(&self, ticket: Ticket, name: &'static str, bytes: usize) -> Posted {
+        Posted {
+            ticket,
+            seq: self.ledger.next_tagged(),
+            name,
+            bytes,
+            started: self.ledger.tracing().then(Instant::now),
+            recorded: AtomicBool::new(false),
+        }
+    }
+
+    /// Posts a send; it starts at once.
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until the call completes.
+    pub(crate) unsafe fn send(&self, msg: Outgoing) -> Result<Posted> {
+        let ticket = self.endpoint.send(msg)?;
+        Ok(self.posted(ticket, "send", msg.buf.len()))
+    }
+
+    /// Posts a receive; it matches at once if its message arrived.
+    ///
+    /// # Safety
+    /// `r.buf` valid for writes, and untouched, until the call completes.
+    pub(crate) unsafe fn recv(&self, r: Incoming) -> Result<Posted> {
+        let ticket = self.endpoint.recv(r)?;
+        Ok(self.posted(ticket, "recv", r.buf.len()))
+    }
+
+    /// Waits for a posted call, bounded by the timeout.
+    pub(crate) fn wait(&self, p: &Posted) -> Result<Status> {
+        let r = self.endpoint.wait(&p.ticket);
+        self.note(p, r.is_ok());
+        r
+    }
+
+    /// The call's result once complete; never blocks.
+    pub(crate) fn test(&self, p: &Posted) -> Option<Result<Status>> {
+        let r = self.endpoint.test(&p.ticket)?;
+        self.note(p, r.is_ok());
+        Some(r)
+    }
+
+    /// Records a completed call in the trace, once.
+    fn note(&self, p: &Posted, ok: bool) {
+        if let Some(started) = p.started {
+            if !p.recorded.swap(true, Ordering::Relaxed) {
+                self.ledger
+                    .record_tagged(p.name, p.seq, p.bytes, started, ok);
+            }
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! A rank's end of one communicator: the stream core (every connection
+//! of the rank, both contexts), the one acceptor (the endpoint's thread,
+//! `service`), and the calls of the tagged context. The collectives hold
+//! the core for a call (`core`); tagged calls are posted, and then moved
+//! by whoever holds the core: the caller waiting for one, the endpoint's
+//! thread when nobody waits, or a collective running meanwhile.
+
+use super::link::Links;
+use super::media;
+use super::medium::{Layout, Wanted};
+use super::mesh::MeshSpec;
+use super::service::{self, Shared};
+use super::signal::{AbortSignal, Wake};
+use super::stream::{StreamTransport, Tuning};
+use super::tagged::Described;
+use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
+use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{lock, try_lock};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What an endpoint is made from.
+pub struct EndpointSpec {
+    pub mesh: MeshSpec,
+    pub listener: TcpListener,
+    /// Ranks on this rank's host, itself included.
+    pub local_ranks: usize,
+    pub wanted: Wanted,
+    pub tuning: Tuning,
+    pub signal: Arc<AbortSignal>,
+}
+
+/// A rank's end of one communicator.
+pub struct Endpoint {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    spin: Duration,
+    yield_when_idle: bool,
+    timeout: Duration,
+}
+
+impl Endpoint {
+    /// Opens the media, makes the core (connections come on first use)
+    /// and starts the thread that serves the listener.
+    pub fn new(spec: EndpointSpec) -> Result<Endpoint> {
+        let EndpointSpec {
+            mesh,
+            listener,
+            local_ranks,
+            wanted,
+            tuning,
+            signal,
+        } = spec;
+        let layout = Layout {
+            rank: mesh.rank,
+            size: mesh.size,
+            local_ranks,
+        };
+        let (rank, size) = (mesh.rank, mesh.size);
+        let links = Arc::new(Links::new(mesh, media::open(layout, wanted))?);
+        let (spin, yield_when_idle, timeout) =
+            (tuning.spin, tuning.yield_when_idle, tuning.timeout);
+        let core = StreamTransport::on_demand(rank, size, links.clone(), signal.clone(), tuning)?;
+        let posts = core.posts();
+        let shared = Arc::new(Shared {
+            rank,
+            doorbell: links.doorbell(),
+            core: Mutex::new(core),
+            posts,
+            links,
+            wake: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
+            drivers: AtomicUsize::new(0),
+            closing: AtomicBool::new(false),
+            hook: Mutex::new(None),
+        });
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::system("set_nonblocking", &e))?;
+        let for_thread = shared.clone();
+        // Always running: it serves the listener, so peers' dials are
+        // greeted whatever this rank's callers are doing, and strangers
+        // that connect are dropped at their deadline rather than filling
+        // the accept backlog a peer's first connection needs.
+        let thread = std::thread::Builder::new()
+            .name(format!("rdist-ep{rank}"))
+            .spawn(move || service::run(&for_thread, listener))
+            .map_err(|e| Error::system("starting the endpoint's thread", &e))?;
+        Ok(Endpoint {
+            shared,
+            thread: Mutex::new(Some(thread)),
+            spin,
+            yield_when_idle,
+            timeout,
+        })
+    }
+
+    /// The core, for a collective (held until the guard goes).
+    pub fn core(&self) -> MutexGuard<'_, StreamTransport> {
+        lock(&self.shared.core)
+    }
+
+    /// The core when no call holds it.
+    pub fn try_core(&self) -> Option<MutexGuard<'_, StreamTransport>> {
+        try_lock(&self.shared.core)
+    }
+
+    /// The pairs' connections, and the media they are made on.
+    pub fn links(&self) -> &Links {
+        &self.shared.links
+    }
+
+    /// Has the endpoint's thread run `hook` on every pass (at least every
+    /// quarter second).
+    pub fn set_hook(&self, hook: Box<dyn FnMut() + Send>) {
+        *lock(&self.shared.hook) = Some(hook);
+    }
+
+    /// Posts a tagged send; it starts at once when the core is free (a
+    /// small message is usually written whole before this returns).
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until the ticket completes.
+    pub unsafe fn send(&self, msg: Outgoing) -> Result<Ticket> {
+        if msg.tag < 0 {
+            return Err(Error::invalid_argument(format!(
+                "tag {} is negative (tags are 0..{})",
+                msg.tag,
+                i32::MAX
+            )));
+        }
+        let done = Arc::new(Done::default());
+        let id = self.shared.posts.new_id();
+        let ticket = Ticket {
+            id,
+            done: done.clone(),
+            peer: Some(msg.peer),
+            call: Described::Send(msg),
+        };
+        self.post(Post::Send(msg, done, id), Some(msg.peer))?;
+        Ok(ticket)
+    }
+
+    /// Posts a tagged receive; it matches at once if its message already
+    /// arrived.
+    ///
+    /// # Safety
+    /// `r.buf` valid for writes, and untouched, until the ticket completes.
+    pub unsafe fn recv(&self, r: Incoming) -> Result<Ticket> {
+        if let Some(t) = r.tag.filter(|t| *t < 0) {
+            return Err(Error::invalid_argument(format!(
+                "tag {t} is negative (tags are 0..{}, or RDIST_ANY_TAG)",
+                i32::MAX
+            )));
+        }
+        let done = Arc::new(Done::default());
+        let id = self.shared.posts.new_id();
+        let ticket = Ticket {
+            id,
+            done: done.clone(),
+            peer: r.peer,
+            call: Described::Recv(r),
+        };
+        self.post(Post::Recv(r, done, id), r.peer)?;
+        Ok(ticket)
+    }
+
+    /// Takes a call in: directly when the core is free (and moves it as
+    /// far as it goes now), else through the posts, waking the holder.
+    fn post(&self, post: Post, peer: Option<usize>) -> Result<()> {
+        let sh = &self.shared;
+        let Some(mut core) = try_lock(&sh.core) else {
+            sh.posts.push(post);
+            if let Some(bell) = &sh.doorbell {
+                bell.ring();
+            }
+            return Ok(());
+        };
+        // Earlier posts first: messages of one pair keep their order.
+        core.take_posts();
+        let done = match &post {
+            Post::Send(_, done, _) | Post::Recv(_, done, _) => done.clone(),
+        };
+        let taken = match post {
+            Post::Send(msg, done, id) => core.tagged.post_send(msg, done, id),
+            Post::Recv(r, done, id) => core.tagged.post_recv(r, done, id),
+        };
+        taken?;
+        if !done.is_finished() {
+            if let Some(p) = peer.filter(|p| *p != sh.rank) {
+                core.drive(Some(p), true);
+            }
+        }
+        drop(core);
+        // Whatever is left moves with the thread, unless someone waits.
+        sh.wake.ring();
+        Ok(())
+    }
+
+    /// Waits for a ticket, bounded by the timeout: drives progress itself
+    /// first (no thread hand-off for a message that comes soon, as MPI
+    /// does in its waits), then sleeps while the endpoint's thread moves
+    /// it. On timeout the call is withdrawn (its buffer is no longer
+    /// touched) and the error names it and what else is pending here.
+    pub fn wait(&self, t: &Ticket) -> Result<Status> {
+        self.wait_for(t).map_err(|e| named(t, e))
+    }
+
+    fn wait_for(&self, t: &Ticket) -> Result<Status> {
+        if let Some(r) = t.done.get() {
+            return r;
+        }
+        let sh = &self.shared;
+        let deadline = Instant::now() + self.timeout;
+        sh.drivers.fetch_add(1, Ordering::Relaxed);
+        let mut spin_until = Instant::now() + self.spin;
+        let mut passes = 0u32;
+        while !t.done.is_finished() {
+            if let Some(mut core) = try_lock(&sh.core) {
+                if core.drive(t.peer, true) {
+                    spin_until = Instant::now() + self.spin;
+                }
+            }
+            if t.done.is_finished() {
+                break;
+            }
+            passes = passes.wrapping_add(1);
+            if passes.is_multiple_of(16) && Instant::now() >= spin_until {
+                break;
+            }
+            if self.yield_when_idle {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        sh.drivers.fetch_sub(1, Ordering::Relaxed);
+        if !t.done.is_finished() {
+            sh.wake.ring();
+            if let Some(r) = t.done.sleep_until(deadline) {
+                return r;
+            }
+        }
+        if let Some(r) = t.done.get() {
+            return r;
+        }
+        let mut core = self.core();
+        if let Some(r) = t.done.get() {
+            return r; // completed just now
+        }
+        core.withdraw_tagged(t.id);
+        let others: Vec<String> = core.tagged_pending().into_iter().take(8).collect();
+        drop(core);
+        let err = Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "rank {}: {} did not complete within {:.1} s{}",
+                sh.rank,
+                t.call,
+                self.timeout.as_secs_f64(),
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!("; also pending on this rank: {}", others.join("; "))
+                }
+            ),
+        );
+        t.done.complete(Err(err.clone()));
+        Err(err)
+    }
+
+    /// The ticket's result once complete; never blocks (it moves what it
+    /// can when the core is free, as MPI_Test does).
+    pub fn test(&self, t: &Ticket) -> Option<Result<Status>> {
+        if let Some(r) = t.done.get() {
+            return Some(r.map_err(|e| named(t, e)));
+        }
+        if let Some(mut core) = try_lock(&self.shared.core) {
+            core.drive(t.peer, true);
+        }
+        t.done.get().map(|r| r.map_err(|e| named(t, e)))
+    }
+
+    /// Local: lets posted sends finish (bounded by the timeout), then
+    /// stops the thread; the core says goodbye when it goes.
+    pub fn close(&self) {
+        let sh = &self.shared;
+        let deadline = Instant::now() + self.timeout;
+        {
+            let mut core = self.core();
+            core.take_posts();
+            core.tagged.set_closing();
+        }
+        loop {
+            let mut core = self.core();
+            core.drive(None, true);
+            if !core.tagged_sends_in_flight() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                core.fail(
+                    Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "rank {}: the communicator was destroyed while sends were still waiting for their receives",
+                            sh.rank
+                        ),
+                    ),
+                    false,
+                );
+                break;
+            }
+            drop(core);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        sh.closing.store(true, Ordering::Release);
+        sh.wake.ring();
+        if let Some(h) = lock(&self.thread).take() {
+            let _ = h.join();
+        }
+        self.core().close();
+    }
+}
+
+/// A call's error says which call failed, when it does not already.
+fn named(t: &Ticket, e: Error) -> Error {
+    let call = t.call.to_string();
+    match e.message().contains(&call) {
+        true => e,
+        false => Error::new(e.kind(), format!("{call} failed: {}", e.message())),
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        sh.closing.store(true, Ordering::Release);
+        sh.wake.ring();
+        if let Some(h) = lock(&self.thread).take() {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Progress outside a collective's exchange: a caller waiting for a
+//! tagged call, or the endpoint's thread, holds the core for one pass and
+//! moves the tagged frames (taking in whatever else arrives on the way:
+//! a collective's frames for a later call go to the inbox).
+
+use super::StreamTransport;
+use crate::error::{Error, ErrorKind};
+use std::time::{Duration, Instant};
+
+/// The longest a tagged call's dial may take.
+const DIAL_LIMIT: Duration = Duration::from_secs(10);
+
+impl StreamTransport {
+    /// Takes in the tagged calls posted while the core was held elsewhere
+    /// and the channels that arrived.
+    pub fn take_posts(&mut self) {
+        self.posts.take_into(&mut self.tagged);
+        self.take_arrived();
+    }
+
+    /// One pass of tagged progress with `peer` (None: every peer the
+    /// tagged context has talked to, and, when a receive from any rank
+    /// is posted, every connected peer). `connect`: dial a peer the
+    /// tagged calls need and that is not connected (never from the
+    /// endpoint's thread, which answers the peers' dials). Whether bytes
+    /// moved.
+    pub fn drive(&mut self, peer: Option<usize>, connect: bool) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        self.take_posts();
+        let before = self.moved;
+        match peer {
+            Some(p) => self.drive_peer(p, connect),
+            None => {
+                for i in 0..self.tagged.used().len() {
+                    let p = self.tagged.used()[i];
+                    self.drive_peer(p, connect);
+                }
+                if self.tagged.wants_any_source() {
+                    for p in 0..self.size {
+                        if self.conns[p].is_some() {
+                            self.drive_peer(p, false);
+                        }
+                    }
+                }
+            }
+        }
+        self.moved != before
+    }
+
+    fn drive_peer(&mut self, peer: usize, connect: bool) {
+        if peer == self.rank || self.failed.is_some() {
+            return;
+        }
+        let needed = self.tagged.has_output(peer) || self.tagged.wants(peer);
+        if self.conns[peer].is_none() {
+            if !needed {
+                return;
+            }
+            if connect {
+                self.connect_for_tagged(peer);
+            }
+            if self.conns[peer].is_none() {
+                return;
+            }
+        }
+        if self.conns[peer].as_ref().is_some_and(|c| c.gone.is_some()) {
+            return;
+        }
+        let mut idle = std::mem::take(&mut self.idle);
+        let result = self
+            .pump_sends(peer, &[], &mut idle)
+            .and_then(|()| self.pump_reads(peer, &mut [], &mut idle));
+        self.idle = idle;
+        if let Err(e) = result {
+            self.drive_failed(peer, e);
+        }
+    }
+
+    /// An error met outside an exchange: a peer's failure report fails
+    /// the communicator (and is passed on, as an exchange would); a lost
+    /// or misbehaving connection fails the calls with that peer only.
+    fn drive_failed(&mut self, peer: usize, e: Error) {
+        if self.heard.is_some() {
+            self.fail(e, true);
+            return;
+        }
+        let gone = self.conns[peer].as_ref().is_none_or(|c| c.gone.is_some());
+        if !gone {
+            // A protocol error: the pair cannot go on.
+            let why = e.message().to_string();
+            self.lose(peer, &why, None);
+        }
+    }
+
+    /// Dials `peer` for a tagged call (unless its connection is made or
+    /// on its way), bounded; a peer that cannot be reached fails the
+    /// calls with it.
+    pub(super) fn connect_for_tagged(&mut self, peer: usize) {
+        let Some(links) = self.links.clone() else {
+            return;
+        };
+        let deadline = Instant::now() + self.timeout.min(DIAL_LIMIT);
+        match links.connect(peer, deadline) {
+            Ok(_) => self.take_arrived(),
+            Err(e) => {
+                let err = Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {} cannot reach rank {peer} for point-to-point: {}",
+                        self.rank,
+                        e.message()
+                    ),
+                );
+                self.tagged.fail_peer(peer, err);
+            }
+        }
+    }
+
+    /// Whether some tagged call waits on a connection that wakes no
+    /// descriptor (shared memory): whoever sleeps for it must look again
+    /// soon (or sleep on the doorbell).
+    pub fn tagged_waits_on_memory(&self) -> bool {
+        self.tagged.used().iter().any(|&p| {
+            self.conns[p]
+                .as_ref()
+                .is_some_and(|c| !c.chan.caps().through_kernel)
+                && (self.tagged.has_output(p) || self.tagged.wants(p))
+        }) || (self.tagged.wants_any_source()
+            && self
+                .conns
+                .iter()
+                .flatten()
+                .any(|c| !c.chan.caps().through_kernel))
+    }
+
+    /// The descriptors to poll, and for what, while tagged calls wait on
+    /// connections that wake them (TCP).
+    pub fn tagged_fds(&self, out: &mut Vec<libc::pollfd>) {
+        for (peer, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if conn.gone.is_some() {
+                continue;
+            }
+            let mut events = 0;
+            if self.tagged.wants(peer) || !conn.between_frames() {
+                events |= libc::POLLIN;
+            }
+            if self.tagged.has_output(peer) {
+                events |= libc::POLLOUT;
+            }
+            if events != 0 {
+                out.push(libc::pollfd {
+                    fd: conn.chan.fd(),
+                    events,
+                    revents: 0,
+                });
+            }
+        }
+    }
+
+    /// The tagged calls pending on this rank, described.
+    pub fn tagged_pending(&self) -> Vec<String> {
+        self.tagged.pending()
+    }
+
+    /// Whether a tagged send is still in flight (closing waits for them).
+    pub fn tagged_sends_in_flight(&self) -> bool {
+        self.failed.is_none() && self.tagged.sends_in_flight()
+    }
+
+    /// Makes tagged call `id` (which gave up waiting) never touch its
+    /// buffer again; a send already partly on the wire fails its pair.
+    pub fn withdraw_tagged(&mut self, id: u64) {
+        let conns = &mut self.conns;
+        let mut reading = |id: u64| {
+            for conn in conns.iter_mut().flatten() {
+                if let super::Incoming::Payload {
+                    into: super::Target::Tagged(sink, _),
+                    ..
+                } = &mut conn.incoming
+                {
+                    if sink.is_receive(id) {
+                        *sink = crate::transport::tagged::Sink::Drop;
+                        return true;
+                    }
+                }
+            }
+            false
+        };
+        if let Some(peer) = self.tagged.withdraw(id, &mut reading) {
+            let err = Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "an earlier send to rank {peer} timed out while under way, which broke this pair's connection"
+                ),
+            );
+            if let Some(conn) = self.conns[peer].as_mut() {
+                conn.chan.shutdown(std::net::Shutdown::Both);
+            }
+            let why = err.message().to_string();
+            self.lose(peer, &why, None);
+        }
+    }
+}

@@ -1,0 +1,1022 @@
+//! Tagged point-to-point messages, in their own context as in MPI: matched
+//! by source, tag and order, apart from the collectives, on the same
+//! connection of each pair (see `frame::FrameKind::Tag*`).
+//!
+//! A message up to `EAGER_MAX` travels at once, with its envelope, and
+//! waits at the receiver for its receive (`TagEager`); a larger one sends
+//! its envelope first and its payload when the receiver answers
+//! (`TagRts`, `TagCts`, `TagData`), so memory stays bounded. Between
+//! ranks of one host that can read each other's memory, a large message
+//! stays in the sender's buffer and the receiver copies it out
+//! (`TagRemote`, answered by `TagAck`).
+//!
+//! This is the context's state: the posted sends and receives, matching,
+//! and each pair's protocol. The stream core (`stream`) reads and writes
+//! its frames, and asks it what to do with each; whoever holds the core
+//! moves its bytes (a waiting caller, the endpoint's thread, or a
+//! collective's exchange, which also takes the tagged frames it meets).
+
+mod matching;
+
+use crate::call::RawBuf;
+use crate::dtype::DType;
+use crate::error::{Error, ErrorKind, Result};
+use crate::sync::lock;
+use crate::transport::channel::{read_remote, Channel};
+use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, REMOTE_BYTES};
+use crate::transport::signal::Wake;
+use matching::{Arrival, Envelope, Matching, PostedRecv};
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// Who sent a received message, with which tag, and how many elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub source: usize,
+    pub tag: i32,
+    pub count: usize,
+}
+
+/// Where a posted call's result appears.
+#[derive(Default)]
+pub struct Done {
+    /// Set once the result is in (looked at without the lock while
+    /// spinning).
+    finished: AtomicBool,
+    result: Mutex<Option<Result<Status>>>,
+    ready: Condvar,
+    /// Threads asleep on `ready` (a wake costs a system call: paid only
+    /// when someone sleeps).
+    sleepers: AtomicU32,
+}
+
+impl Done {
+    /// The first result stays.
+    pub fn complete(&self, r: Result<Status>) {
+        let mut slot = lock(&self.result);
+        if slot.is_none() {
+            *slot = Some(r);
+            self.finished.store(true, Ordering::Release);
+            if self.sleepers.load(Ordering::Relaxed) > 0 {
+                self.ready.notify_all();
+            }
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    pub fn get(&self) -> Option<Result<Status>> {
+        if !self.is_finished() {
+            return None;
+        }
+        lock(&self.result).clone()
+    }
+
+    /// Sleeps until the result is in or `deadline` passes; the result.
+    pub fn sleep_until(&self, deadline: Instant) -> Option<Result<Status>> {
+        let mut r = lock(&self.result);
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        while r.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            r = crate::sync::wait_for(&self.ready, r, left);
+        }
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        r.clone()
+    }
+}
+
+/// A posted send or receive.
+pub struct Ticket {
+    pub id: u64,
+    pub done: Arc<Done>,
+    /// The rank it talks to (None: any).
+    pub peer: Option<usize>,
+    /// What it is, for messages (formatted only when one is needed).
+    pub call: Described,
+}
+
+/// A send or receive as its errors name it.
+#[derive(Clone, Copy, Debug)]
+pub enum Described {
+    Send(Outgoing),
+    Recv(Incoming),
+}
+
+impl std::fmt::Display for Described {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Described::Send(m) => write!(
+                f,
+                "send to rank {} (tag {}, {} x {})",
+                m.peer, m.tag, m.count, m.dtype
+            ),
+            Described::Recv(r) => {
+                match r.peer {
+                    Some(p) => write!(f, "recv from rank {p}")?,
+                    None => write!(f, "recv from any rank")?,
+                }
+                match r.tag {
+                    Some(t) => write!(f, " (tag {t}, ")?,
+                    None => write!(f, " (any tag, ")?,
+                }
+                if r.exact {
+                    write!(f, "{} x {})", r.count, r.dtype)
+                } else {
+                    write!(f, "up to {} x {})", r.count, r.dtype)
+                }
+            }
+        }
+    }
+}
+
+/// A message to send.
+#[derive(Clone, Copy, Debug)]
+pub struct Outgoing {
+    pub buf: RawBuf,
+    pub dtype: DType,
+    pub count: usize,
+    pub peer: usize,
+    pub tag: i32,
+}
+
+/// A receive to post.
+#[derive(Clone, Copy, Debug)]
+pub struct Incoming {
+    pub buf: RawBuf,
+    pub dtype: DType,
+    /// Elements `buf` holds.
+    pub count: usize,
+    /// None: any source.
+    pub peer: Option<usize>,
+    /// None: any tag.
+    pub tag: Option<i32>,
+    /// The message must have exactly `count` elements (rdist_recv).
+    pub exact: bool,
+}
+
+/// A call posted while another thread held the core.
+pub enum Post {
+    Send(Outgoing, Arc<Done>, u64),
+    Recv(Incoming, Arc<Done>, u64),
+}
+
+/// Where calls are posted while the core is held elsewhere (a collective
+/// on another thread): whoever holds it takes them in at its next look,
+/// in the order they came, before anything else is posted.
+pub struct Posts {
+    queue: Mutex<Vec<Post>>,
+    pending: AtomicBool,
+    next_id: AtomicU64,
+    /// Rung on a post, for a holder asleep in poll().
+    pub bell: Wake,
+}
+
+impl Posts {
+    pub fn new() -> Result<Posts> {
+        Ok(Posts {
+            queue: Mutex::new(Vec::new()),
+            pending: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
+        })
+    }
+
+    /// A new call's id.
+    pub fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn push(&self, post: Post) {
+        lock(&self.queue).push(post);
+        self.pending.store(true, Ordering::Release);
+        self.bell.ring();
+    }
+
+    /// Whether calls wait to be taken in (looked at without the lock).
+    pub fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// Takes the posted calls into `tagged`, in order.
+    pub fn take_into(&self, tagged: &mut Tagged) {
+        if !self.pending() {
+            return;
+        }
+        let posts = {
+            let mut q = lock(&self.queue);
+            self.pending.store(false, Ordering::Release);
+            self.bell.drain();
+            std::mem::take(&mut *q)
+        };
+        for post in posts {
+            let (done, r) = match post {
+                Post::Send(msg, done, id) => {
+                    let r = tagged.post_send(msg, done.clone(), id);
+                    (done, r)
+                }
+                Post::Recv(r, done, id) => {
+                    let r = tagged.post_recv(r, done.clone(), id);
+                    (done, r)
+                }
+            };
+            if let Err(e) = r {
+                done.complete(Err(e));
+            }
+        }
+    }
+}
+
+/// Where an arriving frame's payload goes (the stream core reads it).
+pub enum Sink {
+    /// Straight into a matched receive's buffer.
+    Receive(PostedRecv, Status),
+    /// Kept until a receive takes it.
+    Keep(Envelope, Vec<u8>),
+    /// Read and dropped (its receive failed, or gave up).
+    Drop,
+    /// A single-copy message's [address, length] in the sender's memory.
+    Descriptor(Envelope),
+}
+
+impl Sink {
+    /// The bytes the next read may fill, `got` bytes in (None: drop them,
+    /// up to the frame's end).
+    pub fn buffer(&mut self, got: usize) -> Option<&mut [u8]> {
+        match self {
+            // SAFETY: a matched receive's buffer is valid until its
+            // ticket completes; withdrawing it turns this into Drop.
+            Sink::Receive(r, _) => Some(unsafe { &mut r.buf.bytes_mut()[got..] }),
+            Sink::Keep(_, v) => Some(&mut v[got..]),
+            Sink::Drop | Sink::Descriptor(_) => None,
+        }
+    }
+
+    /// Whether this sink is receive `id`'s.
+    pub fn is_receive(&self, id: u64) -> bool {
+        matches!(self, Sink::Receive(r, _) if r.id == id)
+    }
+}
+
+/// A send not written yet.
+struct SendOp {
+    id: u64,
+    msg: Outgoing,
+    done: Arc<Done>,
+}
+
+/// A frame waiting to be written: its header (and a single-copy
+/// descriptor), its payload in the sender's buffer, and the send it
+/// completes once written (eager and rendezvous payloads).
+struct OutFrame {
+    head: [u8; HEADER_BYTES + REMOTE_BYTES],
+    head_len: usize,
+    payload: RawBuf,
+    done: Option<(Arc<Done>, Status)>,
+    /// The send whose frame this is (a withdrawn send's frame that is
+    /// partly written breaks the pair).
+    id: u64,
+}
+
+impl OutFrame {
+    fn new(
+        h: Header,
+        extra: &[u8],
+        payload: RawBuf,
+        done: Option<(Arc<Done>, Status)>,
+        id: u64,
+    ) -> OutFrame {
+        let mut head = [0u8; HEADER_BYTES + REMOTE_BYTES];
+        head[..HEADER_BYTES].copy_from_slice(&h.encode());
+        head[HEADER_BYTES..HEADER_BYTES + extra.len()].copy_from_slice(extra);
+        OutFrame {
+            head,
+            head_len: HEADER_BYTES + extra.len(),
+            payload,
+            done,
+            id,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.head_len + self.payload.len()
+    }
+}
+
+/// One peer's side of the protocol, made when the pair is first used.
+#[derive(Default)]
+struct Peer {
+    /// Sends not framed yet (framing needs the connection's abilities).
+    queued: VecDeque<SendOp>,
+    /// Frames to write; the front one has `written` bytes out.
+    out: VecDeque<OutFrame>,
+    written: usize,
+    /// Sends whose envelope went out, waiting for TagCts or TagAck, by seq.
+    awaiting: HashMap<u64, SendOp>,
+    /// Receives matched to an envelope, waiting for its payload, by seq.
+    receiving: HashMap<u64, Sink>,
+    next_out_seq: u64,
+    next_in_seq: u64,
+    /// Why this pair can no longer talk.
+    gone: Option<Error>,
+}
+
+impl Peer {
+    /// Queues an answer (TagCts, TagAck) ahead of the frames not started
+    /// yet: answers are short, and unblock the peer. Behind the frame
+    /// being written (it cannot be cut) and the answers already waiting.
+    fn push_answer(&mut self, f: OutFrame) {
+        let mut at = usize::from(self.written > 0);
+        while at < self.out.len() && self.out[at].id == 0 {
+            at += 1;
+        }
+        self.out.insert(at, f);
+    }
+}
+
+/// What a connection can do for the tagged context, as `write` frames
+/// its sends.
+#[derive(Clone, Copy, Debug)]
+pub struct Path {
+    /// The peer's pid when the receiver may copy from the sender's memory.
+    pub single_copy_pid: Option<i32>,
+}
+
+/// Stop keeping messages nobody asked for beyond this much memory: a
+/// single-copy message past it stays in its sender until its receive
+/// comes (the sender then sends it over the connection).
+const UNEXPECTED_LIMIT: usize = 256 << 20;
+
+/// The tagged context of one rank of one communicator.
+pub struct Tagged {
+    rank: usize,
+    matching: Matching,
+    peers: Vec<Option<Box<Peer>>>,
+    /// The peers made so far.
+    used: Vec<usize>,
+    /// Sends to self, copied, are numbered here.
+    self_seq: u64,
+    /// Set once the communicator failed or was aborted: every call fails so.
+    failed: Option<Error>,
+    closing: bool,
+    /// Messages from this size go single-copy where a pair can.
+    single_copy_min: usize,
+}
+
+impl Tagged {
+    pub fn new(rank: usize, size: usize, single_copy_min: usize) -> Tagged {
+        Tagged {
+            rank,
+            matching: Matching::default(),
+            peers: (0..size).map(|_| None).collect(),
+            used: Vec::new(),
+            self_seq: 0,
+            failed: None,
+            closing: false,
+            single_copy_min,
+        }
+    }
+
+    fn peer(&mut self, p: usize) -> &mut Peer {
+        if self.peers[p].is_none() {
+            self.used.push(p);
+        }
+        self.peers[p].get_or_insert_with(Box::default)
+    }
+
+    fn peer_ref(&self, p: usize) -> Option<&Peer> {
+        self.peers.get(p)?.as_deref()
+    }
+
+    /// The peers this context has talked to.
+    pub fn used(&self) -> &[usize] {
+        &self.used
+    }
+
+    pub fn usable(&self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if self.closing {
+            return Err(Error::invalid_usage("the communicator is being destroyed"));
+        }
+        Ok(())
+    }
+
+    pub fn set_closing(&mut self) {
+        self.closing = true;
+    }
+
+    /// Posts send `id` (it is framed and written by whoever holds the
+    /// core next). A send to this rank is copied at once.
+    pub fn post_send(&mut self, msg: Outgoing, done: Arc<Done>, id: u64) -> Result<()> {
+        self.usable()?;
+        if msg.peer == self.rank {
+            let seq = self.self_seq;
+            self.self_seq += 1;
+            // SAFETY: the caller keeps the buffer valid until the ticket
+            // completes, which is now.
+            let payload = unsafe { msg.buf.bytes() }.to_vec();
+            let env = Envelope {
+                source: self.rank,
+                tag: msg.tag,
+                seq,
+                dtype: msg.dtype,
+                count: msg.count as u64,
+            };
+            self.arrive(env, Some(payload));
+            done.complete(Ok(Status {
+                source: self.rank,
+                tag: msg.tag,
+                count: msg.count,
+            }));
+            return Ok(());
+        }
+        let p = self.peer(msg.peer);
+        if let Some(e) = &p.gone {
+            return Err(e.clone());
+        }
+        p.queued.push_back(SendOp { id, msg, done });
+        Ok(())
+    }
+
+    /// Posts receive `id`; it matches at once if its message already
+    /// arrived.
+    pub fn post_recv(&mut self, r: Incoming, done: Arc<Done>, id: u64) -> Result<()> {
+        self.usable()?;
+        if let Some(p) = r.peer.filter(|p| *p != self.rank) {
+            // Its peer is driven from now on (see `used`).
+            self.peer(p);
+        }
+        let posted = PostedRecv {
+            id,
+            source: r.peer,
+            tag: r.tag,
+            buf: r.buf,
+            dtype: r.dtype,
+            capacity: r.count,
+            exact: r.exact,
+            done: done.clone(),
+        };
+        match self.matching.post(posted) {
+            Some((r, a)) => self.deliver(r, a),
+            None => {
+                // Nothing buffered from a rank that is gone: nothing will come.
+                let gone = r.peer.and_then(|p| self.peer_ref(p)?.gone.clone());
+                if let Some(e) = gone {
+                    self.matching.cancel(id);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether reading `peer`'s frames now serves this context: a receive
+    /// that may take its messages is posted, or a send waits for its
+    /// answer.
+    pub fn wants(&self, peer: usize) -> bool {
+        let waiting = self
+            .peer_ref(peer)
+            .is_some_and(|p| !p.awaiting.is_empty() || !p.receiving.is_empty());
+        waiting
+            || self
+                .matching
+                .posted
+                .iter()
+                .any(|r| r.source.is_none_or(|s| s == peer))
+    }
+
+    /// Whether a receive from any rank is posted (every peer's frames
+    /// may be its message).
+    pub fn wants_any_source(&self) -> bool {
+        self.matching.posted.iter().any(|r| r.source.is_none())
+    }
+
+    /// Whether any call is pending here (so that someone keeps moving).
+    pub fn busy(&self) -> bool {
+        !self.matching.posted.is_empty()
+            || self.used.iter().any(|&p| {
+                self.peer_ref(p).is_some_and(|q| {
+                    !q.queued.is_empty()
+                        || !q.out.is_empty()
+                        || !q.awaiting.is_empty()
+                        || !q.receiving.is_empty()
+                })
+            })
+    }
+
+    /// Whether something waits to be written to `peer`.
+    pub fn has_output(&self, peer: usize) -> bool {
+        self.peer_ref(peer)
+            .is_some_and(|p| !p.out.is_empty() || !p.queued.is_empty())
+    }
+
+    /// Whether a frame to `peer` is partly written (nothing else may go
+    /// on the connection before it ends).
+    pub fn mid_frame(&self, peer: usize) -> bool {
+        self.peer_ref(peer).is_some_and(|p| p.written > 0)
+    }
+
+    /// Bytes still to write of the partly written frame to `peer` (a
+    /// failure report pads them, so the peer can parse what follows).
+    pub fn unfinished(&self, peer: usize) -> usize {
+        self.peer_ref(peer)
+            .filter(|p| p.written > 0)
+            .and_then(|p| p.out.front().map(|f| f.len() - p.written))
+            .unwrap_or(0)
+    }
+
+    /// Forgets how far the frames cut short were written (the core pads
+    /// them, see `StreamTransport::fail`); their sends fail with the rest.
+    pub fn forget_cut_frames(&mut self) {
+        for &p in &self.used {
+            if let Some(q) = self.peers[p].as_deref_mut() {
+                if q.written > 0 {
+                    q.written = 0;
+                    if let Some(f) = q.out.pop_front() {
+                        if let Some((done, _)) = f.done {
+                            done.complete(Err(Error::new(
+                                ErrorKind::Aborted,
+                                "the communicator failed while this send was being written",
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Turns `peer`'s queued sends into frames, as the path allows.
+    fn frame(&mut self, peer: usize, path: Path) {
+        let single_copy_min = self.single_copy_min;
+        let p = self.peer(peer);
+        while let Some(s) = p.queued.pop_front() {
+            let seq = p.next_out_seq;
+            p.next_out_seq += 1;
+            let bytes = s.msg.buf.len();
+            let status = Status {
+                source: peer,
+                tag: s.msg.tag,
+                count: s.msg.count,
+            };
+            let header = |kind, payload: usize| {
+                Header::tagged(
+                    kind,
+                    seq,
+                    s.msg.tag,
+                    s.msg.count as u64,
+                    s.msg.dtype,
+                    payload as u64,
+                )
+            };
+            if path.single_copy_pid.is_some() && bytes >= single_copy_min && bytes > 0 {
+                // Same host: the receiver copies it from here, one copy.
+                let mut d = [0u8; REMOTE_BYTES];
+                d[..8].copy_from_slice(&(s.msg.buf.addr() as u64).to_le_bytes());
+                d[8..].copy_from_slice(&(bytes as u64).to_le_bytes());
+                let h = header(FrameKind::TagRemote, REMOTE_BYTES);
+                p.out
+                    .push_back(OutFrame::new(h, &d, RawBuf::EMPTY, None, s.id));
+                p.awaiting.insert(seq, s);
+            } else if bytes <= EAGER_MAX {
+                let h = header(FrameKind::TagEager, bytes);
+                p.out.push_back(OutFrame::new(
+                    h,
+                    &[],
+                    s.msg.buf,
+                    Some((s.done, status)),
+                    s.id,
+                ));
+            } else {
+                let h = header(FrameKind::TagRts, 0);
+                p.out
+                    .push_back(OutFrame::new(h, &[], RawBuf::EMPTY, None, s.id));
+                p.awaiting.insert(seq, s);
+            }
+        }
+    }
+
+    /// Writes as much of `peer`'s frames as `chan` takes now; whether
+    /// bytes moved. Sends complete as their frames go out (eager) or as
+    /// their answers come (rendezvous, single copy).
+    pub fn write(&mut self, peer: usize, chan: &mut dyn Channel, path: Path) -> io::Result<bool> {
+        self.frame(peer, path);
+        let p = self.peer(peer);
+        let mut moved = false;
+        while let Some(f) = p.out.front() {
+            let hl = f.head_len;
+            let head = &f.head[p.written.min(hl)..hl];
+            // SAFETY: a frame's payload is a posted send's buffer, valid
+            // until the frame is written and the send completes.
+            let body = unsafe { f.payload.bytes() };
+            let body = &body[p.written.saturating_sub(hl)..];
+            match chan.write2(head, body) {
+                Ok(n) => {
+                    moved = true;
+                    p.written += n;
+                    if p.written == f.len() {
+                        p.written = 0;
+                        let f = p.out.pop_front().expect("front");
+                        if let Some((done, status)) = f.done {
+                            done.complete(Ok(status));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(moved)
+    }
+
+    /// A tagged frame's header arrived from `peer`: where its payload
+    /// goes (None: the frame is complete, it has none). `pid` is the
+    /// peer's when its memory can be read.
+    pub fn on_header(&mut self, peer: usize, h: &Header, pid: Option<i32>) -> Result<Option<Sink>> {
+        let me = self.rank;
+        let protocol = |what: &str| {
+            Error::new(
+                ErrorKind::System,
+                format!("rank {me}: point-to-point protocol error from rank {peer}: {what}"),
+            )
+        };
+        let env = Envelope {
+            source: peer,
+            tag: h.tag(),
+            seq: h.desc.seq,
+            dtype: h.desc.dtype,
+            count: h.desc.count,
+        };
+        match h.kind {
+            FrameKind::TagEager | FrameKind::TagRts | FrameKind::TagRemote => {
+                let p = self.peer(peer);
+                if env.seq != p.next_in_seq {
+                    return Err(protocol("messages out of order"));
+                }
+                p.next_in_seq += 1;
+                if h.kind == FrameKind::TagRemote {
+                    if pid.is_none() {
+                        return Err(protocol("a single-copy message on a connection without it"));
+                    }
+                    return Ok(Some(Sink::Descriptor(env)));
+                }
+                if h.kind == FrameKind::TagRts || h.payload == 0 {
+                    self.arrive(env, (h.kind == FrameKind::TagEager).then(Vec::new));
+                    return Ok(None);
+                }
+                Ok(Some(match self.matching.claim(&env) {
+                    // Its receive is posted: the payload goes straight there.
+                    Some(r) => fit(r, &env, me),
+                    None => Sink::Keep(env, vec![0; h.payload as usize]),
+                }))
+            }
+            FrameKind::TagData => {
+                let target = self
+                    .peer(peer)
+                    .receiving
+                    .remove(&env.seq)
+                    .ok_or_else(|| protocol("a payload nobody asked for"))?;
+                if let Sink::Receive(r, status) = &target {
+                    if r.buf.len() < h.payload as usize {
+                        return Err(protocol("a payload larger than its envelope said"));
+                    }
+                    if h.payload == 0 {
+                        r.done.complete(Ok(*status));
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(target))
+            }
+            FrameKind::TagCts | FrameKind::TagAck => {
+                let p = self.peer(peer);
+                let s = p
+                    .awaiting
+                    .remove(&env.seq)
+                    .ok_or_else(|| protocol("an answer for no message"))?;
+                let status = Status {
+                    source: peer,
+                    tag: s.msg.tag,
+                    count: s.msg.count,
+                };
+                if h.kind == FrameKind::TagAck {
+                    // The receiver copied it from here: done.
+                    s.done.complete(Ok(status));
+                    return Ok(None);
+                }
+                let head = Header::tagged(
+                    FrameKind::TagData,
+                    env.seq,
+                    s.msg.tag,
+                    s.msg.count as u64,
+                    s.msg.dtype,
+                    s.msg.buf.len() as u64,
+                );
+                p.out.push_back(OutFrame::new(
+                    head,
+                    &[],
+                    s.msg.buf,
+                    Some((s.done, status)),
+                    s.id,
+                ));
+                Ok(None)
+            }
+            _ => Err(protocol("a frame of another context")),
+        }
+    }
+
+    /// A tagged frame's payload arrived whole (read into `sink`).
+    pub fn on_payload(&mut self, peer: usize, sink: Sink, descriptor: &[u8], pid: Option<i32>) {
+        match sink {
+            Sink::Receive(r, status) => r.done.complete(Ok(status)),
+            Sink::Keep(env, payload) => self.arrive(env, Some(payload)),
+            Sink::Drop => {}
+            Sink::Descriptor(env) => {
+                let addr = u64::from_le_bytes(descriptor[..8].try_into().expect("8 bytes"));
+                self.on_remote(peer, env, pid.unwrap_or(0), addr);
+            }
+        }
+    }
+
+    /// A whole small message lent by the connection (shared memory): its
+    /// receive takes it, or it is kept.
+    pub fn on_whole(&mut self, peer: usize, h: &Header, payload: &[u8]) -> Result<()> {
+        let sink = self.on_header(peer, h, None)?;
+        match sink {
+            None => {}
+            Some(Sink::Receive(r, status)) => {
+                // SAFETY: as in `Sink::buffer`; fit checked the size.
+                unsafe { r.buf.bytes_mut()[..payload.len()].copy_from_slice(payload) };
+                r.done.complete(Ok(status));
+            }
+            Some(Sink::Keep(env, mut v)) => {
+                v.copy_from_slice(payload);
+                self.arrive(env, Some(v));
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A same-host message: copied straight from the sender's memory into
+    /// its receive, or (none posted yet) into memory kept until one is;
+    /// the sender hears TagAck. When the copy is refused, the receiver
+    /// asks for the payload over the connection instead (TagCts).
+    fn on_remote(&mut self, peer: usize, env: Envelope, pid: i32, addr: u64) {
+        let me = self.rank;
+        let len = env.count as usize * env.dtype.size();
+        let answer = |t: &mut Tagged, kind: FrameKind| {
+            let h = Header::tagged(kind, env.seq, 0, 0, DType::Uint8, 0);
+            t.peer(peer)
+                .push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
+        };
+        if let Some(r) = self.matching.claim(&env) {
+            match fit(r, &env, me) {
+                Sink::Receive(r, status) => {
+                    // SAFETY: the receive's buffer is valid until it
+                    // completes and holds the message (fit checked it).
+                    let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
+                    if read_remote(pid, addr, dst).is_ok() {
+                        r.done.complete(Ok(status));
+                        answer(self, FrameKind::TagAck);
+                    } else {
+                        self.peer(peer)
+                            .receiving
+                            .insert(env.seq, Sink::Receive(r, status));
+                        answer(self, FrameKind::TagCts);
+                    }
+                }
+                _ => answer(self, FrameKind::TagAck),
+            }
+            return;
+        }
+        if self.matching.unexpected_bytes + len <= UNEXPECTED_LIMIT {
+            let mut kept = vec![0u8; len];
+            if read_remote(pid, addr, &mut kept).is_ok() {
+                self.arrive(env, Some(kept));
+                answer(self, FrameKind::TagAck);
+                return;
+            }
+        }
+        // Kept as an envelope: its receive asks for the payload (TagCts).
+        self.arrive(env, None);
+    }
+
+    fn arrive(&mut self, env: Envelope, payload: Option<Vec<u8>>) {
+        if let Some((r, a)) = self.matching.arrive(Arrival { env, payload }) {
+            self.deliver(r, a);
+        }
+    }
+
+    /// A receive met its message: copy an eager payload, or ask for the
+    /// rest; a message that does not fit fails the receive (and is
+    /// consumed all the same).
+    fn deliver(&mut self, r: PostedRecv, a: Arrival) {
+        let env = a.env;
+        let target = fit(r, &env, self.rank);
+        match (a.payload, target) {
+            (Some(bytes), Sink::Receive(r, status)) => {
+                // SAFETY: the receive's buffer is valid until it completes,
+                // and holds at least the message (checked above).
+                unsafe { r.buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes) };
+                r.done.complete(Ok(status));
+            }
+            (Some(_), _) => {}
+            (None, target) if env.source == self.rank => drop(target),
+            (None, target) => {
+                let p = self.peer(env.source);
+                p.receiving.insert(env.seq, target);
+                let h = Header::tagged(FrameKind::TagCts, env.seq, 0, 0, DType::Uint8, 0);
+                p.push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
+            }
+        }
+    }
+
+    /// Makes a call that gave up never touch its buffer again. A send
+    /// whose frame is partly written, or whose envelope went out (the
+    /// receiver may answer, or read the sender's memory, at any time),
+    /// cannot be taken back: its pair must fail, and this returns that
+    /// peer. `reading` turns a receive whose payload the core is reading
+    /// right now into a drop (true when it was that).
+    pub fn withdraw(&mut self, id: u64, reading: &mut dyn FnMut(u64) -> bool) -> Option<usize> {
+        if self.matching.cancel(id).is_some() || reading(id) {
+            return None;
+        }
+        for i in 0..self.used.len() {
+            let peer = self.used[i];
+            let p = self.peers[peer].as_deref_mut().expect("used");
+            if let Some(k) = p.queued.iter().position(|s| s.id == id) {
+                p.queued.remove(k);
+                return None;
+            }
+            for t in p.receiving.values_mut() {
+                if t.is_receive(id) {
+                    *t = Sink::Drop;
+                    return None;
+                }
+            }
+            let started = p.written > 0 && p.out.front().is_some_and(|f| f.id == id);
+            if started {
+                return Some(peer);
+            }
+            if let Some(k) = p.out.iter().position(|f| f.id == id) {
+                // Its envelope never went out: nobody will ask for it.
+                p.out.remove(k);
+                p.awaiting.retain(|_, s| s.id != id);
+                return None;
+            }
+            if p.awaiting.values().any(|s| s.id == id) {
+                return Some(peer);
+            }
+        }
+        None
+    }
+
+    /// Every call with `peer` fails with `err` (its connection is gone):
+    /// messages it sent that already arrived stay receivable.
+    pub fn fail_peer(&mut self, peer: usize, err: Error) {
+        let p = self.peer(peer);
+        if p.gone.is_none() {
+            p.gone = Some(err.clone());
+        }
+        p.written = 0;
+        for s in p.queued.drain(..) {
+            s.done.complete(Err(err.clone()));
+        }
+        for f in p.out.drain(..) {
+            if let Some((done, _)) = f.done {
+                done.complete(Err(err.clone()));
+            }
+        }
+        for (_, s) in p.awaiting.drain() {
+            s.done.complete(Err(err.clone()));
+        }
+        for (_, t) in p.receiving.drain() {
+            if let Sink::Receive(r, _) = t {
+                r.done.complete(Err(err.clone()));
+            }
+        }
+        let mut keep = VecDeque::new();
+        for r in self.matching.posted.drain(..) {
+            if r.source == Some(peer) {
+                r.done.complete(Err(err.clone()));
+            } else {
+                keep.push_back(r);
+            }
+        }
+        self.matching.posted = keep;
+    }
+
+    /// Every pending and future call fails with `err`.
+    pub fn fail_all(&mut self, err: Error) {
+        if self.failed.is_none() {
+            self.failed = Some(err.clone());
+        }
+        for i in 0..self.used.len() {
+            self.fail_peer(self.used[i], err.clone());
+        }
+        for r in self.matching.posted.drain(..) {
+            r.done.complete(Err(err.clone()));
+        }
+    }
+
+    /// Whether a send to any peer is still in flight.
+    pub fn sends_in_flight(&self) -> bool {
+        self.used.iter().any(|&p| {
+            self.peer_ref(p).is_some_and(|q| {
+                q.gone.is_none()
+                    && (!q.queued.is_empty() || !q.out.is_empty() || !q.awaiting.is_empty())
+            })
+        })
+    }
+
+    /// The calls pending on this rank, described.
+    pub fn pending(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        for r in &self.matching.posted {
+            v.push(format!(
+                "recv from {} ({}, up to {} x {}): no message yet",
+                r.source
+                    .map_or("any rank".to_string(), |s| format!("rank {s}")),
+                r.tag.map_or("any tag".to_string(), |t| format!("tag {t}")),
+                r.capacity,
+                r.dtype
+            ));
+        }
+        for &peer in &self.used {
+            let Some(p) = self.peer_ref(peer) else {
+                continue;
+            };
+            let framed = p.out.iter().filter(|f| f.done.is_some()).count();
+            let queued = p.queued.len() + p.awaiting.len();
+            for s in p.queued.iter().chain(p.awaiting.values()) {
+                v.push(format!(
+                    "send to rank {peer} (tag {}, {} x {}): not received yet",
+                    s.msg.tag, s.msg.count, s.msg.dtype
+                ));
+            }
+            if framed > 0 && queued == 0 {
+                v.push(format!(
+                    "{framed} send(s) to rank {peer}: not written yet (its connection is full)"
+                ));
+            }
+            let receiving = p
+                .receiving
+                .values()
+                .filter(|t| matches!(t, Sink::Receive(..)))
+                .count();
+            if receiving > 0 {
+                v.push(format!(
+                    "{receiving} receive(s) from rank {peer}: matched, payload still arriving"
+                ));
+            }
+        }
+        v
+    }
+}
+
+/// Where a message's payload goes: its receive when it fits there;
+/// nowhere when it does not (the receive then fails, naming both sides).
+fn fit(r: PostedRecv, env: &Envelope, me: usize) -> Sink {
+    let status = Status {
+        source: env.source,
+        tag: env.tag,
+        count: env.count as usize,
+    };
+    let misfit = if env.dtype != r.dtype {
+        Some(format!(
+            "it holds {}, the receive takes {}",
+            env.dtype, r.dtype
+        ))
+    } else if env.count as usize > r.capacity || (r.exact && env.count as usize != r.capacity) {
+        Some(format!(
+            "it has {} elements, the receive {} {}",
+            env.count,
+            if r.exact { "expects" } else { "has room for" },
+            r.capacity
+        ))
+    } else {
+        None
+    };
+    match misfit {
+        Some(why) => {
+            r.done.complete(Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {me}: the message from rank {} (tag {}, {} x {}) does not match its receive: {why}",
+                    env.source, env.tag, env.count, env.dtype
+                ),
+            )));
+            Sink::Drop
+        }
+        None => Sink::Receive(r, status),
+    }
+}
