@@ -2,7 +2,7 @@
 //! non-blocking calls can carry them to another thread) and parameters.
 //! Constructors validate everything that can be checked locally.
 
-use crate::descriptor::OpKind;
+use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
@@ -541,6 +541,30 @@ impl Call {
             Call::Barrier => "barrier",
             Call::Send { .. } => "send",
             Call::Recv { .. } => "recv",
+        }
+    }
+
+    /// The call as the ranks compare it, as number `seq` (the backend
+    /// labels the algorithm on top). Sends and receives carry their data
+    /// only: their root (the sender) is the caller's to set.
+    pub fn desc(&self, seq: u64) -> Desc {
+        let d = Desc::new(self.op_kind(), seq);
+        match *self {
+            Call::AllReduce { data, op, .. } | Call::ReduceScatter { data, op, .. } => {
+                d.data(data.count, data.dtype).reduction(op)
+            }
+            Call::Reduce { data, op, root, .. } => {
+                d.data(data.count, data.dtype).reduction(op).root(root)
+            }
+            Call::Broadcast { data, root, .. }
+            | Call::Gather { data, root, .. }
+            | Call::Scatter { data, root, .. } => d.data(data.count, data.dtype).root(root),
+            Call::AllGather { data, .. }
+            | Call::AllToAll { data, .. }
+            | Call::Send { data, .. }
+            | Call::Recv { data, .. } => d.data(data.count, data.dtype),
+            Call::AllGatherV { dtype, .. } | Call::AllToAllV { dtype, .. } => d.data(0, dtype),
+            Call::Barrier => d,
         }
     }
 

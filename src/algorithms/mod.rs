@@ -1,6 +1,8 @@
-//! Collective algorithms, one per file. They see only a `Link` (the
-//! transport plus the operation's label) and byte buffers; nothing here
-//! knows about sockets or C.
+//! Collective algorithms, one per file, and the table of collectives
+//! (`table`: which algorithms run each kind, and how a call is handed to
+//! the one chosen). They see only a `Link` (the transport plus the
+//! operation's label) and byte buffers; nothing here knows about sockets
+//! or C.
 
 pub mod binomial;
 pub mod bruck;
@@ -15,6 +17,7 @@ pub mod layers;
 pub mod mock;
 pub mod recursive_doubling;
 pub mod ring;
+pub mod table;
 
 use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
@@ -91,24 +94,6 @@ impl Algo {
                 ))
             })
     }
-
-    /// The algorithms that can run `kind`, default first.
-    fn candidates(kind: OpKind) -> &'static [Algo] {
-        match kind {
-            OpKind::AllReduce => &[
-                Algo::Ring,
-                Algo::RecursiveDoubling,
-                Algo::HalvingDoubling,
-                Algo::Hierarchical,
-            ],
-            OpKind::Broadcast => &[Algo::Binomial, Algo::Chain, Algo::Hierarchical],
-            OpKind::Reduce => &[Algo::Binomial, Algo::Chain, Algo::Hierarchical],
-            OpKind::AllGather => &[Algo::Ring, Algo::Bruck, Algo::Hierarchical],
-            OpKind::ReduceScatter => &[Algo::Ring, Algo::Hierarchical],
-            OpKind::Barrier => &[Algo::Dissemination, Algo::Hierarchical],
-            _ => &[Algo::Direct],
-        }
-    }
 }
 
 /// Small allreduces are latency-bound (recursive doubling: log2(n) steps);
@@ -162,7 +147,7 @@ pub fn choose(
 ) -> Algo {
     let over_tcp = shape.through_kernel();
     let across_hosts = shape.across_hosts;
-    let options = Algo::candidates(kind);
+    let options = table::entry(kind).map_or(&[Algo::Direct][..], |e| e.algorithms);
     if let Some(f) = forced.filter(|f| options.contains(f)) {
         return f;
     }

@@ -44,21 +44,23 @@ impl Messages {
         }
     }
 
-    /// Posts a send; it starts at once.
+    /// Posts a send; it starts at once. `blocking`: the caller waits for
+    /// it at once.
     ///
     /// # Safety
     /// `msg.buf` valid for reads until the call completes.
-    pub(crate) unsafe fn send(&self, msg: Outgoing) -> Result<Posted> {
-        let ticket = self.endpoint.send(msg)?;
+    pub(crate) unsafe fn send(&self, msg: Outgoing, blocking: bool) -> Result<Posted> {
+        let ticket = self.endpoint.send(msg, blocking)?;
         Ok(self.posted(ticket, "send", msg.buf.len()))
     }
 
     /// Posts a receive; it matches at once if its message arrived.
+    /// `blocking` as for `send`.
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until the call completes.
-    pub(crate) unsafe fn recv(&self, r: Incoming) -> Result<Posted> {
-        let ticket = self.endpoint.recv(r)?;
+    pub(crate) unsafe fn recv(&self, r: Incoming, blocking: bool) -> Result<Posted> {
+        let ticket = self.endpoint.recv(r, blocking)?;
         Ok(self.posted(ticket, "recv", r.buf.len()))
     }
 

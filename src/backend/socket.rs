@@ -2,14 +2,11 @@
 //! the transport's endpoint (shared memory on a host, TCP across hosts).
 
 use crate::algorithms::layers::Layers;
-use crate::algorithms::{
-    self, binomial, bruck, chain, direct, dissemination, halving_doubling, hierarchical,
-    recursive_doubling, ring, Algo, Link,
-};
+use crate::algorithms::table::{self, Context};
+use crate::algorithms::{self, bruck, Algo, Link};
 use crate::auth::Token;
 use crate::call::{Call, Data, RawBuf};
 use crate::descriptor::{Desc, OpKind};
-use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
 use crate::transport::endpoint::{Endpoint, EndpointSpec};
@@ -102,47 +99,6 @@ pub struct SocketBackend {
     scratch: Vec<u8>,
     /// Sends to this rank itself, waiting for their receive.
     to_self: VecDeque<Vec<u8>>,
-}
-
-/// The receive blocks of an uneven collective, as disjoint slices of
-/// `buf` (blocks may come in any order; overlapping ones are refused).
-fn split_blocks<'a>(
-    buf: &'a mut [u8],
-    layout: &crate::call::Layout,
-    es: usize,
-    size: usize,
-) -> Result<Vec<&'a mut [u8]>> {
-    let mut order: Vec<usize> = (0..size).collect();
-    order.sort_by_key(|r| layout.displ(*r));
-    let mut out: Vec<Option<&'a mut [u8]>> = (0..size).map(|_| None).collect();
-    let mut rest = buf;
-    let mut at = 0usize;
-    for r in order {
-        let (start, len) = (layout.displ(r) * es, layout.count(r) * es);
-        if start < at && len > 0 {
-            return Err(Error::invalid_argument(format!(
-                "the receive block of rank {r} overlaps another one (displacement {})",
-                layout.displ(r)
-            )));
-        }
-        let skip = start.saturating_sub(at);
-        let tail = std::mem::take(&mut rest);
-        let (_, tail) = tail.split_at_mut(skip.min(tail.len()));
-        let (block, tail) = tail.split_at_mut(len);
-        out[r] = Some(block);
-        rest = tail;
-        at = at.max(start + len);
-    }
-    Ok(out.into_iter().map(|b| b.expect("every rank")).collect())
-}
-
-/// Copies `len` bytes between possibly overlapping caller buffers.
-///
-/// # Safety
-/// Both must be valid for `len` bytes.
-unsafe fn move_bytes(from: &RawBuf, to_addr: usize, len: usize) {
-    // SAFETY: as the caller promises.
-    unsafe { crate::copy::move_bytes(to_addr as *mut u8, from.addr() as *const u8, len) }
 }
 
 impl SocketBackend {
@@ -339,287 +295,23 @@ impl SocketBackend {
         if call.is_p2p() {
             return self.run_p2p(&[(call, seq)]);
         }
-        self.run_call(call, seq)?;
-        // Bool results are 0 or 1 whatever bytes came in (a world of one,
-        // or a reduction that only copied, passes them through otherwise).
-        match *call {
-            Call::AllReduce { recv, data, .. }
-            | Call::Reduce { recv, data, .. }
-            | Call::ReduceScatter { recv, data, .. }
-                if data.dtype == DType::Bool =>
-            {
-                recv.bytes_mut()
-                    .iter_mut()
-                    .for_each(|b| *b = u8::from(*b != 0));
-            }
-            _ => {}
-        }
-        Ok(())
+        self.run_call(call, seq)
     }
 
+    /// A collective: labelled with the algorithm chosen for it and handed
+    /// to its entry in the table of collectives.
     unsafe fn run_call(&mut self, call: &Call, seq: u64) -> Result<()> {
-        let desc = |kind: OpKind, data: Data| Desc::new(kind, seq).data(data.count, data.dtype);
+        let entry = table::entry(call.op_kind())?;
         // The core is this call's from its start to its end.
         let endpoint = self.endpoint.clone();
         let mut core = endpoint.core();
-        match *call {
-            Call::AllReduce {
-                send,
-                recv,
-                data,
-                op,
-            } => {
-                let d = desc(OpKind::AllReduce, data).reduction(op);
-                let (desc, algo) = self.label(&*core, d, recv.len());
-                move_bytes(&send, recv.addr(), recv.len());
-                let buf = recv.bytes_mut();
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                match algo {
-                    Algo::RecursiveDoubling => {
-                        recursive_doubling::allreduce(&mut link, buf, data.dtype, op)
-                    }
-                    Algo::HalvingDoubling => {
-                        halving_doubling::allreduce(&mut link, buf, data.dtype, op)
-                    }
-                    // Forced where the job has no layers: every rank sees
-                    // the same roster, so every rank falls back alike.
-                    Algo::Hierarchical => match &self.layers {
-                        Some(layers) => {
-                            hierarchical::allreduce(&mut link, buf, data.dtype, op, layers)
-                        }
-                        None => ring::allreduce(&mut link, buf, data.dtype, op),
-                    },
-                    _ => ring::allreduce(&mut link, buf, data.dtype, op),
-                }
-            }
-            Call::Broadcast {
-                send,
-                recv,
-                data,
-                root,
-            } => {
-                let d = desc(OpKind::Broadcast, data).root(root);
-                let (desc, algo) = self.label(&*core, d, recv.len());
-                if self.rank == root {
-                    move_bytes(&send, recv.addr(), recv.len());
-                }
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                match (algo, &self.layers) {
-                    (Algo::Hierarchical, Some(layers)) => {
-                        hierarchical::broadcast(&mut link, recv.bytes_mut(), root, layers)
-                    }
-                    (Algo::Chain, _) => chain::broadcast(&mut link, recv.bytes_mut(), root),
-                    _ => binomial::broadcast(&mut link, recv.bytes_mut(), root),
-                }
-            }
-            Call::Reduce {
-                send,
-                recv,
-                data,
-                op,
-                root,
-            } => {
-                let d = desc(OpKind::Reduce, data).reduction(op).root(root);
-                let (desc, algo) = self.label(&*core, d, send.len());
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                let layers = self.layers.as_ref();
-                let run = |link: &mut Link<'_>, acc: &mut [u8]| match (algo, layers) {
-                    (Algo::Hierarchical, Some(layers)) => {
-                        hierarchical::reduce(link, acc, data.dtype, op, root, layers)
-                    }
-                    (Algo::Chain, _) => chain::reduce(link, acc, data.dtype, op, root),
-                    _ => binomial::reduce(link, acc, data.dtype, op, root),
-                };
-                if self.rank == root {
-                    move_bytes(&send, recv.addr(), recv.len());
-                    run(&mut link, recv.bytes_mut())
-                } else {
-                    let mut acc = send.bytes().to_vec();
-                    run(&mut link, &mut acc)
-                }
-            }
-            Call::AllGather { send, recv, data } => {
-                let d = desc(OpKind::AllGather, data);
-                let (desc, algo) = self.label(&*core, d, recv.len());
-                let bb = send.len();
-                move_bytes(&send, recv.addr() + self.rank * bb, bb);
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                match (algo, &self.layers) {
-                    (Algo::Hierarchical, Some(layers)) => {
-                        hierarchical::allgather(&mut link, recv.bytes_mut(), bb, layers)
-                    }
-                    (Algo::Bruck, _) => bruck::allgather(&mut link, recv.bytes_mut(), bb),
-                    _ => ring::allgather(&mut link, recv.bytes_mut(), bb),
-                }
-            }
-            Call::ReduceScatter {
-                send,
-                recv,
-                data,
-                op,
-            } => {
-                let d = desc(OpKind::ReduceScatter, data).reduction(op);
-                let (desc, algo) = self.label(&*core, d, send.len());
-                let copy;
-                let input: &[u8] = if send.overlaps(&recv) {
-                    copy = send.bytes().to_vec();
-                    &copy
-                } else {
-                    send.bytes()
-                };
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                match (algo, &self.layers) {
-                    (Algo::Hierarchical, Some(layers)) => hierarchical::reduce_scatter(
-                        &mut link,
-                        input,
-                        recv.bytes_mut(),
-                        data.dtype,
-                        op,
-                        layers,
-                    ),
-                    _ => ring::reduce_scatter(&mut link, input, recv.bytes_mut(), data.dtype, op),
-                }
-            }
-            Call::Gather {
-                send,
-                recv,
-                data,
-                root,
-            } => {
-                let d = desc(OpKind::Gather, data).root(root);
-                let (desc, _) = self.label(&*core, d, send.len());
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                let bb = send.len();
-                if self.rank == root {
-                    move_bytes(&send, recv.addr() + root * bb, bb);
-                    direct::gather_at_root(&mut link, recv.bytes_mut(), bb)
-                } else {
-                    link.send(root, send.bytes())
-                }
-            }
-            Call::Scatter {
-                send,
-                recv,
-                data,
-                root,
-            } => {
-                let d = desc(OpKind::Scatter, data).root(root);
-                let (desc, _) = self.label(&*core, d, recv.len());
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                let bb = recv.len();
-                if self.rank == root {
-                    let own = RawBuf::new((send.addr() + root * bb) as *const u8, bb);
-                    if own.overlaps(&recv) && own.addr() != recv.addr() {
-                        // Send the other blocks before the own block is
-                        // moved over them.
-                        let copy = send.bytes().to_vec();
-                        direct::scatter_from_root(&mut link, &copy, bb)?;
-                        move_bytes(
-                            &RawBuf::of(&copy[root * bb..(root + 1) * bb]),
-                            recv.addr(),
-                            bb,
-                        );
-                        return Ok(());
-                    }
-                    let sent = direct::scatter_from_root(&mut link, send.bytes(), bb);
-                    move_bytes(&own, recv.addr(), bb);
-                    sent
-                } else {
-                    link.recv(root, recv.bytes_mut())
-                }
-            }
-            Call::AllGatherV {
-                send,
-                recv,
-                dtype,
-                layout,
-            } => {
-                let d = Desc::new(OpKind::AllGatherV, seq).data(0, dtype);
-                let (desc, _) = self.label(&*core, d, recv.len());
-                let es = dtype.size();
-                let rank = self.rank;
-                // This rank's block goes to every rank: into its own place
-                // in recvbuf first (unless sendbuf is that place), and from
-                // there to the others.
-                let own_at = layout.displ(rank) * es;
-                move_bytes(&send, recv.addr() + own_at, send.len());
-                let mut blocks: Vec<Option<&mut [u8]>> =
-                    split_blocks(recv.bytes_mut(), &layout, es, self.size)?
-                        .into_iter()
-                        .map(Some)
-                        .collect();
-                let own: &[u8] = blocks[rank].take().expect("own block");
-                let sends: Vec<&[u8]> = vec![own; self.size];
-                direct::exchange_v(
-                    &mut Link::new(&mut *core, desc, &mut self.scratch),
-                    &sends,
-                    blocks,
-                    es,
-                )
-            }
-            Call::AllToAllV {
-                send,
-                recv,
-                dtype,
-                send_layout,
-                recv_layout,
-            } => {
-                let d = Desc::new(OpKind::AllToAllV, seq).data(0, dtype);
-                let (desc, _) = self.label(&*core, d, recv.len());
-                let es = dtype.size();
-                // In place: the send side is copied out first.
-                let copy;
-                let input: &[u8] = if send.overlaps(&recv) {
-                    copy = send.bytes().to_vec();
-                    &copy
-                } else {
-                    send.bytes()
-                };
-                let mut sends = Vec::with_capacity(self.size);
-                for r in 0..self.size {
-                    let at = send_layout.displ(r) * es;
-                    sends.push(&input[at..at + send_layout.count(r) * es]);
-                }
-                let blocks = split_blocks(recv.bytes_mut(), &recv_layout, es, self.size)?
-                    .into_iter()
-                    .map(Some)
-                    .collect();
-                direct::exchange_v(
-                    &mut Link::new(&mut *core, desc, &mut self.scratch),
-                    &sends,
-                    blocks,
-                    es,
-                )
-            }
-            Call::AllToAll { send, recv, data } => {
-                let d = desc(OpKind::AllToAll, data);
-                let (desc, _) = self.label(&*core, d, send.len());
-                let copy;
-                let input: &[u8] = if send.overlaps(&recv) {
-                    copy = send.bytes().to_vec();
-                    &copy
-                } else {
-                    send.bytes()
-                };
-                let bb = recv.len() / self.size;
-                direct::alltoall(
-                    &mut Link::new(&mut *core, desc, &mut self.scratch),
-                    input,
-                    recv.bytes_mut(),
-                    bb,
-                )
-            }
-            Call::Barrier => {
-                let d = Desc::new(OpKind::Barrier, seq);
-                let (desc, algo) = self.label(&*core, d, 0);
-                let mut link = Link::new(&mut *core, desc, &mut self.scratch);
-                match (algo, &self.layers) {
-                    (Algo::Hierarchical, Some(layers)) => hierarchical::barrier(&mut link, layers),
-                    _ => dissemination::barrier(&mut link),
-                }
-            }
-            Call::Send { .. } | Call::Recv { .. } => unreachable!("handled above"),
-        }
+        let (desc, algo) = self.label(&*core, call.desc(seq), (entry.bytes)(call));
+        let mut link = Link::new(&mut *core, desc, &mut self.scratch);
+        let context = Context {
+            algo,
+            layers: self.layers.as_ref(),
+        };
+        (entry.run)(&mut link, call, &context)
     }
 
     /// Runs sends and receives together in one exchange, so that any

@@ -175,7 +175,7 @@ impl Comm {
         }
         if call.is_p2p() {
             if self.runner.is_tagged_host(&call) {
-                return self.runner.post(&call, None);
+                return self.runner.post(&call, None, false);
             }
             return Ok(self.runner.hold(call));
         }
@@ -204,7 +204,7 @@ impl Comm {
             device_tag(tag == 0)?;
             return self.run_on(call, stream);
         }
-        let req = self.runner.post(&call, Some(tag))?;
+        let req = self.runner.post(&call, Some(tag), !group::active())?;
         if group::active() {
             group::wait_at_end(req);
             return Ok(());
@@ -233,7 +233,7 @@ impl Comm {
         if group::active() {
             return Err(group_refuses());
         }
-        self.runner.post(&call, Some(tag))
+        self.runner.post(&call, Some(tag), false)
     }
 
     /// Receives into `buf` (room for `data.count` elements) the oldest
@@ -261,14 +261,17 @@ impl Comm {
                 count: data.count,
             }));
         }
-        let req = self.runner.post_recv(Incoming {
-            buf,
-            dtype: data.dtype,
-            count: data.count,
-            peer,
-            tag,
-            exact: false,
-        })?;
+        let req = self.runner.post_recv(
+            Incoming {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer,
+                tag,
+                exact: false,
+            },
+            !group::active(),
+        )?;
         if group::active() {
             group::wait_at_end(req);
             return Ok(None);
@@ -295,14 +298,17 @@ impl Comm {
         if group::active() {
             return Err(group_refuses());
         }
-        self.runner.post_recv(Incoming {
-            buf,
-            dtype: data.dtype,
-            count: data.count,
-            peer,
-            tag,
-            exact: false,
-        })
+        self.runner.post_recv(
+            Incoming {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer,
+                tag,
+                exact: false,
+            },
+            false,
+        )
     }
 
     /// The plain receive a tagged one on device memory becomes (None for

@@ -289,13 +289,13 @@ impl Runner {
         // posted then goes straight into its buffer.
         for call in calls.iter().filter(|c| matches!(c, Call::Recv { .. })) {
             if self.is_tagged_host(call) {
-                posted.push(self.post(call, None)?);
+                posted.push(self.post(call, None, true)?);
             }
         }
         for (call, stream) in calls.into_iter().zip(streams) {
             if call.is_p2p() && self.is_tagged_host(&call) {
                 if matches!(call, Call::Send { .. }) {
-                    posted.push(self.post(&call, None)?);
+                    posted.push(self.post(&call, None, true)?);
                 }
             } else {
                 rest_calls.push(call);
@@ -340,7 +340,7 @@ impl Runner {
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
         if call.is_p2p() && self.is_tagged_host(&call) {
-            return self.post(&call, None)?.wait();
+            return self.post(&call, None, true)?.wait();
         }
         if call.is_p2p() && self.has_held.load(Ordering::Acquire) {
             return self.run_with_held(vec![call], vec![stream]);
@@ -479,28 +479,40 @@ impl Runner {
         crate::backend::cuda::is_host(buf.addr(), buf.len())
     }
 
-    /// Posts a host send/receive in the tagged context.
+    /// Posts a host send/receive in the tagged context. `blocking`: this
+    /// thread waits for it before it returns to the caller's code.
     ///
     /// # Safety
     /// The call's buffer valid (and, for a receive, untouched) until the
     /// request completes.
-    pub(crate) unsafe fn post(self: &Arc<Self>, call: &Call, tag: Option<i32>) -> Result<Request> {
+    pub(crate) unsafe fn post(
+        self: &Arc<Self>,
+        call: &Call,
+        tag: Option<i32>,
+        blocking: bool,
+    ) -> Result<Request> {
         let posted = match *call {
-            Call::Send { buf, data, peer } => self.messages.send(Outgoing {
-                buf,
-                dtype: data.dtype,
-                count: data.count,
-                peer,
-                tag: tag.unwrap_or(0),
-            })?,
-            Call::Recv { buf, data, peer } => self.messages.recv(Incoming {
-                buf,
-                dtype: data.dtype,
-                count: data.count,
-                peer: Some(peer),
-                tag: Some(tag.unwrap_or(0)),
-                exact: true,
-            })?,
+            Call::Send { buf, data, peer } => self.messages.send(
+                Outgoing {
+                    buf,
+                    dtype: data.dtype,
+                    count: data.count,
+                    peer,
+                    tag: tag.unwrap_or(0),
+                },
+                blocking,
+            )?,
+            Call::Recv { buf, data, peer } => self.messages.recv(
+                Incoming {
+                    buf,
+                    dtype: data.dtype,
+                    count: data.count,
+                    peer: Some(peer),
+                    tag: Some(tag.unwrap_or(0)),
+                    exact: true,
+                },
+                blocking,
+            )?,
             _ => {
                 return Err(Error::internal(
                     "post of a call that is not a send or receive",
@@ -514,8 +526,8 @@ impl Runner {
     ///
     /// # Safety
     /// As `post`.
-    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: Incoming) -> Result<Request> {
-        let posted = self.messages.recv(r)?;
+    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: Incoming, blocking: bool) -> Result<Request> {
+        let posted = self.messages.recv(r, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
     }
 

@@ -11,7 +11,7 @@ use super::medium::{Layout, Wanted};
 use super::mesh::MeshSpec;
 use super::service::{self, Shared};
 use super::signal::{AbortSignal, Wake};
-use super::stream::{StreamTransport, Tuning};
+use super::stream::{Drive, StreamTransport, Tuning};
 use super::tagged::Described;
 use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
 use crate::error::{Error, ErrorKind, Result};
@@ -120,10 +120,12 @@ impl Endpoint {
 
     /// Posts a tagged send; it starts at once when the core is free (a
     /// small message is usually written whole before this returns).
+    /// `blocking`: the caller waits for it at once (else the endpoint's
+    /// thread is told that a call may need it).
     ///
     /// # Safety
     /// `msg.buf` valid for reads until the ticket completes.
-    pub unsafe fn send(&self, msg: Outgoing) -> Result<Ticket> {
+    pub unsafe fn send(&self, msg: Outgoing, blocking: bool) -> Result<Ticket> {
         if msg.tag < 0 {
             return Err(Error::invalid_argument(format!(
                 "tag {} is negative (tags are 0..{})",
@@ -139,16 +141,16 @@ impl Endpoint {
             peer: Some(msg.peer),
             call: Described::Send(msg),
         };
-        self.post(Post::Send(msg, done, id), Some(msg.peer))?;
+        self.post(Post::Send(msg, done, id), Some(msg.peer), blocking)?;
         Ok(ticket)
     }
 
     /// Posts a tagged receive; it matches at once if its message already
-    /// arrived.
+    /// arrived. `blocking` as for `send`.
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until the ticket completes.
-    pub unsafe fn recv(&self, r: Incoming) -> Result<Ticket> {
+    pub unsafe fn recv(&self, r: Incoming, blocking: bool) -> Result<Ticket> {
         if let Some(t) = r.tag.filter(|t| *t < 0) {
             return Err(Error::invalid_argument(format!(
                 "tag {t} is negative (tags are 0..{}, or RDIST_ANY_TAG)",
@@ -163,13 +165,13 @@ impl Endpoint {
             peer: r.peer,
             call: Described::Recv(r),
         };
-        self.post(Post::Recv(r, done, id), r.peer)?;
+        self.post(Post::Recv(r, done, id), r.peer, blocking)?;
         Ok(ticket)
     }
 
     /// Takes a call in: directly when the core is free (and moves it as
     /// far as it goes now), else through the posts, waking the holder.
-    fn post(&self, post: Post, peer: Option<usize>) -> Result<()> {
+    fn post(&self, post: Post, peer: Option<usize>, blocking: bool) -> Result<()> {
         let sh = &self.shared;
         let Some(mut core) = try_lock(&sh.core) else {
             sh.posts.push(post);
@@ -190,12 +192,15 @@ impl Endpoint {
         taken?;
         if !done.is_finished() {
             if let Some(p) = peer.filter(|p| *p != sh.rank) {
-                core.drive(Some(p), true);
+                core.drive(Some(p), CALLER);
             }
         }
         drop(core);
-        // Whatever is left moves with the thread, unless someone waits.
-        sh.wake.ring();
+        // What is left of a call nobody waits for yet moves with the
+        // endpoint's thread (a waiting caller tells it when it stops).
+        if !blocking && !done.is_finished() {
+            sh.wake.ring();
+        }
         Ok(())
     }
 
@@ -219,7 +224,7 @@ impl Endpoint {
         let mut passes = 0u32;
         while !t.done.is_finished() {
             if let Some(mut core) = try_lock(&sh.core) {
-                if core.drive(t.peer, true) {
+                if core.drive(t.peer, CALLER) {
                     spin_until = Instant::now() + self.spin;
                 }
             }
@@ -278,7 +283,7 @@ impl Endpoint {
             return Some(r.map_err(|e| named(t, e)));
         }
         if let Some(mut core) = try_lock(&self.shared.core) {
-            core.drive(t.peer, true);
+            core.drive(t.peer, CALLER);
         }
         t.done.get().map(|r| r.map_err(|e| named(t, e)))
     }
@@ -295,7 +300,13 @@ impl Endpoint {
         }
         loop {
             let mut core = self.core();
-            core.drive(None, true);
+            core.drive(
+                None,
+                Drive {
+                    connect: true,
+                    thorough: true,
+                },
+            );
             if !core.tagged_sends_in_flight() {
                 break;
             }
@@ -323,6 +334,12 @@ impl Endpoint {
         self.core().close();
     }
 }
+
+/// How a caller moves its calls: it may dial, and reads what has come.
+const CALLER: Drive = Drive {
+    connect: true,
+    thorough: false,
+};
 
 /// A call's error says which call failed, when it does not already.
 fn named(t: &Ticket, e: Error) -> Error {

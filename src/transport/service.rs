@@ -9,7 +9,7 @@ use super::doorbell::Doorbell;
 use super::greeting::{Greeted, Greeting, HELLO_DEADLINE};
 use super::link::Links;
 use super::signal::Wake;
-use super::stream::StreamTransport;
+use super::stream::{Drive, StreamTransport};
 use super::tagged::Posts;
 use crate::sync::{lock, try_lock};
 use std::io;
@@ -85,7 +85,13 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         if !driven {
             if let Some(mut core) = try_lock(&sh.core) {
                 holding = true;
-                core.drive(None, false);
+                core.drive(
+                    None,
+                    Drive {
+                        connect: false,
+                        thorough: true,
+                    },
+                );
                 if core.tagged.busy() {
                     core.tagged_fds(&mut fds);
                     if core.tagged_waits_on_memory() {

@@ -13,11 +13,11 @@ from ._errors import (
     error_for,
     last_error_text,
 )
+from ._issue import issue
 from ._library import (
     UNIQUE_ID_BYTES,
     CommHandle,
     OptionsHandle,
-    RequestHandle,
     UniqueId,
     lib,
 )
@@ -354,18 +354,6 @@ def wait_all(requests):
 # ---------------------------------------------------------------------------
 
 
-# (name, non-blocking) -> the C function, looked up once.
-_FUNCTIONS = {
-    (base, nonblocking): getattr(lib, ("rdist_i" if nonblocking else "rdist_") + base)
-    for base in (
-        "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
-        "scatter", "alltoall", "barrier", "send", "recv",
-    )
-    for nonblocking in (False, True)
-}
-
-
-_ALLREDUCE = lib.rdist_allreduce
 _ITEMSIZES = {d: d.itemsize for d in DType}
 
 
@@ -545,23 +533,20 @@ class Comm:
             )
 
     def _issue(self, base, nonblocking, args, pins, result):
-        """Runs rdist_<base> (blocking) or rdist_i<base> (returning a Request).
-        ``args`` are the C arguments before the comm; pins are released, or
-        handed to the request / the enclosing group."""
+        """Issues rdist_<base> (blocking) or rdist_i<base> (returning a
+        Request) through the one call path (``_issue.issue``). ``args`` are
+        the C arguments before the comm; pins are released, or handed to
+        the request / the enclosing group."""
         pinned = list(pins.values())
         try:
             handle = self._handle
             if handle is None:
                 self._live_handle(base)
-            function = _FUNCTIONS[base, nonblocking]
             if nonblocking:
                 order_after(pinned)
-                request = RequestHandle()
-                code = function(*args, handle, ctypes.byref(request))
+                request = issue(handle, base, args, True)
             else:
-                code = function(*args, handle, _stream_of(pinned)) if args else function(handle)
-            if code:
-                check(code)
+                issue(handle, base, args, False, _stream_of(pinned))
         except BaseException:
             _release_all(pinned)
             raise
@@ -601,10 +586,8 @@ class Comm:
             found = fast_buffer(buf)
             if found is not None and self._handle is not None and not getattr(_thread_group, "depth", 0):
                 address, nbytes, dtype = found
-                code = _ALLREDUCE(address, address, nbytes // _ITEMSIZES[dtype], dtype,
-                                  resolve_op(op), self._handle, None)
-                if code:
-                    check(code)
+                args = (address, address, nbytes // _ITEMSIZES[dtype], dtype, resolve_op(op))
+                issue(self._handle, "allreduce", args, False)
                 return buf
         return self._allreduce(buf, op, out, dtype, False)
 

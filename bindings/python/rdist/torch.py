@@ -11,17 +11,18 @@ unchanged torch programs run on rdist::
 
 The backend rendezvouses through torch's own store (:func:`rdist.init_from_store`)
 and is a pure-Python subclass of ``torch._C._distributed_c10d.Backend``: each
-collective goes straight to librdist's C functions with the tensors' data
-pointers. Calls that torch.distributed makes with ``async_op=False`` run as
-rdist's blocking calls; every other call (``async_op=True``, DDP's buckets,
-send/recv) runs as rdist's non-blocking call and returns a :class:`Work`
-whose ``wait()`` waits in rdist with the GIL released, and whose
-``get_future()`` completes from rdist's completion (a waiter thread per
-backend). What a C++ extension would add is in bindings/python/README.md.
+collective goes to librdist through the binding's one call path
+(``rdist._issue``) with the tensors' data pointers. Calls whose options say
+the caller waits at once (``opts.asyncOp`` False: torch.distributed's
+``async_op=False``) run as rdist's blocking calls; every other call
+(``async_op=True``, DDP's buckets, send/recv) runs as rdist's non-blocking
+call and returns a :class:`Work` whose ``wait()`` waits in rdist with the
+GIL released, and whose ``get_future()`` completes from rdist's completion
+(a waiter thread per backend). What a C++ extension would add is in
+bindings/python/README.md.
 """
 
 import ctypes
-import sys
 import threading
 import warnings
 from collections import deque
@@ -34,7 +35,8 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from ._buffers import HAS_0_2, NEW_IN_0_2, DType, Op, torch_dtypes, torch_stream
 from ._default import init_from_store
 from ._errors import InvalidArgumentError, UnavailableError, error_for, last_error_text
-from ._library import RequestHandle, Status, has, lib
+from ._issue import available, issue
+from ._library import Status, lib
 
 __all__ = ["BACKEND_NAME", "RdistBackend", "Work", "create_backend", "register"]
 
@@ -55,41 +57,17 @@ _OPS = {
 _BITWISE = {_RedOpType.BAND, _RedOpType.BOR, _RedOpType.BXOR}
 _PREMUL_SUM = _RedOpType.PREMUL_SUM
 
-# The C functions, looked up once (ctypes attribute lookups and argument
-# conversion are the per-call overhead that matters here).
-_allreduce, _iallreduce = lib.rdist_allreduce, lib.rdist_iallreduce
-_broadcast, _ibroadcast = lib.rdist_broadcast, lib.rdist_ibroadcast
-_reduce, _ireduce = lib.rdist_reduce, lib.rdist_ireduce
-_allgather, _iallgather = lib.rdist_allgather, lib.rdist_iallgather
-_reduce_scatter, _ireduce_scatter = lib.rdist_reduce_scatter, lib.rdist_ireduce_scatter
-_gather, _igather = lib.rdist_gather, lib.rdist_igather
-_scatter, _iscatter = lib.rdist_scatter, lib.rdist_iscatter
-_alltoall, _ialltoall = lib.rdist_alltoall, lib.rdist_ialltoall
-_barrier, _ibarrier = lib.rdist_barrier, lib.rdist_ibarrier
-_isend, _irecv = lib.rdist_isend, lib.rdist_irecv
 _wait, _free = lib.rdist_wait, lib.rdist_request_free
 _byref = ctypes.byref
 
-_C10D_FILE = sys.modules[dist.distributed_c10d.__name__].__file__
 
-
-def _caller_waits(depth=3):
-    """Whether torch.distributed called with ``async_op=False`` (it then
-    waits at once, so rdist's blocking call, which runs on the calling
-    thread, is the cheaper one). Anything else (C++ callers such as DDP's
-    reducer, async_op=True, send/recv) gets the non-blocking call."""
-    try:
-        frame = sys._getframe(depth)  # _caller_waits <- _run <- method <- torch's caller
-    except ValueError:
-        return False
-    if frame.f_code.co_filename != _C10D_FILE:
-        return False
-    return frame.f_locals.get("async_op") is False
-
-
-def _check(code):
-    if code:
-        raise error_for(code, last_error_text())
+def _caller_waits(opts):
+    """Whether the caller waits for the call at once (torch.distributed
+    with ``async_op=False`` says so in the options), so that rdist's
+    blocking call, which runs on the calling thread, is the cheaper one.
+    Anything else (C++ callers such as DDP's reducer, ``async_op=True``,
+    options without the field) gets the non-blocking call."""
+    return getattr(opts, "asyncOp", True) is False
 
 
 def _dtype(tensor, moving_only):
@@ -328,26 +306,23 @@ class RdistBackend(_C10dBackend):
 
     # -- issuing ---------------------------------------------------------------
 
-    def _run(self, blocking_fn, nonblocking_fn, args, result, keep, post=None, stream=None):
+    def _run(self, base, args, opts, result, keep, post=None, stream=None):
         """Issues one call: blocking when torch waits at once, else
         non-blocking (a Work to wait on)."""
-        if _caller_waits():
-            _check(blocking_fn(*args, self._handle, stream))
+        if _caller_waits(opts):
+            issue(self._handle, base, args, False, stream)
             return Work(self, None, result, post=post)
         if stream is not None:
             _order_after(keep)
-        request = RequestHandle()
-        _check(nonblocking_fn(*args, self._handle, _byref(request)))
+        request = issue(self._handle, base, args, True)
         return Work(self, [request], result, keep, post)
 
     def _many(self, issued, result, keep, post=None):
         """One Work for several non-blocking calls issued here."""
         requests = []
         try:
-            for fn, args in issued:
-                request = RequestHandle()
-                _check(fn(*args, self._handle, _byref(request)))
-                requests.append(request)
+            for base, args in issued:
+                requests.append(issue(self._handle, base, args, True))
         except BaseException:
             for request in requests:
                 _free(request)
@@ -381,7 +356,7 @@ class RdistBackend(_C10dBackend):
         dtype, scale = _dtype(tensor, False)
         ptr = tensor.data_ptr()
         args = (ptr, ptr, tensor.numel() * scale, dtype, op)
-        return self._run(_allreduce, _iallreduce, args, tensors, [tensor], stream=_stream(tensor))
+        return self._run("allreduce", args, opts, tensors, [tensor], stream=_stream(tensor))
 
     def allreduce_coalesced(self, tensors, opts):
         op, factor = self._op(opts, tensors[0])
@@ -392,7 +367,7 @@ class RdistBackend(_C10dBackend):
                 flat.mul_(factor)
             dtype, scale = _dtype(flat, False)
             ptr = flat.data_ptr()
-            issued.append((_iallreduce, (ptr, ptr, flat.numel() * scale, dtype, op)))
+            issued.append(("allreduce", (ptr, ptr, flat.numel() * scale, dtype, op)))
             flats.append(flat)
         _order_after(flats)
         return self._many(issued, tensors, flats)
@@ -407,10 +382,10 @@ class RdistBackend(_C10dBackend):
             issued.append((ptr, ptr, flat.numel() * scale, dtype, root))
             flats.append(flat)
         if len(issued) == 1:
-            return self._run(_broadcast, _ibroadcast, issued[0], tensors, flats,
+            return self._run("broadcast", issued[0], opts, tensors, flats,
                              stream=_stream(flats[0]))
         _order_after(flats)
-        return self._many([(_ibroadcast, a) for a in issued], tensors, flats)
+        return self._many([("broadcast", a) for a in issued], tensors, flats)
 
     def reduce(self, tensors, opts):
         op, factor = self._op(opts, tensors[0])
@@ -421,7 +396,7 @@ class RdistBackend(_C10dBackend):
         dtype, scale = _dtype(tensor, False)
         recv = tensor.data_ptr() if self._rank == opts.rootRank else None
         args = (send.data_ptr(), recv, tensor.numel() * scale, dtype, op, opts.rootRank)
-        return self._run(_reduce, _ireduce, args, tensors, [tensor, send], stream=_stream(tensor))
+        return self._run("reduce", args, opts, tensors, [tensor, send], stream=_stream(tensor))
 
     def _gather_into(self, inputs, outputs, what):
         """A flat output for ``outputs`` (list of equal tensors): itself
@@ -460,7 +435,7 @@ class RdistBackend(_C10dBackend):
         out = _flat(out, "output")
         dtype, scale = _dtype(inp, True)
         args = (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)
-        return self._run(_allgather, _iallgather, args, output_tensors, [inp, out], post,
+        return self._run("allgather", args, opts, output_tensors, [inp, out], post,
                          stream=_stream(inp))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts):
@@ -469,7 +444,7 @@ class RdistBackend(_C10dBackend):
             inp = _flat(inp, "input")
             out, post = self._gather_into(inp, outputs, "allgather")
             dtype, scale = _dtype(inp, True)
-            issued.append((_iallgather, (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)))
+            issued.append(("allgather", (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)))
             keep += [inp, out]
             if post is not None:
                 posts.append(post)
@@ -486,7 +461,7 @@ class RdistBackend(_C10dBackend):
             )
         dtype, scale = _dtype(inp, True)
         args = (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)
-        return self._run(_allgather, _iallgather, args, [output], [inp, out], stream=_stream(inp))
+        return self._run("allgather", args, opts, [output], [inp, out], stream=_stream(inp))
 
     _allgather_base = all_gather_single
 
@@ -495,7 +470,7 @@ class RdistBackend(_C10dBackend):
         for output, inp in zip(outputs, inputs):
             inp, out = _flat(inp, "input"), _flat(output, "output")
             dtype, scale = _dtype(inp, True)
-            issued.append((_iallgather, (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)))
+            issued.append(("allgather", (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)))
             keep += [inp, out]
         _order_after(keep)
         return self._many(issued, outputs, keep)
@@ -508,7 +483,7 @@ class RdistBackend(_C10dBackend):
         if self._rank == root:
             out, post = self._gather_into(inp, output_tensors[0], "gather")
         args = (inp.data_ptr(), None if out is None else out.data_ptr(), inp.numel() * scale, dtype, root)
-        return self._run(_gather, _igather, args, output_tensors, [inp, out], post, stream=_stream(inp))
+        return self._run("gather", args, opts, output_tensors, [inp, out], post, stream=_stream(inp))
 
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
@@ -523,7 +498,7 @@ class RdistBackend(_C10dBackend):
                     f"{self._size} x {out.numel()}"
                 )
         args = (None if send is None else send.data_ptr(), out.data_ptr(), out.numel() * scale, dtype, root)
-        return self._run(_scatter, _iscatter, args, output_tensors, [send, out], stream=_stream(out))
+        return self._run("scatter", args, opts, output_tensors, [send, out], stream=_stream(out))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         op, factor = self._op(opts, output_tensors[0])
@@ -534,7 +509,7 @@ class RdistBackend(_C10dBackend):
         send = _flat(send, "input")
         dtype, scale = _dtype(out, False)
         args = (send.data_ptr(), out.data_ptr(), out.numel() * scale, dtype, op)
-        return self._run(_reduce_scatter, _ireduce_scatter, args, output_tensors, [send, out],
+        return self._run("reduce_scatter", args, opts, output_tensors, [send, out],
                          stream=_stream(out))
 
     def reduce_scatter_single(self, output, input, opts):  # noqa: A002 - torch's name
@@ -550,7 +525,7 @@ class RdistBackend(_C10dBackend):
             )
         dtype, scale = _dtype(out, False)
         args = (send.data_ptr(), out.data_ptr(), out.numel() * scale, dtype, op)
-        return self._run(_reduce_scatter, _ireduce_scatter, args, [output], [send, out],
+        return self._run("reduce_scatter", args, opts, [output], [send, out],
                          stream=_stream(out))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -559,8 +534,8 @@ class RdistBackend(_C10dBackend):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _AllOf(self, works, outputs)
 
-    def _alltoallv(self, send, send_counts, recv, recv_counts, dtype, result, keep, post=None):
-        if not has("rdist_alltoallv"):
+    def _alltoallv(self, send, send_counts, recv, recv_counts, dtype, opts, result, keep, post=None):
+        if not available("alltoallv"):
             raise UnavailableError(
                 "uneven all_to_all needs librdist 0.2 (rdist_alltoallv); this library lacks it"
             )
@@ -574,8 +549,7 @@ class RdistBackend(_C10dBackend):
         args = (send.data_ptr(), sc, sd, recv.data_ptr(), rc, rd, dtype)
         # The blocking call reads the count arrays during the call only and
         # the non-blocking one copies them (docs/api.md), so they may go.
-        return self._run(lib.rdist_alltoallv, lib.rdist_ialltoallv, args, result, keep, post,
-                         stream=_stream(send))
+        return self._run("alltoallv", args, opts, result, keep, post, stream=_stream(send))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):  # noqa: A002
         out, inp = _flat(output, "output"), _flat(input, "input")
@@ -588,14 +562,14 @@ class RdistBackend(_C10dBackend):
                     f"elements do not split evenly over {n} ranks"
                 )
             args = (inp.data_ptr(), out.data_ptr(), inp.numel() // n * scale, dtype)
-            return self._run(_alltoall, _ialltoall, args, [output], [inp, out], stream=_stream(inp))
+            return self._run("alltoall", args, opts, [output], [inp, out], stream=_stream(inp))
         row_in = inp.numel() // max(1, inp.shape[0]) if inp.dim() else 1
         row_out = out.numel() // max(1, out.shape[0]) if out.dim() else 1
         in_splits = list(input_split_sizes) or [inp.shape[0] // n] * n
         out_splits = list(output_split_sizes) or [out.shape[0] // n] * n
         return self._alltoallv(
             inp, [s * row_in * scale for s in in_splits], out,
-            [s * row_out * scale for s in out_splits], dtype, [output], [inp, out],
+            [s * row_out * scale for s in out_splits], dtype, opts, [output], [inp, out],
         )
 
     alltoall_base = all_to_all_single
@@ -618,26 +592,22 @@ class RdistBackend(_C10dBackend):
 
         if len(set(sizes_in)) == 1 and sizes_in == sizes_out:
             args = (send_flat.data_ptr(), recv_flat.data_ptr(), send_flat.numel() // self._size * scale, dtype)
-            return self._run(_alltoall, _ialltoall, args, output_tensors, [send_flat, recv_flat], post,
+            return self._run("alltoall", args, opts, output_tensors, [send_flat, recv_flat], post,
                              stream=_stream(send_flat))
         per = 2 if first.is_complex() else 1
         return self._alltoallv(
             send_flat, [k * per * scale for k in sizes_in], recv_flat,
-            [k * per * scale for k in sizes_out], dtype, output_tensors, [send_flat, recv_flat], post,
+            [k * per * scale for k in sizes_out], dtype, opts, output_tensors, [send_flat, recv_flat],
+            post,
         )
 
     def barrier(self, opts):
-        if _caller_waits(2):
-            _check(_barrier(self._handle))
-            return Work(self, None, [])
-        request = RequestHandle()
-        _check(_ibarrier(self._handle, _byref(request)))
-        return Work(self, [request], [])
+        return self._run("barrier", (), opts, [], [])
 
     def monitored_barrier(self, opts, wait_all_ranks=False):
         # rdist's barrier is bounded by timeout_ms and names the ranks it
         # waited for when it times out.
-        _check(_barrier(self._handle))
+        issue(self._handle, "barrier", (), False)
 
     # -- point to point ----------------------------------------------------------
 
@@ -645,19 +615,15 @@ class RdistBackend(_C10dBackend):
         tensor = _flat(tensors[0], "tensor")
         dtype, scale = _dtype(tensor, True)
         count = tensor.numel() * scale
-        request = RequestHandle()
         status = None
-        if has("rdist_isend_tagged"):
+        if available("send_tagged"):
+            base = "recv_tagged" if receiving else "send_tagged"
+            request = issue(self._handle, base, (tensor.data_ptr(), count, dtype, peer, tag), True)
             if receiving:
-                _check(lib.rdist_irecv_tagged(tensor.data_ptr(), count, dtype, peer, tag,
-                                              self._handle, _byref(request)))
                 status = (Status(), request)
-            else:
-                _check(lib.rdist_isend_tagged(tensor.data_ptr(), count, dtype, peer, tag,
-                                              self._handle, _byref(request)))
         elif tag == 0 and peer >= 0:
-            fn = _irecv if receiving else _isend
-            _check(fn(tensor.data_ptr(), count, dtype, peer, self._handle, _byref(request)))
+            base = "recv" if receiving else "send"
+            request = issue(self._handle, base, (tensor.data_ptr(), count, dtype, peer), True)
         else:
             raise UnavailableError(
                 "tagged send/recv and receiving from any source need librdist 0.2 "

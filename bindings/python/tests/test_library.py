@@ -171,3 +171,30 @@ def test_nothing_found_lists_every_place_looked(package_copy):
 
 def test_library_path_is_loadable():
     assert ctypes.CDLL(rdist.library_path).rdist_version() == rdist._lib.rdist_version()
+
+
+def operation_calls(source):
+    """The librdist operation functions (collectives, sends, receives) a
+    module's source names, and whether it looks at the caller's frames."""
+    from rdist import _issue
+
+    ops = "|".join(sorted(_issue._BASES, key=len, reverse=True))
+    named = set(re.findall(rf"\b_?lib\.(rdist_i?(?:{ops}))\b", source))
+    return named, "_getframe" in source or "inspect.stack" in source
+
+
+def test_every_call_takes_the_one_call_path():
+    # rdist.Comm, the default group and rdist.torch issue every operation
+    # through rdist._issue; none decides blocking or not from stack frames.
+    package = REPO / "bindings" / "python" / "rdist"
+    offenders = {}
+    for path in sorted(package.glob("*.py")):
+        if path.name in ("_issue.py", "_library.py"):
+            continue
+        named, frames = operation_calls(path.read_text())
+        if named or frames:
+            offenders[path.name] = (sorted(named), frames)
+    assert not offenders, offenders
+    # The check itself finds a direct call and a frame inspection.
+    assert operation_calls("lib.rdist_iallreduce(a, b)")[0] == {"rdist_iallreduce"}
+    assert operation_calls("sys._getframe(3)")[1]

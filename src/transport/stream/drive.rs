@@ -10,6 +10,17 @@ use std::time::{Duration, Instant};
 /// The longest a tagged call's dial may take.
 const DIAL_LIMIT: Duration = Duration::from_secs(10);
 
+/// How a pass of `drive` goes.
+#[derive(Clone, Copy, Debug)]
+pub struct Drive {
+    /// Dial a peer the tagged calls need and that is not connected (never
+    /// from the endpoint's thread, which answers the peers' dials).
+    pub connect: bool,
+    /// Read every connection the calls wait on, data or not (which is how
+    /// a peer's exit shows on shared memory); else only those with data,
+    /// as a spinning caller looks.
+    pub thorough: bool,
+}
 impl StreamTransport {
     /// Takes in the tagged calls posted while the core was held elsewhere
     /// and the channels that arrived.
@@ -20,27 +31,24 @@ impl StreamTransport {
 
     /// One pass of tagged progress with `peer` (None: every peer the
     /// tagged context has talked to, and, when a receive from any rank
-    /// is posted, every connected peer). `connect`: dial a peer the
-    /// tagged calls need and that is not connected (never from the
-    /// endpoint's thread, which answers the peers' dials). Whether bytes
-    /// moved.
-    pub fn drive(&mut self, peer: Option<usize>, connect: bool) -> bool {
+    /// is posted, every connected peer). Whether bytes moved.
+    pub fn drive(&mut self, peer: Option<usize>, how: Drive) -> bool {
         if self.failed.is_some() {
             return false;
         }
         self.take_posts();
         let before = self.moved;
         match peer {
-            Some(p) => self.drive_peer(p, connect),
+            Some(p) => self.drive_peer(p, how),
             None => {
                 for i in 0..self.tagged.used().len() {
                     let p = self.tagged.used()[i];
-                    self.drive_peer(p, connect);
+                    self.drive_peer(p, how);
                 }
                 if self.tagged.wants_any_source() {
                     for p in 0..self.size {
                         if self.conns[p].is_some() {
-                            self.drive_peer(p, false);
+                            self.drive_peer(p, Drive { connect: false, ..how });
                         }
                     }
                 }
@@ -49,29 +57,42 @@ impl StreamTransport {
         self.moved != before
     }
 
-    fn drive_peer(&mut self, peer: usize, connect: bool) {
+    fn drive_peer(&mut self, peer: usize, how: Drive) {
         if peer == self.rank || self.failed.is_some() {
             return;
         }
-        let needed = self.tagged.has_output(peer) || self.tagged.wants(peer);
+        let output = self.tagged.has_output(peer);
+        let wants = self.tagged.wants(peer);
         if self.conns[peer].is_none() {
-            if !needed {
+            if !output && !wants {
                 return;
             }
-            if connect {
+            if how.connect {
                 self.connect_for_tagged(peer);
             }
             if self.conns[peer].is_none() {
                 return;
             }
         }
-        if self.conns[peer].as_ref().is_some_and(|c| c.gone.is_some()) {
+        let conn = self.conns[peer].as_ref().expect("connected");
+        if conn.gone.is_some() {
+            return;
+        }
+        // A spinning caller reads only what is there (an empty ring's read
+        // looks for the peer's exit now and then, a system call).
+        let read = wants
+            && (how.thorough || !conn.between_frames() || conn.chan.has_data());
+        if !output && !read {
             return;
         }
         let mut idle = std::mem::take(&mut self.idle);
-        let result = self
-            .pump_sends(peer, &[], &mut idle)
-            .and_then(|()| self.pump_reads(peer, &mut [], &mut idle));
+        let mut result = Ok(());
+        if output {
+            result = self.pump_sends(peer, &[], &mut idle);
+        }
+        if read && result.is_ok() {
+            result = self.pump_reads(peer, &mut [], &mut idle);
+        }
         self.idle = idle;
         if let Err(e) = result {
             self.drive_failed(peer, e);

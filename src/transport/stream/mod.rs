@@ -16,6 +16,8 @@
 
 mod connect;
 mod drive;
+
+pub use drive::Drive;
 mod notice;
 mod progress;
 mod single_copy;
