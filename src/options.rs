@@ -58,10 +58,6 @@ pub enum SingleCopy {
 /// cores: 4 MiB allreduce 2.9 ms through the rings, 4.2 ms single copy).
 pub const AUTO_SINGLE_COPY_MIN: usize = 4 << 20;
 
-/// Where `auto` sends tagged messages single copy (see
-/// `SingleCopy::min_tagged_bytes`).
-pub const AUTO_TAGGED_MIN: usize = 32 << 10;
-
 impl SingleCopy {
     /// The payload size from which to go single-copy (usize::MAX: never).
     /// Auto goes single-copy only when the ranks on this host outnumber
@@ -75,18 +71,6 @@ impl SingleCopy {
         match self {
             SingleCopy::Auto if oversubscribed => AUTO_SINGLE_COPY_MIN,
             SingleCopy::Auto | SingleCopy::Off => usize::MAX,
-            SingleCopy::From(n) => n,
-        }
-    }
-
-    /// The least tagged message that goes single copy. A tagged message
-    /// is copied once, by its receiver, straight from the sender's
-    /// buffer, where a ring costs two copies: from `AUTO_TAGGED_MIN` that
-    /// saves more than the descriptor's round trip costs.
-    pub fn min_tagged_bytes(self) -> usize {
-        match self {
-            SingleCopy::Auto => AUTO_TAGGED_MIN,
-            SingleCopy::Off => usize::MAX,
             SingleCopy::From(n) => n,
         }
     }

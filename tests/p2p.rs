@@ -368,3 +368,101 @@ fn messages_sent_before_a_rank_left_are_still_received() {
         assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
     });
 }
+
+#[test]
+fn tagged_messages_of_every_size_arrive_whole_on_every_path() {
+    // Eager over the rings (whole records and streamed), single copy from
+    // the sender's memory (and its deferred form: the receive posted
+    // after the message came), eager over TCP; both ranks sending first
+    // (a receive posted late) and in turn.
+    let sizes = [
+        0usize,
+        1,
+        100,
+        65_495,
+        65_537,
+        131_072,
+        (1 << 20) + 3,
+        5 << 20,
+    ];
+    for (transport, single_copy) in [
+        ("auto", "auto"),
+        ("auto", "off"),
+        ("auto", "1"),
+        ("tcp", "auto"),
+    ] {
+        let mut o = common::opts(20_000);
+        o.set("transport", transport).unwrap();
+        o.set("single_copy_min", single_copy).unwrap();
+        common::world(2, o, Duration::from_secs(120), move |comm| {
+            let (me, peer) = (comm.rank(), 1 - comm.rank());
+            for (k, &n) in sizes.iter().enumerate() {
+                let mine: Vec<u8> = (0..n).map(|i| (i * 7 + me * 31 + k) as u8).collect();
+                let want: Vec<u8> = (0..n).map(|i| (i * 7 + peer * 31 + k) as u8).collect();
+                let mut got = vec![0u8; n];
+                // Both send first: the peer's message comes before its receive.
+                let s = isend(&comm, &mine, DType::Uint8, peer, k as i32);
+                std::thread::sleep(Duration::from_millis(2));
+                let st = comm
+                    .recv_tagged(&mut got, Some(peer), Some(k as i32))
+                    .unwrap();
+                s.wait().unwrap();
+                assert_eq!(
+                    (st.source, st.count),
+                    (peer, n),
+                    "{transport}/{single_copy} {n} B"
+                );
+                assert!(
+                    got == want,
+                    "{transport}/{single_copy}: {n} B arrived wrong (send first)"
+                );
+                // In turn: rank 0 sends, rank 1 receives, and back.
+                got.fill(0);
+                if me == 0 {
+                    comm.send_tagged(&mine, peer, 1000).unwrap();
+                    comm.recv_tagged(&mut got, Some(peer), Some(1000)).unwrap();
+                } else {
+                    comm.recv_tagged(&mut got, Some(peer), Some(1000)).unwrap();
+                    comm.send_tagged(&mine, peer, 1000).unwrap();
+                }
+                assert!(
+                    got == want,
+                    "{transport}/{single_copy}: {n} B arrived wrong (in turn)"
+                );
+            }
+            comm.barrier().unwrap();
+        });
+    }
+}
+
+#[test]
+fn a_wait_moves_every_pending_call_not_only_its_own() {
+    // A ring of three where each rank's blocking receive can only complete
+    // once its earlier nonblocking send (large: it needs the receiver's
+    // answer, then its payload written) moves on: 0 -> 1 -> 2 -> 0. The
+    // waiting caller holds the progress, so its wait must move the send
+    // too. With single copy, the receiver's answer (TagAck) to one peer
+    // must go out while it waits on another.
+    for single_copy in ["off", "1"] {
+        let mut o = common::opts(10_000);
+        o.set("single_copy_min", single_copy).unwrap();
+        common::world(3, o, Duration::from_secs(60), move |comm| {
+            let (me, n) = (comm.rank(), comm.size());
+            let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+            let big = 3 << 20;
+            let mine: Vec<u8> = (0..big).map(|i| (i * 13 + me) as u8).collect();
+            let want: Vec<u8> = (0..big).map(|i| (i * 13 + from) as u8).collect();
+            let mut got = vec![0u8; big];
+            let s = isend(&comm, &mine, DType::Uint8, to, 7);
+            // Let the envelope reach the receiver before its receive.
+            std::thread::sleep(Duration::from_millis(20));
+            comm.recv_tagged(&mut got, Some(from), Some(7)).unwrap();
+            s.wait().unwrap();
+            assert!(
+                got == want,
+                "{single_copy}: the ring's message arrived wrong"
+            );
+            comm.barrier().unwrap();
+        });
+    }
+}

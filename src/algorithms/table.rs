@@ -437,7 +437,11 @@ mod tests {
             OpKind::Barrier,
         ];
         for kind in collectives {
-            assert_eq!(TABLE.iter().filter(|e| e.kind == kind).count(), 1, "{kind:?}");
+            assert_eq!(
+                TABLE.iter().filter(|e| e.kind == kind).count(),
+                1,
+                "{kind:?}"
+            );
             assert!(!entry(kind).unwrap().algorithms.is_empty());
         }
         assert_eq!(TABLE.len(), collectives.len());

@@ -176,7 +176,11 @@ impl SocketBackend {
                 yield_when_idle: oversubscribed,
                 single_copy_min,
                 mixed: false,
-                tagged_single_copy_min: settings.single_copy.min_tagged_bytes(),
+                // Tagged messages go single copy where the collectives do:
+                // the rings' two copies run on both ranks' cores at once,
+                // which beats one copy on one (with its system call and
+                // page pinning) unless the ranks outnumber the cores.
+                tagged_single_copy_min: single_copy_min,
             },
             signal,
         })?;

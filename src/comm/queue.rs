@@ -526,7 +526,11 @@ impl Runner {
     ///
     /// # Safety
     /// As `post`.
-    pub(crate) unsafe fn post_recv(self: &Arc<Self>, r: Incoming, blocking: bool) -> Result<Request> {
+    pub(crate) unsafe fn post_recv(
+        self: &Arc<Self>,
+        r: Incoming,
+        blocking: bool,
+    ) -> Result<Request> {
         let posted = self.messages.recv(r, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
     }

@@ -80,8 +80,9 @@ impl Doorbell {
         }
     }
 
-    /// Announces that the owner is about to sleep; returns the counter to
-    /// pass to `sleep`. The owner must re-check for work after this.
+    /// Announces that the owner (one of its threads) is about to sleep;
+    /// returns the counter to pass to `sleep`. The owner must re-check for
+    /// work after this.
     pub fn prepare(&self) -> u32 {
         let seen = self.bell().load(Ordering::SeqCst);
         self.sleeping().store(1, Ordering::SeqCst);
@@ -100,12 +101,14 @@ impl Doorbell {
     pub fn sleep(&self, seen: u32, timeout: Duration) {
         // Returns at once if the counter already moved on.
         super::futex::wait(self.bell(), seen, timeout);
-        self.done();
     }
 
-    pub fn done(&self) {
-        self.sleeping().store(0, Ordering::SeqCst);
-    }
+    /// The owner is not going to sleep after all (it found work after
+    /// `prepare`). The flag stays as it is: another thread of the owner
+    /// may sleep on the bell too (the endpoint's, or a collective's), and
+    /// clearing it would leave that one unwoken until its nap ends; a
+    /// peer's next ring clears it, one wake too many at most.
+    pub fn done(&self) {}
 }
 
 /// Registers this process for expedited global membarriers; false where

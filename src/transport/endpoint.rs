@@ -73,6 +73,8 @@ impl Endpoint {
             links,
             wake: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
             drivers: AtomicUsize::new(0),
+            may_sleep_long: AtomicBool::new(true),
+            driven_lately: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             hook: Mutex::new(None),
         });
@@ -138,7 +140,6 @@ impl Endpoint {
         let ticket = Ticket {
             id,
             done: done.clone(),
-            peer: Some(msg.peer),
             call: Described::Send(msg),
         };
         self.post(Post::Send(msg, done, id), Some(msg.peer), blocking)?;
@@ -162,7 +163,6 @@ impl Endpoint {
         let ticket = Ticket {
             id,
             done: done.clone(),
-            peer: r.peer,
             call: Described::Recv(r),
         };
         self.post(Post::Recv(r, done, id), r.peer, blocking)?;
@@ -199,14 +199,16 @@ impl Endpoint {
         // What is left of a call nobody waits for yet moves with the
         // endpoint's thread (a waiting caller tells it when it stops).
         if !blocking && !done.is_finished() {
-            sh.wake.ring();
+            sh.nudge();
         }
         Ok(())
     }
 
     /// Waits for a ticket, bounded by the timeout: drives progress itself
-    /// first (no thread hand-off for a message that comes soon, as MPI
-    /// does in its waits), then sleeps while the endpoint's thread moves
+    /// first (no thread hand-off for a message that comes soon), moving
+    /// every pending call, not only this one, as MPI's waits do (a peer
+    /// may wait on an answer this rank owes it for another call), then
+    /// sleeps while the endpoint's thread moves
     /// it. On timeout the call is withdrawn (its buffer is no longer
     /// touched) and the error names it and what else is pending here.
     pub fn wait(&self, t: &Ticket) -> Result<Status> {
@@ -224,7 +226,7 @@ impl Endpoint {
         let mut passes = 0u32;
         while !t.done.is_finished() {
             if let Some(mut core) = try_lock(&sh.core) {
-                if core.drive(t.peer, CALLER) {
+                if core.drive(None, CALLER) {
                     spin_until = Instant::now() + self.spin;
                 }
             }
@@ -232,7 +234,7 @@ impl Endpoint {
                 break;
             }
             passes = passes.wrapping_add(1);
-            if passes.is_multiple_of(16) && Instant::now() >= spin_until {
+            if passes.is_multiple_of(64) && Instant::now() >= spin_until {
                 break;
             }
             if self.yield_when_idle {
@@ -241,13 +243,11 @@ impl Endpoint {
                 std::hint::spin_loop();
             }
         }
-        sh.drivers.fetch_sub(1, Ordering::Relaxed);
         if !t.done.is_finished() {
-            sh.wake.ring();
-            if let Some(r) = t.done.sleep_until(deadline) {
-                return r;
-            }
+            self.sleep_for(t, deadline);
         }
+        sh.drivers.fetch_sub(1, Ordering::Relaxed);
+        sh.driven_lately.store(true, Ordering::Relaxed);
         if let Some(r) = t.done.get() {
             return r;
         }
@@ -276,6 +276,61 @@ impl Endpoint {
         Err(err)
     }
 
+    /// Past the spin window: sleeps until the ticket completes or the
+    /// deadline, still moving the calls itself (no hand-off to the
+    /// endpoint's thread, whose naps would add to the wait): on the
+    /// doorbell while they wait on shared memory (a peer's write wakes it),
+    /// in poll() on their sockets otherwise, in growing naps that look at
+    /// the ticket between them. While a collective holds the core, it moves
+    /// the calls, and completes this one.
+    fn sleep_for(&self, t: &Ticket, deadline: Instant) {
+        let sh = &self.shared;
+        let mut nap = Duration::from_millis(1);
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        while !t.done.is_finished() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let nap_now = nap.min(left);
+            nap = (nap * 2).min(Duration::from_millis(50));
+            let Some(mut core) = try_lock(&sh.core) else {
+                t.done
+                    .sleep_until(Instant::now() + nap_now.min(Duration::from_millis(1)));
+                continue;
+            };
+            match (&sh.doorbell, core.tagged_waits_on_memory()) {
+                (Some(bell), true) => {
+                    // Announced, then looked at once more: a write after
+                    // the look rings the doorbell.
+                    let seen = bell.prepare();
+                    let moved = core.drive(None, THOROUGH);
+                    drop(core);
+                    if !moved && !t.done.is_finished() {
+                        bell.sleep(seen, nap_now);
+                    }
+                }
+                _ => {
+                    let moved = core.drive(None, THOROUGH);
+                    fds.clear();
+                    core.tagged_fds(&mut fds);
+                    drop(core);
+                    if moved || t.done.is_finished() {
+                        continue;
+                    }
+                    fds.push(libc::pollfd {
+                        fd: sh.posts.bell.fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    let ms = nap_now.as_millis().clamp(1, i32::MAX as u128) as i32;
+                    // SAFETY: fds is a live array of pollfd.
+                    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+                }
+            }
+        }
+    }
+
     /// The ticket's result once complete; never blocks (it moves what it
     /// can when the core is free, as MPI_Test does).
     pub fn test(&self, t: &Ticket) -> Option<Result<Status>> {
@@ -283,7 +338,7 @@ impl Endpoint {
             return Some(r.map_err(|e| named(t, e)));
         }
         if let Some(mut core) = try_lock(&self.shared.core) {
-            core.drive(t.peer, CALLER);
+            core.drive(None, CALLER);
         }
         t.done.get().map(|r| r.map_err(|e| named(t, e)))
     }
@@ -339,6 +394,13 @@ impl Endpoint {
 const CALLER: Drive = Drive {
     connect: true,
     thorough: false,
+};
+
+/// How a caller about to sleep looks: every connection its calls wait on
+/// (how a peer's exit shows on shared memory).
+const THOROUGH: Drive = Drive {
+    connect: true,
+    thorough: true,
 };
 
 /// A call's error says which call failed, when it does not already.

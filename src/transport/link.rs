@@ -214,6 +214,12 @@ impl Links {
         }
     }
 
+    /// Whether a channel may wait in `take_arrived` (one load).
+    #[inline]
+    pub fn has_arrived(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
     /// The channels made for peers, since the last call.
     pub fn take_arrived(&self) -> Vec<(usize, Box<dyn Channel>)> {
         if !self.pending.load(Ordering::Acquire) {

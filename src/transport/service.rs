@@ -17,7 +17,7 @@ use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Shared by the endpoint and its thread.
 pub(super) struct Shared {
@@ -33,6 +33,13 @@ pub(super) struct Shared {
     /// Callers driving progress in their waits right now: the thread
     /// stays out of their way.
     pub drivers: AtomicUsize,
+    /// A caller drove since the thread last looked: it may come back at
+    /// once (the next blocking call), so the thread does not sleep on the
+    /// doorbell then (the barrier that sleep needs interrupts every core).
+    pub driven_lately: AtomicBool,
+    /// The thread may be about to sleep long (it looks again within
+    /// milliseconds otherwise): a call left for it must ring `wake`.
+    pub may_sleep_long: AtomicBool,
     pub closing: AtomicBool,
     /// Run on every pass of the thread (the flight recorder's publisher);
     /// it limits itself.
@@ -46,16 +53,52 @@ pub(super) struct Shared {
 /// second.)
 const IDLE_WAKE_MS: libc::c_int = 250;
 
-/// How often it looks while tagged calls wait on shared memory, which
-/// wakes no descriptor.
-const MEMORY_LOOK_MS: libc::c_int = 1;
+/// How often it looks while tagged calls wait and nobody moves them:
+/// shared memory wakes no descriptor, and calls posted meanwhile do not
+/// ring it.
+const ACTIVE_LOOK_MS: libc::c_int = 2;
+
+/// How often it looks while callers move their calls themselves.
+const CALLERS_LOOK_MS: libc::c_int = 20;
+
+/// How long after the last call it stays active.
+const ACTIVE_FOR: Duration = Duration::from_millis(100);
+
+/// How the thread moves tagged calls: it never dials, and reads every
+/// connection a call waits on (how a peer's exit shows).
+const THOROUGH: Drive = Drive {
+    connect: false,
+    thorough: true,
+};
 
 /// Most connections greeted at once (see transport/greeting.rs).
 const MAX_GREETINGS: usize = 1024;
 
+impl Shared {
+    /// Tells the thread that a call needs it, when it may be asleep for
+    /// long (a system call, saved while it looks often anyway).
+    pub fn nudge(&self) {
+        if self.may_sleep_long.load(Ordering::SeqCst) {
+            self.wake.ring();
+        }
+    }
+}
+
 pub(super) fn run(sh: &Shared, listener: TcpListener) {
+    // Its wakes never preempt a running thread (SCHED_BATCH: the same
+    // share, no wake-up preemption): callers spinning for a message are
+    // not pushed off their core by a look that finds nothing to do.
+    // SAFETY: a plain system call on the calling thread (0).
+    unsafe {
+        libc::sched_setscheduler(
+            0,
+            libc::SCHED_BATCH,
+            &libc::sched_param { sched_priority: 0 },
+        )
+    };
     let mut greeting: Vec<Greeting> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut last_busy = Instant::now();
     loop {
         if let Some(hook) = lock(&sh.hook).as_mut() {
             hook();
@@ -79,33 +122,53 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
             return;
         }
         fds.clear();
-        let mut wait_ms = IDLE_WAKE_MS;
+        // Said before looking at the calls: one posted after the look
+        // rings, one posted before it is seen.
+        sh.may_sleep_long.store(true, Ordering::SeqCst);
+        let lately = sh.driven_lately.swap(false, Ordering::Relaxed);
         let driven = sh.drivers.load(Ordering::Relaxed) > 0;
+        let mut busy = driven || lately;
+        // Someone else moves the calls (a caller, or a collective holding
+        // the core, which takes the tagged frames it meets).
+        let mut others = busy;
         let mut holding = false;
-        if !driven {
-            if let Some(mut core) = try_lock(&sh.core) {
-                holding = true;
-                core.drive(
-                    None,
-                    Drive {
-                        connect: false,
-                        thorough: true,
-                    },
-                );
-                if core.tagged.busy() {
-                    core.tagged_fds(&mut fds);
-                    if core.tagged_waits_on_memory() {
-                        wait_ms = MEMORY_LOOK_MS;
+        // Callers that drove since the last look may be back at once: the
+        // thread stays out of their way (holding the core, it could be
+        // preempted, and they would wait for it a whole time slice).
+        if !busy {
+            match try_lock(&sh.core) {
+                Some(mut core) => {
+                    holding = true;
+                    core.drive(None, THOROUGH);
+                    if core.tagged_busy() {
+                        busy = true;
+                        core.tagged_fds(&mut fds);
                     }
                 }
-            } else {
-                // A collective holds the core, and moves the tagged frames
-                // it meets; look again soon for the rest.
-                wait_ms = 5;
+                None => {
+                    busy = true;
+                    others = true;
+                }
             }
+        }
+        let now = Instant::now();
+        if busy {
+            last_busy = now;
+        }
+        // Callers moving their calls: it looks now and then (each look
+        // takes a core from them). Calls pending and nobody moving them:
+        // it looks every few milliseconds. Either way calls posted need
+        // not ring it. Idle for a while: it sleeps long, and the first call
+        // posted rings it.
+        let wait_ms = if others {
+            CALLERS_LOOK_MS
+        } else if now.duration_since(last_busy) < ACTIVE_FOR {
+            ACTIVE_LOOK_MS
         } else {
-            // A waiting caller is moving the bytes; look again shortly.
-            wait_ms = 5;
+            IDLE_WAKE_MS
+        };
+        if wait_ms < IDLE_WAKE_MS {
+            sh.may_sleep_long.store(false, Ordering::SeqCst);
         }
         // Woken by: a caller that stops driving or closes, a dialer, a
         // greeting's next bytes and, when this thread moves the tagged
@@ -124,6 +187,7 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         }
         // SAFETY: fds is a live array of pollfd.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+        sh.may_sleep_long.store(false, Ordering::SeqCst);
         if n > 0 {
             sh.wake.drain();
         }

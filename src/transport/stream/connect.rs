@@ -133,6 +133,9 @@ impl StreamTransport {
     /// second one for a connected pair is dropped).
     pub(super) fn take_arrived(&mut self) {
         let Some(links) = &self.links else { return };
+        if !links.has_arrived() {
+            return;
+        }
         for (peer, chan) in links.take_arrived() {
             if self.conns[peer].is_none() {
                 self.install(peer, chan);

@@ -3,7 +3,7 @@
 //! moves the tagged frames (taking in whatever else arrives on the way:
 //! a collective's frames for a later call go to the inbox).
 
-use super::StreamTransport;
+use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
 use std::time::{Duration, Instant};
 
@@ -24,8 +24,11 @@ pub struct Drive {
 impl StreamTransport {
     /// Takes in the tagged calls posted while the core was held elsewhere
     /// and the channels that arrived.
+    #[inline]
     pub fn take_posts(&mut self) {
-        self.posts.take_into(&mut self.tagged);
+        if self.posts.pending() {
+            self.posts.take_into(&mut self.tagged);
+        }
         self.take_arrived();
     }
 
@@ -37,6 +40,7 @@ impl StreamTransport {
             return false;
         }
         self.take_posts();
+        self.tagged.release_waiting_senders();
         let before = self.moved;
         match peer {
             Some(p) => self.drive_peer(p, how),
@@ -48,7 +52,13 @@ impl StreamTransport {
                 if self.tagged.wants_any_source() {
                     for p in 0..self.size {
                         if self.conns[p].is_some() {
-                            self.drive_peer(p, Drive { connect: false, ..how });
+                            self.drive_peer(
+                                p,
+                                Drive {
+                                    connect: false,
+                                    ..how
+                                },
+                            );
                         }
                     }
                 }
@@ -78,10 +88,11 @@ impl StreamTransport {
         if conn.gone.is_some() {
             return;
         }
-        // A spinning caller reads only what is there (an empty ring's read
+        // A frame partly read is read on (its receive may be matched
+        // already, so nothing waits for the peer any more); otherwise a
+        // spinning caller reads only what is there (an empty ring's read
         // looks for the peer's exit now and then, a system call).
-        let read = wants
-            && (how.thorough || !conn.between_frames() || conn.chan.has_data());
+        let read = !conn.between_frames() || (wants && (how.thorough || conn.chan.has_data()));
         if !output && !read {
             return;
         }
@@ -139,21 +150,28 @@ impl StreamTransport {
         }
     }
 
+    /// Whether a tagged call is pending, or a tagged frame is partly
+    /// read (its receive may be matched already): someone must keep
+    /// moving.
+    pub fn tagged_busy(&self) -> bool {
+        self.tagged.busy() || self.conns.iter().flatten().any(|c| c.reading_tagged())
+    }
+
     /// Whether some tagged call waits on a connection that wakes no
-    /// descriptor (shared memory): whoever sleeps for it must look again
-    /// soon (or sleep on the doorbell).
+    /// descriptor (shared memory): whoever sleeps for it must sleep on the
+    /// doorbell (or look again soon).
     pub fn tagged_waits_on_memory(&self) -> bool {
-        self.tagged.used().iter().any(|&p| {
-            self.conns[p]
-                .as_ref()
-                .is_some_and(|c| !c.chan.caps().through_kernel)
-                && (self.tagged.has_output(p) || self.tagged.wants(p))
-        }) || (self.tagged.wants_any_source()
-            && self
+        let memory = |c: &Conn| !c.chan.caps().through_kernel;
+        let on = |p: usize| self.conns[p].as_deref().is_some_and(memory);
+        self.tagged
+            .used()
+            .iter()
+            .any(|&p| on(p) && (self.tagged.has_output(p) || self.tagged.wants(p)))
+            || self
                 .conns
                 .iter()
                 .flatten()
-                .any(|c| !c.chan.caps().through_kernel))
+                .any(|c| memory(c) && (c.reading_tagged() || self.tagged.wants_any_source()))
     }
 
     /// The descriptors to poll, and for what, while tagged calls wait on
@@ -168,7 +186,9 @@ impl StreamTransport {
             if self.tagged.wants(peer) || !conn.between_frames() {
                 events |= libc::POLLIN;
             }
-            if self.tagged.has_output(peer) {
+            // A shared-memory channel's descriptor only tells the peer's
+            // exit (it is always writable, whatever room its ring has).
+            if self.tagged.has_output(peer) && conn.chan.caps().through_kernel {
                 events |= libc::POLLOUT;
             }
             if events != 0 {

@@ -951,6 +951,17 @@ impl Conn {
     fn between_frames(&self) -> bool {
         matches!(self.incoming, Incoming::Header { got: 0, .. })
     }
+
+    /// True while a tagged frame's payload is partly read.
+    fn reading_tagged(&self) -> bool {
+        matches!(
+            self.incoming,
+            Incoming::Payload {
+                into: Target::Tagged(..),
+                ..
+            }
+        )
+    }
 }
 
 /// One write of the rest of a frame (header and padding, then payload)

@@ -168,6 +168,7 @@ impl StreamTransport {
             if self.posts.pending() {
                 self.take_posts();
             }
+            self.tagged.release_waiting_senders();
             if self.signal.is_aborted() {
                 return Err(Error::new(
                     ErrorKind::Aborted,

@@ -171,7 +171,7 @@ impl StreamTransport {
                 }
                 Some(mut sink) => {
                     if let Some(b) = sink.buffer(0) {
-                        b[..payload.len()].copy_from_slice(payload);
+                        crate::copy::copy(&mut b[..payload.len()], payload);
                     }
                     self.tagged.on_payload(peer, sink, &[], pid);
                 }

@@ -20,11 +20,21 @@ pub struct Envelope {
     pub count: u64,
 }
 
-/// A message that arrived: its payload (eager), or only its envelope (the
-/// payload waits for clear-to-send).
+/// A message that arrived: its payload (eager), where it lies in its
+/// sender's memory (single copy, not copied yet), or only its envelope
+/// (the payload waits for clear-to-send).
 pub struct Arrival {
     pub env: Envelope,
     pub payload: Option<Vec<u8>>,
+    pub remote: Option<Remote>,
+}
+
+/// A single-copy message left in its sender's memory, and since when.
+#[derive(Clone, Copy, Debug)]
+pub struct Remote {
+    pub pid: i32,
+    pub addr: u64,
+    pub since: std::time::Instant,
 }
 
 /// A receive waiting for its message.
@@ -55,6 +65,8 @@ pub struct Matching {
     pub unexpected: VecDeque<Arrival>,
     /// Eager payload bytes held in `unexpected`.
     pub unexpected_bytes: usize,
+    /// Messages in `unexpected` still in their sender's memory.
+    pub remote_waiting: usize,
 }
 
 impl Matching {
@@ -64,6 +76,7 @@ impl Matching {
             Some(i) => Some((self.posted.remove(i).expect("found"), a)),
             None => {
                 self.unexpected_bytes += a.payload.as_ref().map_or(0, Vec::len);
+                self.remote_waiting += usize::from(a.remote.is_some());
                 self.unexpected.push_back(a);
                 None
             }
@@ -83,6 +96,7 @@ impl Matching {
             Some(i) => {
                 let a = self.unexpected.remove(i).expect("found");
                 self.unexpected_bytes -= a.payload.as_ref().map_or(0, Vec::len);
+                self.remote_waiting -= usize::from(a.remote.is_some());
                 Some((r, a))
             }
             None => {
@@ -126,6 +140,7 @@ mod tests {
                 count: 1,
             },
             payload: Some(vec![seq as u8]),
+            remote: None,
         }
     }
 

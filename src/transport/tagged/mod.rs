@@ -25,7 +25,7 @@ use crate::sync::lock;
 use crate::transport::channel::{read_remote, Channel};
 use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, REMOTE_BYTES};
 use crate::transport::signal::Wake;
-use matching::{Arrival, Envelope, Matching, PostedRecv};
+use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -97,8 +97,6 @@ impl Done {
 pub struct Ticket {
     pub id: u64,
     pub done: Arc<Done>,
-    /// The rank it talks to (None: any).
-    pub peer: Option<usize>,
     /// What it is, for messages (formatted only when one is needed).
     pub call: Described,
 }
@@ -201,15 +199,13 @@ impl Posts {
     }
 
     /// Whether calls wait to be taken in (looked at without the lock).
+    #[inline]
     pub fn pending(&self) -> bool {
         self.pending.load(Ordering::Acquire)
     }
 
     /// Takes the posted calls into `tagged`, in order.
     pub fn take_into(&self, tagged: &mut Tagged) {
-        if !self.pending() {
-            return;
-        }
         let posts = {
             let mut q = lock(&self.queue);
             self.pending.store(false, Ordering::Release);
@@ -354,6 +350,13 @@ pub struct Path {
 /// comes (the sender then sends it over the connection).
 const UNEXPECTED_LIMIT: usize = 256 << 20;
 
+/// How long a single-copy message nobody asked for yet stays in its
+/// sender's memory, waiting for its receive to be posted (then it is
+/// copied once, straight into the receive), before it is copied out into
+/// memory kept here and its sender is released: a sender that blocks
+/// until then may be this rank's peer in a send-before-receive both ways.
+const REMOTE_PATIENCE: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// The tagged context of one rank of one communicator.
 pub struct Tagged {
     rank: usize,
@@ -431,7 +434,7 @@ impl Tagged {
                 dtype: msg.dtype,
                 count: msg.count as u64,
             };
-            self.arrive(env, Some(payload));
+            self.arrive(env, Some(payload), None);
             done.complete(Ok(Status {
                 source: self.rank,
                 tag: msg.tag,
@@ -480,12 +483,17 @@ impl Tagged {
     }
 
     /// Whether reading `peer`'s frames now serves this context: a receive
-    /// that may take its messages is posted, or a send waits for its
-    /// answer.
+    /// that may take its messages is posted, a send waits for its answer,
+    /// or a send to it is still being written (the peer may be writing to
+    /// this rank just as it does, both waiting for room: its messages are
+    /// taken in, so that sends made before receives on both sides go on).
     pub fn wants(&self, peer: usize) -> bool {
-        let waiting = self
-            .peer_ref(peer)
-            .is_some_and(|p| !p.awaiting.is_empty() || !p.receiving.is_empty());
+        let waiting = self.peer_ref(peer).is_some_and(|p| {
+            !p.awaiting.is_empty()
+                || !p.receiving.is_empty()
+                || !p.queued.is_empty()
+                || !p.out.is_empty()
+        });
         waiting
             || self
                 .matching
@@ -670,7 +678,7 @@ impl Tagged {
                     return Ok(Some(Sink::Descriptor(env)));
                 }
                 if h.kind == FrameKind::TagRts || h.payload == 0 {
-                    self.arrive(env, (h.kind == FrameKind::TagEager).then(Vec::new));
+                    self.arrive(env, (h.kind == FrameKind::TagEager).then(Vec::new), None);
                     return Ok(None);
                 }
                 Ok(Some(match self.matching.claim(&env) {
@@ -737,11 +745,12 @@ impl Tagged {
     pub fn on_payload(&mut self, peer: usize, sink: Sink, descriptor: &[u8], pid: Option<i32>) {
         match sink {
             Sink::Receive(r, status) => r.done.complete(Ok(status)),
-            Sink::Keep(env, payload) => self.arrive(env, Some(payload)),
+            Sink::Keep(env, payload) => self.arrive(env, Some(payload), None),
             Sink::Drop => {}
             Sink::Descriptor(env) => {
                 let addr = u64::from_le_bytes(descriptor[..8].try_into().expect("8 bytes"));
-                self.on_remote(peer, env, pid.unwrap_or(0), addr);
+                let _ = peer;
+                self.on_remote(env, pid.unwrap_or(0), addr);
             }
         }
     }
@@ -754,12 +763,12 @@ impl Tagged {
             None => {}
             Some(Sink::Receive(r, status)) => {
                 // SAFETY: as in `Sink::buffer`; fit checked the size.
-                unsafe { r.buf.bytes_mut()[..payload.len()].copy_from_slice(payload) };
+                crate::copy::copy(unsafe { &mut r.buf.bytes_mut()[..payload.len()] }, payload);
                 r.done.complete(Ok(status));
             }
             Some(Sink::Keep(env, mut v)) => {
-                v.copy_from_slice(payload);
-                self.arrive(env, Some(v));
+                crate::copy::copy(&mut v, payload);
+                self.arrive(env, Some(v), None);
             }
             Some(_) => {}
         }
@@ -767,51 +776,80 @@ impl Tagged {
     }
 
     /// A same-host message: copied straight from the sender's memory into
-    /// its receive, or (none posted yet) into memory kept until one is;
-    /// the sender hears TagAck. When the copy is refused, the receiver
-    /// asks for the payload over the connection instead (TagCts).
-    fn on_remote(&mut self, peer: usize, env: Envelope, pid: i32, addr: u64) {
-        let me = self.rank;
-        let len = env.count as usize * env.dtype.size();
-        let answer = |t: &mut Tagged, kind: FrameKind| {
-            let h = Header::tagged(kind, env.seq, 0, 0, DType::Uint8, 0);
-            t.peer(peer)
-                .push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
+    /// its receive, or (none posted yet) left there for a while, for the
+    /// receive to come (`REMOTE_PATIENCE`); the sender hears TagAck. When
+    /// the copy is refused, the receiver asks for the payload over the
+    /// connection instead (TagCts), as for any large message.
+    fn on_remote(&mut self, env: Envelope, pid: i32, addr: u64) {
+        let remote = Remote {
+            pid,
+            addr,
+            since: Instant::now(),
         };
-        if let Some(r) = self.matching.claim(&env) {
-            match fit(r, &env, me) {
-                Sink::Receive(r, status) => {
-                    // SAFETY: the receive's buffer is valid until it
-                    // completes and holds the message (fit checked it).
-                    let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
-                    if read_remote(pid, addr, dst).is_ok() {
-                        r.done.complete(Ok(status));
-                        answer(self, FrameKind::TagAck);
-                    } else {
-                        self.peer(peer)
-                            .receiving
-                            .insert(env.seq, Sink::Receive(r, status));
-                        answer(self, FrameKind::TagCts);
-                    }
-                }
-                _ => answer(self, FrameKind::TagAck),
-            }
-            return;
+        match self.matching.claim(&env) {
+            Some(r) => self.deliver(
+                r,
+                Arrival {
+                    env,
+                    payload: None,
+                    remote: Some(remote),
+                },
+            ),
+            None => self.arrive(env, None, Some(remote)),
         }
-        if self.matching.unexpected_bytes + len <= UNEXPECTED_LIMIT {
-            let mut kept = vec![0u8; len];
-            if read_remote(pid, addr, &mut kept).is_ok() {
-                self.arrive(env, Some(kept));
-                answer(self, FrameKind::TagAck);
-                return;
-            }
-        }
-        // Kept as an envelope: its receive asks for the payload (TagCts).
-        self.arrive(env, None);
     }
 
-    fn arrive(&mut self, env: Envelope, payload: Option<Vec<u8>>) {
-        if let Some((r, a)) = self.matching.arrive(Arrival { env, payload }) {
+    /// Copies out the single-copy messages nobody has asked for within
+    /// `REMOTE_PATIENCE` (or that cannot be kept: beyond the limit they are
+    /// asked for over the connection when their receive comes), releasing
+    /// their senders.
+    #[inline]
+    pub fn release_waiting_senders(&mut self) {
+        if self.matching.remote_waiting > 0 {
+            self.release_senders();
+        }
+    }
+
+    fn release_senders(&mut self) {
+        let now = Instant::now();
+        let mut answers = Vec::new();
+        for a in self.matching.unexpected.iter_mut() {
+            let Some(remote) = a.remote else { continue };
+            if now.duration_since(remote.since) < REMOTE_PATIENCE {
+                continue;
+            }
+            let len = a.env.count as usize * a.env.dtype.size();
+            let mut kept = vec![0u8; len];
+            a.remote = None;
+            self.matching.remote_waiting -= 1;
+            if self.matching.unexpected_bytes + len <= UNEXPECTED_LIMIT
+                && read_remote(remote.pid, remote.addr, &mut kept).is_ok()
+            {
+                self.matching.unexpected_bytes += len;
+                a.payload = Some(kept);
+                answers.push((a.env, FrameKind::TagAck));
+            }
+            // Else kept as an envelope: its receive asks for the payload.
+        }
+        for (env, kind) in answers {
+            self.answer(env, kind);
+        }
+    }
+
+    /// Queues an answer (TagAck, TagCts) to the sender of `env`.
+    fn answer(&mut self, env: Envelope, kind: FrameKind) {
+        let h = Header::tagged(kind, env.seq, 0, 0, DType::Uint8, 0);
+        self.peer(env.source)
+            .push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
+    }
+
+    fn arrive(&mut self, env: Envelope, payload: Option<Vec<u8>>, remote: Option<Remote>) {
+        let a = Arrival {
+            env,
+            payload,
+            remote,
+        };
+        if let Some((r, a)) = self.matching.arrive(a) {
             self.deliver(r, a);
         }
     }
@@ -822,20 +860,35 @@ impl Tagged {
     fn deliver(&mut self, r: PostedRecv, a: Arrival) {
         let env = a.env;
         let target = fit(r, &env, self.rank);
-        match (a.payload, target) {
-            (Some(bytes), Sink::Receive(r, status)) => {
+        match (a.payload, a.remote, target) {
+            (Some(bytes), _, Sink::Receive(r, status)) => {
                 // SAFETY: the receive's buffer is valid until it completes,
                 // and holds at least the message (checked above).
-                unsafe { r.buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes) };
+                crate::copy::copy(unsafe { &mut r.buf.bytes_mut()[..bytes.len()] }, &bytes);
                 r.done.complete(Ok(status));
             }
-            (Some(_), _) => {}
-            (None, target) if env.source == self.rank => drop(target),
-            (None, target) => {
-                let p = self.peer(env.source);
-                p.receiving.insert(env.seq, target);
-                let h = Header::tagged(FrameKind::TagCts, env.seq, 0, 0, DType::Uint8, 0);
-                p.push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
+            (Some(_), _, _) => {}
+            (None, Some(remote), Sink::Receive(r, status)) => {
+                // One copy, straight from the sender's memory.
+                let len = env.count as usize * env.dtype.size();
+                // SAFETY: as above.
+                let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
+                if read_remote(remote.pid, remote.addr, dst).is_ok() {
+                    r.done.complete(Ok(status));
+                    self.answer(env, FrameKind::TagAck);
+                } else {
+                    self.peer(env.source)
+                        .receiving
+                        .insert(env.seq, Sink::Receive(r, status));
+                    self.answer(env, FrameKind::TagCts);
+                }
+            }
+            // A misfit: consumed all the same, its sender released.
+            (None, Some(_), _) => self.answer(env, FrameKind::TagAck),
+            (None, None, target) if env.source == self.rank => drop(target),
+            (None, None, target) => {
+                self.peer(env.source).receiving.insert(env.seq, target);
+                self.answer(env, FrameKind::TagCts);
             }
         }
     }
@@ -913,6 +966,12 @@ impl Tagged {
             }
         }
         self.matching.posted = keep;
+        // Its messages still in its memory are lost with it.
+        let m = &mut self.matching;
+        let before = m.unexpected.len();
+        m.unexpected
+            .retain(|a| !(a.env.source == peer && a.remote.is_some()));
+        m.remote_waiting -= before - m.unexpected.len();
     }
 
     /// Every pending and future call fails with `err`.
