@@ -2,6 +2,8 @@
 //! (`hierarchical`, `grid`): the ranks of this rank's host, the ranks of
 //! its local index on every host, and every rank by host and index.
 
+use crate::transport::membership::hosts::groups;
+
 /// Where this rank sits: the ranks of its host, and the ranks with its
 /// local index on every host (each in rank order, this rank in both).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,23 +25,12 @@ impl Layers {
         if hosts.iter().all(|h| h.as_ref() == first) {
             return None;
         }
-        let mut names: Vec<&str> = Vec::new();
-        for h in hosts {
-            if !names.contains(&h.as_ref()) {
-                names.push(h.as_ref());
-            }
-        }
-        let members = |name: &str| -> Vec<usize> {
-            (0..hosts.len())
-                .filter(|r| hosts[*r].as_ref() == name)
-                .collect()
-        };
-        let groups: Vec<Vec<usize>> = names.iter().map(|n| members(n)).collect();
+        let groups = groups(hosts);
         let per_host = groups[0].len();
         if groups.len() < 2 || per_host < 2 || groups.iter().any(|g| g.len() != per_host) {
             return None;
         }
-        let host = members(hosts[rank].as_ref());
+        let host = groups.iter().find(|g| g.contains(&rank))?.clone();
         let index = host.iter().position(|r| *r == rank)?;
         let across = groups.iter().map(|g| g[index]).collect();
         Some(Layers {

@@ -20,7 +20,7 @@ use crate::log;
 use crate::options::{Backend, LogLevel, Options};
 use crate::sync::lock;
 use crate::trace::Trace;
-use crate::transport::roster::Roster;
+use crate::transport::membership::Roster;
 use crate::transport::signal::AbortSignal;
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;

@@ -12,13 +12,13 @@ use crate::options::{Options, ShmTuning, SingleCopy, TransportKind};
 use crate::transport::endpoint::{Endpoint, EndpointSpec};
 use crate::transport::media;
 use crate::transport::medium::Wanted;
+use crate::transport::membership::{hosts, split, Placement, Roster};
 use crate::transport::mesh::MeshSpec;
-use crate::transport::roster::{fnv1a, Roster};
 use crate::transport::signal::AbortSignal;
 use crate::transport::stream::Tuning;
 use crate::transport::{Shape, Transport, Xfer};
 use std::collections::VecDeque;
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,43 +120,19 @@ impl SocketBackend {
             job: roster.job,
             comm_id: roster.comm_id,
             token: settings.token.clone(),
-            far: roster
-                .hosts
-                .iter()
-                .map(|h| *h != roster.hosts[rank])
-                .collect(),
+            far: hosts::far(&roster.hosts, rank).into(),
         };
         let listener = listener
             .try_clone()
             .map_err(|e| Error::system("keeping the listener", &e))?;
-        let same_host = roster.hosts.iter().all(|h| *h == roster.hosts[rank]);
-        let local_ranks = roster
-            .hosts
-            .iter()
-            .filter(|h| **h == roster.hosts[rank])
-            .count();
+        let place = Placement::of(&roster.hosts, rank);
+        let (same_host, local_ranks) = (place.whole_world_here, place.host_ranks);
         let cores = online_cores();
         // Hosts that are containers or network namespaces of one machine
         // share its cores: 4 "hosts" of 2 ranks on a 2-core machine, each
         // seeing 2 cores for its 2 ranks, spun a barrier to 2.9 ms (0.37
         // ms yielding).
-        let machine = crate::transport::roster::machine_of(&roster.hosts[rank]);
-        // A rank's host is most often the one before it: its machine is
-        // looked up once per run of ranks, not once per rank.
-        let mut last: Option<(&str, bool)> = None;
-        let machine_ranks = roster
-            .hosts
-            .iter()
-            .map(|h| &**h)
-            .filter(|h| match last {
-                Some((seen, same)) if seen == *h => same,
-                _ => {
-                    let same = crate::transport::roster::machine_of(h) == machine;
-                    last = Some((h, same));
-                    same
-                }
-            })
-            .count();
+        let machine_ranks = place.machine_ranks;
         let oversubscribed = local_ranks > cores || machine_ranks > machine_cores();
         let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
         // Shared memory with the ranks of this host, TCP with the others,
@@ -401,55 +377,20 @@ impl SocketBackend {
             .local_addr()
             .map_err(|e| Error::system("local_addr", &e))?
             .port();
-        const REC: usize = 10;
-        let mut all = vec![0u8; REC * self.size];
-        let mine = &mut all[self.rank * REC..(self.rank + 1) * REC];
-        mine[0..4].copy_from_slice(&color.to_le_bytes());
-        mine[4..8].copy_from_slice(&key.to_le_bytes());
-        mine[8..10].copy_from_slice(&port.to_le_bytes());
+        let mut all = vec![0u8; split::RECORD_BYTES * self.size];
+        all[self.rank * split::RECORD_BYTES..][..split::RECORD_BYTES]
+            .copy_from_slice(&split::record(color, key, port));
         // Few bytes per rank: latency-bound whatever the world (Bruck).
         bruck::allgather(
             &mut Link::new(&mut *core, desc, &mut self.scratch),
             &mut all,
-            REC,
+            split::RECORD_BYTES,
         )?;
         drop(core);
         if color < 0 {
             return Ok(None);
         }
-        let field = |r: usize, at: usize| {
-            i32::from_le_bytes(
-                all[r * REC + at..r * REC + at + 4]
-                    .try_into()
-                    .expect("4 bytes"),
-            )
-        };
-        let mut members: Vec<usize> = (0..self.size).filter(|r| field(*r, 0) == color).collect();
-        members.sort_by_key(|r| (field(*r, 4), *r));
-        let new_rank = members
-            .iter()
-            .position(|r| *r == self.rank)
-            .expect("own color");
-        let addrs = members
-            .iter()
-            .map(|r| {
-                let p = u16::from_le_bytes([all[r * REC + 8], all[r * REC + 9]]);
-                SocketAddr::new(self.roster.addrs[*r].ip(), p)
-            })
-            .collect();
-        let roster = Roster {
-            job: self.roster.job,
-            comm_id: fnv1a(&[
-                &self.roster.comm_id.to_le_bytes()[..],
-                &seq.to_le_bytes(),
-                &color.to_le_bytes(),
-            ]),
-            addrs,
-            hosts: members
-                .iter()
-                .map(|r| self.roster.hosts[*r].clone())
-                .collect(),
-        };
+        let (new_rank, roster) = split::child(&self.roster, &all, self.rank, seq, color);
         let child =
             SocketBackend::connect(new_rank, roster, &listener, signal, self.settings.clone())?;
         Ok(Some((new_rank, child)))

@@ -14,7 +14,7 @@ use crate::backend::board::{Board, Snapshot};
 use crate::descriptor::OpKind;
 use crate::error::{Error, ErrorKind};
 use crate::rendezvous::store::Store;
-use crate::transport::roster::{HostId, Roster};
+use crate::transport::membership::{HostId, Roster};
 
 /// How long the board must stand still before it is published.
 const QUIET: Duration = Duration::from_secs(1);
@@ -248,7 +248,7 @@ mod tests {
     use super::silent_hosts;
     use std::net::IpAddr;
 
-    fn places(hosts: &[&str]) -> Vec<(crate::transport::roster::HostId, IpAddr)> {
+    fn places(hosts: &[&str]) -> Vec<(crate::transport::membership::HostId, IpAddr)> {
         hosts
             .iter()
             .map(|h| {

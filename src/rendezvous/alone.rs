@@ -6,7 +6,7 @@ use super::Joined;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{LogLevel, Options};
-use crate::transport::roster::Roster;
+use crate::transport::membership::{host_id, Roster};
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::{Arc, Mutex};
@@ -36,7 +36,7 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
             job,
             comm_id: 0,
             addrs: vec![addr].into(),
-            hosts: vec![opts.host_id.clone().unwrap_or_else(super::host_id).into()].into(),
+            hosts: vec![opts.host_id.clone().unwrap_or_else(host_id).into()].into(),
         },
         // A world of one asks nobody else: establishing NCCL just looks
         // at this process.

@@ -5,7 +5,6 @@
 mod alone;
 mod host_board;
 pub mod method;
-mod packed;
 pub mod store;
 pub mod unique_id;
 
@@ -13,7 +12,7 @@ use crate::auth::Token;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
-use crate::transport::roster::Roster;
+use crate::transport::membership::{host_id, packed, Placement, Roster};
 use host_board::{HostBoard, OwnBoard};
 use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
@@ -318,17 +317,6 @@ fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "localhost".into();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
 /// Where rank 0's store listens: the address MASTER_ADDR (or the tcp://
 /// host) names, so that only that network reaches it, when that address is
 /// this host's. Every interface otherwise: a name this host resolves to a
@@ -344,24 +332,6 @@ fn store_address(host: &str, master: SocketAddr) -> SocketAddr {
     } else {
         wildcard(master.ip(), master.port())
     }
-}
-
-/// Which machine, and which network namespace on it, this process is in:
-/// ranks with equal ids share memory. The hostname alone says too little
-/// (network namespaces or containers on one machine share it and may not
-/// share memory, or must not be told apart from other hosts).
-pub(crate) fn host_id() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|b| b.trim().chars().take(8).collect::<String>())
-        .unwrap_or_default();
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .ok()
-        .and_then(|l| {
-            let l = l.to_string_lossy().into_owned();
-            Some(l.strip_prefix("net:[")?.strip_suffix(']')?.to_string())
-        })
-        .unwrap_or_default();
-    format!("{}/{boot}/{netns}", hostname())
 }
 
 fn wildcard(ip: IpAddr, port: u16) -> SocketAddr {
@@ -416,6 +386,34 @@ pub fn join(
     )
 }
 
+/// Where the ranks meet, and what is known of that place.
+struct Met {
+    store: Arc<dyn Store>,
+    /// Where the store listens (None: a shared directory).
+    master: Option<SocketAddr>,
+    /// The job id, when the meeting brings one (a unique id).
+    job: Option<[u8; 16]>,
+    file_store: Option<Arc<FileStore>>,
+    /// Whether the store answers `wait_get` (rdist's own server, or a
+    /// directory): torch's does not.
+    answers_wait_get: bool,
+    /// Where the ranks meet, for messages.
+    place: String,
+}
+
+/// What this rank published.
+struct Published {
+    listener: TcpListener,
+    /// The board this rank offers its host (see `host_board`).
+    board: Option<OwnBoard>,
+    /// This rank completed the count of ranks: it gathers the roster.
+    last: bool,
+}
+
+/// Init's meeting, in its steps: meet (the store), claim (the job's id and
+/// this rank's number), publish (this rank's address, host and board),
+/// gather (the roster, by the last rank to come), then each rank reads
+/// the roster and finds its place among its host's ranks.
 fn join_hosting(
     meeting: &Meeting,
     rank: usize,
@@ -426,17 +424,81 @@ fn join_hosting(
     server: &mut Option<StoreLease>,
 ) -> Result<Joined> {
     let deadline = Instant::now() + opts.timeout;
+    let mut met = meet(meeting, rank, deadline, opts, server)?;
+    let job = claim(&mut met, rank, size, opts, deadline, server.is_some())?;
+    let published = publish(&met, &job, rank, size, opts, offers_nccl)?;
+    if published.last {
+        gather(&met, rank, size, opts, deadline)?;
+    }
+    meanwhile();
+    let listing = read_roster(&met, rank, size, opts, deadline)?;
+    let mine = &listing.hosts[rank];
+    let place = Placement::of(&listing.hosts, rank);
+    let board = match (
+        published.board,
+        listing.boards.iter().find(|(h, _)| h == mine),
+    ) {
+        _ if place.host_ranks == 1 => Board::None,
+        // A first rank that cannot map its board leaves the others to find
+        // the release in the store (at their first look, within a second).
+        (Some(own), _) if place.leader == rank => own.mapped().map_or(Board::None, Board::Leader),
+        (_, Some((_, Some(at)))) if place.leader != rank => Board::Follower {
+            at: *at,
+            leader: place.leader,
+        },
+        _ => Board::None,
+    };
+    let roster = Roster {
+        job,
+        comm_id: 0,
+        addrs: listing.addrs,
+        hosts: listing.hosts,
+    };
+    let local_rank = match opts.local_rank {
+        Some(l) => l as usize,
+        None => {
+            match method::first_int(&method::LOCAL_RANK_VARS[1..], &crate::options::process_env)? {
+                Some(l) if l >= 0 => l as usize,
+                _ => roster.local_rank(rank),
+            }
+        }
+    };
+    Ok(Joined {
+        size,
+        local_rank,
+        roster,
+        some_rank_offers_nccl: listing.some_offer_nccl,
+        listener: published.listener,
+        store: met.store,
+        server: server.take(),
+        file_store: met.file_store,
+        rank,
+        answers_wait_get: met.answers_wait_get,
+        place: met.place,
+        board,
+        deadline,
+        timeout: opts.timeout,
+    })
+}
+
+/// Meet: reaches the store the meeting names (rank 0 of tcp:// hosts it).
+fn meet(
+    meeting: &Meeting,
+    rank: usize,
+    deadline: Instant,
+    opts: &Options,
+    server: &mut Option<StoreLease>,
+) -> Result<Met> {
     let token = opts.auth_token.as_deref().map(Token::new);
-    let mut file_store = None;
-    // Whether the store answers `wait_get` (rdist's own server, or a
-    // directory): torch's does not.
-    let mut answers_wait_get = true;
-    let (store, master, job, place): (
-        Arc<dyn Store>,
-        Option<SocketAddr>,
-        Option<[u8; 16]>,
-        String,
-    ) = match meeting {
+    let met = |store: Arc<dyn Store>, master, job, place| Met {
+        store,
+        master,
+        job,
+        file_store: None,
+        answers_wait_get: true,
+        place,
+    };
+    Ok(match meeting {
         Meeting::Method(Method::TorchStore { host, port, prefix }) => {
             let master = iface::resolve(host, *port)?;
             let client = TcpStoreClient::join(
@@ -446,13 +508,15 @@ fn join_hosting(
                 deadline,
                 token.as_ref(),
             )?;
-            answers_wait_get = false;
-            (
-                Arc::new(client),
-                Some(master),
-                None,
-                format!("torchrun's store at {host}:{port}"),
-            )
+            Met {
+                answers_wait_get: false,
+                ..met(
+                    Arc::new(client),
+                    Some(master),
+                    None,
+                    format!("torchrun's store at {host}:{port}"),
+                )
+            }
         }
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
@@ -491,12 +555,14 @@ fn join_hosting(
                 ),
                 None => e,
             })?;
-            (Arc::new(client), Some(master), None, place)
+            met(Arc::new(client), Some(master), None, place)
         }
         Meeting::Method(Method::File(path)) => {
             let f = Arc::new(FileStore::new(path)?);
-            file_store = Some(f.clone());
-            (f, None, None, format!("the directory {}", path.display()))
+            Met {
+                file_store: Some(f.clone()),
+                ..met(f, None, None, format!("the directory {}", path.display()))
+            }
         }
         Meeting::Method(Method::Alone) => {
             return Err(Error::internal("a world of one has no store to join"))
@@ -504,32 +570,44 @@ fn join_hosting(
         Meeting::UniqueId(id) => {
             let client =
                 TcpStoreClient::connect_with(&id.addr.to_string(), deadline, token.as_ref())?;
-            (
+            met(
                 Arc::new(client),
                 Some(id.addr),
                 Some(id.job),
                 format!("the unique id's store at {}", id.addr),
             )
         }
-    };
-    let job = match job {
+    })
+}
+
+/// Claim: the job's id (made by rank 0, with whether the store is rdist's
+/// own, which only rank 0 knows) and this rank's number, which no other
+/// process may hold.
+fn claim(
+    met: &mut Met,
+    rank: usize,
+    size: usize,
+    opts: &Options,
+    deadline: Instant,
+    hosting: bool,
+) -> Result<[u8; 16]> {
+    let store = &*met.store;
+    let job = match met.job {
         Some(j) => j,
         None if rank == 0 => {
-            // The job id, and whether the store is rdist's own (then it
-            // answers `wait_get`), which only rank 0 knows.
-            answers_wait_get = file_store.is_some() || server.is_some();
+            met.answers_wait_get = met.file_store.is_some() || hosting;
             let mut j = [0u8; 17];
             crate::random::fill(&mut j[..16]);
-            j[16] = u8::from(answers_wait_get);
+            j[16] = u8::from(met.answers_wait_get);
             store.set("job", &j)?;
             j[..16].try_into().expect("16 bytes")
         }
         None => {
             let v = store
                 .get("job", left(deadline))
-                .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+                .map_err(|e| missing_ranks(e, store, size, &met.place, opts))?;
             let (id, flags) = v.split_at(v.len().min(16));
-            answers_wait_get = flags.first() == Some(&1);
+            met.answers_wait_get = flags.first() == Some(&1);
             id.try_into()
                 .map_err(|_| Error::internal("job id in the store has the wrong length"))?
         }
@@ -539,8 +617,21 @@ fn join_hosting(
             "rank {rank} joined twice: two processes were started with rank {rank} (check RANK / the rank argument)"
         )));
     }
+    Ok(job)
+}
 
-    let ip = match master {
+/// Publish: binds this rank's listener where the others reach it, offers
+/// a board to its host, and publishes both with the world size and the
+/// count, in one round trip.
+fn publish(
+    met: &Met,
+    job: &[u8; 16],
+    rank: usize,
+    size: usize,
+    opts: &Options,
+    offers_nccl: bool,
+) -> Result<Published> {
+    let ip = match met.master {
         Some(m) => iface::listen_address(opts.ifname.as_deref(), m)?,
         None => iface::public_address(opts.ifname.as_deref()),
     };
@@ -554,63 +645,83 @@ fn join_hosting(
     // Whether this rank turns out to be its host's first is known from
     // the roster; every rank offers a board (see `host_board`). Only
     // rdist's own store counts an arrival without answering.
-    let board = (answers_wait_get && file_store.is_none() && size > 1)
-        .then(|| OwnBoard::create(&job))
+    let board = (met.answers_wait_get && met.file_store.is_none() && size > 1)
+        .then(|| OwnBoard::create(job))
         .flatten();
-    // The host id has no spaces (see `host_id`; an option's is checked).
-    let me = format!(
-        "{size} {addr} {host} {} {} {}",
+    let me = packed::published(
+        size,
+        addr,
+        &host,
         std::process::id(),
-        u8::from(offers_nccl),
-        board.as_ref().map_or(-1, OwnBoard::fd)
+        offers_nccl,
+        board.as_ref().map(OwnBoard::fd),
     );
-    // The world size (the last to set it stays: see `wait_for_ranks`),
-    // this rank's key and the count, in one round trip.
+    // The world size (the last to set it stays: see `wait_for_ranks`).
     let size_text = size.to_string();
     let rank_key = format!("rank/{rank}");
-    let joined = store.apply(&[
+    let joined = met.store.apply(&[
         Update::Set("world_size", size_text.as_bytes()),
         Update::Set(&rank_key, me.as_bytes()),
         Update::Add("joined", 1),
     ])?;
+    Ok(Published {
+        listener,
+        board,
+        last: joined.first() == Some(&(size as i64)),
+    })
+}
 
-    // The rank that completes the count gathers every rank's key into one
-    // value, which the others wait for: one key per rank to wait on, not
-    // every rank's (a thousand ranks each waiting on a thousand keys kept
-    // the store's one thread busy for seconds, as NCCL's and PyTorch's
-    // bootstraps found before).
-    // The roster's key names the world size: ranks started with another
-    // never take it for theirs.
-    let roster_key = format!("roster/{size}");
-    if joined.first() == Some(&(size as i64)) {
-        // Every key is there unless ranks of another world size were
-        // counted: the wait (with its checks) says so, not a hang.
-        let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        wait_for_ranks(&*store, rank, size, deadline, |slice| {
-            store.wait(&key_refs, slice)
-        })
-        .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
-        let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
-        match gather(&values, rank, size) {
-            Ok(roster) => store.set(&roster_key, &roster)?,
-            Err(e) => {
-                // Every rank hears it: the ones still waiting for ranks of
-                // another world size through the failure key, the others
-                // at once through an empty roster.
-                let _ = store.set(FAILED_KEY, e.message().as_bytes());
-                let _ = store.set(&roster_key, b"");
-                return Err(e);
-            }
+/// The roster's key names the world size: ranks started with another
+/// never take it for theirs.
+fn roster_key(size: usize) -> String {
+    format!("roster/{size}")
+}
+
+/// Gather (by the rank that completed the count): every rank's key into
+/// one value, which the others wait for: one key per rank to wait on, not
+/// every rank's (a thousand ranks each waiting on a thousand keys kept
+/// the store's one thread busy for seconds, as NCCL's and PyTorch's
+/// bootstraps found before).
+fn gather(met: &Met, rank: usize, size: usize, opts: &Options, deadline: Instant) -> Result<()> {
+    let store = &*met.store;
+    // Every key is there unless ranks of another world size were
+    // counted: the wait (with its checks) says so, not a hang.
+    let keys: Vec<String> = (0..size).map(|r| format!("rank/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    wait_for_ranks(store, rank, size, deadline, |slice| {
+        store.wait(&key_refs, slice)
+    })
+    .map_err(|e| missing_ranks(e, store, size, &met.place, opts))?;
+    let values = store.get_all(&key_refs, left(deadline).max(Duration::from_millis(1)))?;
+    match packed::gather(&values, rank, size) {
+        Ok(roster) => store.set(&roster_key(size), &roster),
+        Err(e) => {
+            // Every rank hears it: the ones still waiting for ranks of
+            // another world size through the failure key, the others
+            // at once through an empty roster.
+            let _ = store.set(FAILED_KEY, e.message().as_bytes());
+            let _ = store.set(&roster_key(size), b"");
+            Err(e)
         }
     }
-    meanwhile();
-    // In one round trip where the store answers it: its one turn then
-    // answers every rank (a wait and a get took a turn per rank).
-    let value = wait_for_ranks(&*store, rank, size, deadline, |slice| {
-        wait_value(&*store, &roster_key, slice, answers_wait_get)
+}
+
+/// Every rank reads the roster, in one round trip where the store answers
+/// it: its one turn then answers every rank (a wait and a get took a turn
+/// per rank).
+fn read_roster(
+    met: &Met,
+    rank: usize,
+    size: usize,
+    opts: &Options,
+    deadline: Instant,
+) -> Result<packed::Listing> {
+    let store = &*met.store;
+    let key = roster_key(size);
+    let value = wait_for_ranks(store, rank, size, deadline, |slice| {
+        wait_value(store, &key, slice, met.answers_wait_get)
     })
-    .map_err(|e| missing_ranks(e, &*store, size, &place, opts))?;
+    .map_err(|e| missing_ranks(e, store, size, &met.place, opts))?;
     if value.is_empty() {
         let why = store.get(FAILED_KEY, Duration::from_secs(1))?;
         return Err(Error::new(
@@ -618,52 +729,9 @@ fn join_hosting(
             String::from_utf8_lossy(&why).into_owned(),
         ));
     }
-    let listing = packed::decode(&value)
+    packed::decode(&value)
         .filter(|l| l.addrs.len() == size)
-        .ok_or_else(|| Error::internal("the roster in the store is malformed"))?;
-    let some_rank_offers_nccl = listing.some_offer_nccl;
-    let mine = &listing.hosts[rank];
-    let leader = listing.hosts.iter().position(|h| h == mine).unwrap_or(rank);
-    let shared = listing.hosts.iter().filter(|h| *h == mine).count() > 1;
-    let board = match (board, listing.boards.iter().find(|(h, _)| h == mine)) {
-        _ if !shared => Board::None,
-        // A first rank that cannot map its board leaves the others to find
-        // the release in the store (at their first look, within a second).
-        (Some(own), _) if leader == rank => own.mapped().map_or(Board::None, Board::Leader),
-        (_, Some((_, Some(at)))) if leader != rank => Board::Follower { at: *at, leader },
-        _ => Board::None,
-    };
-    let roster = Roster {
-        job,
-        comm_id: 0,
-        addrs: listing.addrs,
-        hosts: listing.hosts,
-    };
-    let local_rank = match opts.local_rank {
-        Some(l) => l as usize,
-        None => {
-            match method::first_int(&method::LOCAL_RANK_VARS[1..], &crate::options::process_env)? {
-                Some(l) if l >= 0 => l as usize,
-                _ => roster.local_rank(rank),
-            }
-        }
-    };
-    Ok(Joined {
-        size,
-        local_rank,
-        roster,
-        some_rank_offers_nccl,
-        listener,
-        store,
-        server: server.take(),
-        file_store,
-        rank,
-        answers_wait_get,
-        place,
-        board,
-        deadline,
-        timeout: opts.timeout,
-    })
+        .ok_or_else(|| Error::internal("the roster in the store is malformed"))
 }
 
 /// Waits with `wait` (given each slice of time) for what every rank
@@ -773,27 +841,6 @@ fn first_slice(size: usize) -> Duration {
 
 /// Where a rank that finds the meeting cannot succeed says why.
 const FAILED_KEY: &str = "failed";
-
-/// The roster from every rank's key (rank by rank), checking that each
-/// rank was started with this world size.
-fn gather(values: &[Vec<u8>], rank: usize, size: usize) -> Result<Vec<u8>> {
-    let ours = size.to_string();
-    let mut entries = Vec::with_capacity(values.len());
-    for (r, v) in values.iter().enumerate() {
-        let e = packed::entry(r, v)?;
-        if e.size != ours {
-            return Err(Error::new(
-                ErrorKind::Mismatch,
-                format!(
-                    "rank {r} was started with world size {} but rank {rank} with {size}",
-                    e.size
-                ),
-            ));
-        }
-        entries.push(e);
-    }
-    Ok(packed::encode(&entries))
-}
 
 /// A rank that already joined with another world size than `size`.
 fn other_world_size(store: &dyn Store, rank: usize, size: usize) -> Result<Option<Error>> {

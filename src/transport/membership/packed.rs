@@ -5,8 +5,8 @@
 //! reads the whole roster: at 1024 ranks the ranks' keys side by side
 //! were 60 KiB a rank, and parsing them was most of a rank's init.
 
-use crate::error::{Error, Result};
-use crate::transport::roster::HostId;
+use super::hosts::HostId;
+use crate::error::{Error, ErrorKind, Result};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::Arc;
 
@@ -41,6 +41,44 @@ pub(crate) struct Listing {
     pub some_offer_nccl: bool,
     /// Each host's board, as its first rank published it.
     pub boards: Vec<(HostId, Option<BoardAt>)>,
+}
+
+/// The line a rank publishes as its key: "SIZE ADDR HOST PID NCCL BOARD"
+/// (the host id has no spaces: see `host_id`; an option's is checked).
+pub(crate) fn published(
+    size: usize,
+    addr: SocketAddr,
+    host: &str,
+    pid: u32,
+    offers_nccl: bool,
+    board: Option<i32>,
+) -> String {
+    format!(
+        "{size} {addr} {host} {pid} {} {}",
+        u8::from(offers_nccl),
+        board.unwrap_or(-1)
+    )
+}
+
+/// The roster from every rank's key (rank by rank) as one value, checking
+/// that each rank was started with this world size.
+pub(crate) fn gather(values: &[Vec<u8>], rank: usize, size: usize) -> Result<Vec<u8>> {
+    let ours = size.to_string();
+    let mut entries = Vec::with_capacity(values.len());
+    for (r, v) in values.iter().enumerate() {
+        let e = entry(r, v)?;
+        if e.size != ours {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank {r} was started with world size {} but rank {rank} with {size}",
+                    e.size
+                ),
+            ));
+        }
+        entries.push(e);
+    }
+    Ok(encode(&entries))
 }
 
 /// What `rank` published as its key.
@@ -223,17 +261,41 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    fn published(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {
+    fn published_key(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {
         format!("{size} {addr} {host} 4242 {nccl} 7").into_bytes()
+    }
+
+    #[test]
+    fn a_published_line_reads_back_and_gathers_only_one_world_size() {
+        let addr: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let line = published(2, addr, "h/0a1b2c3d/1", 77, true, None);
+        let e = entry(0, line.as_bytes()).unwrap();
+        assert_eq!(
+            (e.addr, e.pid, e.offers_nccl, e.board),
+            (addr, 77, true, None)
+        );
+        let other = published(3, addr, "h", 78, false, Some(4));
+        let values = vec![line.clone().into_bytes(), line.into_bytes()];
+        assert_eq!(
+            decode(&gather(&values, 0, 2).unwrap()).unwrap().addrs.len(),
+            2
+        );
+        let e = gather(&[values[0].clone(), other.into_bytes()], 0, 2).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Mismatch);
+        assert!(
+            e.message()
+                .contains("rank 1 was started with world size 3 but rank 0 with 2"),
+            "{e}"
+        );
     }
 
     #[test]
     fn what_ranks_published_reads_back_rank_by_rank() {
         let keys = [
-            published(4, "10.0.0.1:5000", "a/0a1b2c3d/4026531840", "0"),
-            published(4, "10.0.0.2:5001", "b/0a1b2c3d/4026531841", "0"),
-            published(4, "10.0.0.1:5002", "a/0a1b2c3d/4026531840", "0"),
-            published(4, "[fe80::1%7]:5003", "c", "0"),
+            published_key(4, "10.0.0.1:5000", "a/0a1b2c3d/4026531840", "0"),
+            published_key(4, "10.0.0.2:5001", "b/0a1b2c3d/4026531841", "0"),
+            published_key(4, "10.0.0.1:5002", "a/0a1b2c3d/4026531840", "0"),
+            published_key(4, "[fe80::1%7]:5003", "c", "0"),
         ];
         let entries: Vec<Entry> = keys
             .iter()
@@ -283,7 +345,7 @@ mod tests {
     #[test]
     fn an_offer_of_nccl_or_a_key_without_the_field_counts() {
         for (nccl, offered) in [("1", true), ("0", false)] {
-            let e = entry(0, &published(1, "127.0.0.1:1", "h", nccl)).unwrap();
+            let e = entry(0, &published_key(1, "127.0.0.1:1", "h", nccl)).unwrap();
             assert_eq!(decode(&encode(&[e])).unwrap().some_offer_nccl, offered);
         }
         let old = entry(0, b"1 127.0.0.1:1 h").unwrap();
@@ -302,7 +364,7 @@ mod tests {
 
     #[test]
     fn anything_cut_or_foreign_is_refused() {
-        let e = entry(0, &published(2, "127.0.0.1:9", "h", "0")).unwrap();
+        let e = entry(0, &published_key(2, "127.0.0.1:9", "h", "0")).unwrap();
         let bytes = encode(&[e.clone(), e]);
         for cut in 0..bytes.len() {
             assert_eq!(decode(&bytes[..cut]), None, "cut at {cut}");
