@@ -109,6 +109,7 @@ def run_on_hosts(name, command, timeout):
 
 def workers_env(a, out):
     return (f"OUT={out} AR_SIZES={a.sizes} BC_SIZES={a.sizes} AG_SIZES={a.sizes} "
+            f"PP_SIZES={a.p2p_sizes} EX_SIZES={a.p2p_sizes} "
             f"BATCH={a.batch} REPS={a.reps} OMP_NUM_THREADS=1")
 
 
@@ -164,7 +165,7 @@ def run_peer(peer, a, name, out):
         mpirun = (f"{env} mpirun --allow-run-as-root --oversubscribe --bind-to none -np {n} "
                   f"--host {hosts} --mca plm_rsh_agent {agent} --mca btl tcp,self,vader "
                   f"--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "
-                  f"-x OUT -x AR_SIZES -x BC_SIZES -x AG_SIZES -x BATCH -x REPS "
+                  f"-x OUT -x AR_SIZES -x BC_SIZES -x AG_SIZES -x PP_SIZES -x EX_SIZES -x BATCH -x REPS "
                   f"-x OMP_NUM_THREADS {a.bin}/mpi_bench_openmpi")
         launch_from_host0(a, agent, addrs, mpirun)
         return "Open MPI native C (vader shared memory within a host, TCP between hosts)"
@@ -189,6 +190,10 @@ def run_peer(peer, a, name, out):
         run_on_hosts(name, cmd, a.timeout)
         return "torch.distributed gloo (PyPI torch) under torchrun, one per host, TCP on eth0"
     raise SystemExit(f"cluster_compare: unknown peer {peer}")
+
+
+# Ops reported as a time per operation, not a bandwidth.
+TIMED = ("barrier", "pingpong", "exchange")
 
 
 def busbw(op, nbytes, t, n):
@@ -218,7 +223,11 @@ def main():
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--rate", default="1gbit")
-    p.add_argument("--sizes", default=f"{4 * MiB},{64 * MiB}")
+    p.add_argument("--sizes", default=f"{4 * MiB},{64 * MiB}",
+                   help="allreduce, broadcast and allgather sizes ('' for none)")
+    p.add_argument("--p2p-sizes", default="",
+                   help="ping-pong (ranks 2i, 2i+1: across hosts with --per-host 1) and ring "
+                        "exchange sizes, e.g. 8,4096,65536,1048576,16777216 (native workers only)")
     p.add_argument("--peers", default="rdist,gloo-native,torch-gloo,openmpi-c,mpich-c")
     p.add_argument("--mpich", default="", help="bin/ of the MPICH venv (mpiexec); without it, no mpich-c")
     p.add_argument("--torch-python", default="", help="a Python with torch; without it, no torch-gloo")
@@ -263,7 +272,7 @@ def main():
                 continue
             for line in open(out):
                 r = json.loads(line)
-                if r["op"] == "barrier":
+                if r["op"] in TIMED:
                     r["busbw_Bps"] = None
                 else:
                     r["busbw_Bps"] = busbw(r["op"], r["bytes"], r["t_med_s"], n)
@@ -292,13 +301,14 @@ def table(records, meta, a, n):
         "",
         f"Link: nominal {meta['link_nominal_Bps'] / 1e9:.4f} GB/s; one bulk TCP stream "
         f"{meta['link_tcp_Bps'] / 1e9:.4f} GB/s. busbw in GB/s; in brackets, the fraction of "
-        "the link-bound busbw (nominal / TCP stream). Barrier in ms.",
+        "the link-bound busbw (nominal / TCP stream). Barrier in ms; ping-pong (half the round "
+        "trip) and ring exchange in us per operation.",
         "",
         "| op | size | " + " | ".join(peers) + " | rdist / best peer |",
         "|---|---|" + "---|" * (len(peers) + 1),
     ]
-    keys = sorted({(r["op"], r["bytes"]) for r in records},
-                  key=lambda k: (["allreduce", "allgather", "broadcast", "barrier"].index(k[0]), k[1]))
+    order = ["allreduce", "allgather", "broadcast", "barrier", "pingpong", "exchange"]
+    keys = sorted({(r["op"], r["bytes"]) for r in records}, key=lambda k: (order.index(k[0]), k[1]))
     for op, nb in keys:
         cells, vals = [], {}
         for p in peers:
@@ -308,12 +318,15 @@ def table(records, meta, a, n):
             elif op == "barrier":
                 vals[p] = 1 / r["t_med_s"]
                 cells.append(f"{r['t_med_s'] * 1e3:.2f}")
+            elif op in TIMED:
+                vals[p] = 1 / r["t_med_s"]
+                cells.append(f"{r['t_med_s'] * 1e6:.1f} us")
             else:
                 vals[p] = r["busbw_Bps"]
                 cells.append(f"{r['busbw_Bps'] / 1e9:.4f} ({r['of_nominal']:.0%} / {r['of_tcp']:.0%})")
         others = [v for p, v in vals.items() if p != "rdist"]
         ratio = f"{vals['rdist'] / max(others):.2f}" if "rdist" in vals and others else "-"
-        size = "" if op == "barrier" else fmt_size(nb)
+        size = "" if op == "barrier" else fmt_size(nb) if nb else "0 B"
         lines.append(f"| {op} | {size} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -326,10 +339,12 @@ def chart(records, meta, a, n, path):
     except ImportError:
         print("cluster_compare: no matplotlib; no chart")
         return
-    ops = ["allreduce", "allgather", "broadcast"]
+    ops = [op for op in ("allreduce", "allgather", "broadcast") if any(r["op"] == op for r in records)]
+    if not ops:
+        return
     peers = [p for p in a.peers.split(",") if any(r["peer"] == p for r in records)]
-    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.4), sharey=False)
-    for ax, op in zip(axes, ops):
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.4), sharey=False, squeeze=False)
+    for ax, op in zip(axes[0], ops):
         sizes = sorted({r["bytes"] for r in records if r["op"] == op})
         width = 0.8 / max(1, len(peers))
         for i, p in enumerate(peers):

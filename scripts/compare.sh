@@ -13,6 +13,9 @@
 #       with shaped links; rdist, Gloo, Open MPI and MPICH native workers
 #       and torch's gloo under torchrun per host (scripts/cluster_compare.py);
 #       writes build/compare/cluster-<date>.* (~6 min for 3 hosts)
+#   scripts/compare.sh --cluster --hosts 2 --per-host 1 --rate 10gbit --sizes '' \
+#       --p2p-sizes 8,4096,65536,1048576,16777216 --peers rdist,openmpi-c,mpich-c
+#       point-to-point between two hosts (ping-pong and ring exchange)
 set -euo pipefail
 cluster_args=()
 if [ "${1:-}" = "--cluster" ]; then

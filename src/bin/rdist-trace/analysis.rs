@@ -43,8 +43,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Sends and receives: numbered apart from the collectives (in their own
+/// context, per rank), and between two ranks only, so never matched here.
+fn point_to_point(name: &str) -> bool {
+    matches!(name, "send" | "recv")
+}
+
 pub fn merge(mut timelines: Vec<Timeline>) -> Merged {
     timelines.sort_by_key(|t| t.rank);
+    for t in &mut timelines {
+        t.ops.retain(|op| !point_to_point(&op.name));
+    }
     let mut by_seq: BTreeMap<u64, Vec<(usize, Op)>> = BTreeMap::new();
     for t in &timelines {
         for op in &t.ops {
@@ -246,10 +255,18 @@ mod tests {
             .map(|r| Timeline {
                 rank: r,
                 ops: (0..4)
-                    .map(|s| {
+                    .flat_map(|s| {
                         let step = s as f64 * 1e5;
                         let enter = if r == 2 { 10_000.0 } else { 0.0 };
-                        op("allreduce", s, clock[r] + step + enter, 20_000.0 - enter)
+                        // Rank 0 also sends, late, numbered as the
+                        // collectives are but in the other context.
+                        let send = op("send", s, clock[r] + step + 50_000.0, 1.0);
+                        let all = op("allreduce", s, clock[r] + step + enter, 20_000.0 - enter);
+                        if r == 0 {
+                            vec![send, all]
+                        } else {
+                            vec![all]
+                        }
                     })
                     .collect(),
             })
@@ -257,6 +274,7 @@ mod tests {
         let m = merge(timelines);
         assert_eq!(m.ops.len(), 4);
         for op in &m.ops {
+            assert_eq!((op.name.as_str(), op.ranks.len()), ("allreduce", 3));
             assert_eq!(op.last, 2);
             for (r, _, wait) in &op.ranks {
                 let want = if *r == 2 { 0.0 } else { 10_000.0 };
