@@ -40,18 +40,19 @@ impl Channel for TcpChannel {
     }
 
     fn has_data(&self) -> bool {
-        // Only asked while spinning: one non-blocking peek.
-        let mut b = [0u8; 1];
-        // SAFETY: peeks at most one byte into a live buffer.
-        let n = unsafe {
-            libc::recv(
-                self.0.as_raw_fd(),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
+        // Only asked while spinning. poll() looks without taking the
+        // socket's lock, which a peek (recv) takes: a reader peeking in a
+        // loop holds off the kernel delivering the very segment it waits
+        // for (it goes to the socket's backlog, processed when the lock
+        // is released).
+        let mut p = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
         };
-        n != -1 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock
+        // SAFETY: one live pollfd, no wait.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n != 0
     }
 
     fn shutdown(&self, how: Shutdown) {
