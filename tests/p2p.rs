@@ -466,3 +466,54 @@ fn a_wait_moves_every_pending_call_not_only_its_own() {
         });
     }
 }
+
+#[test]
+fn a_send_that_timed_out_never_hands_its_receiver_changed_bytes() {
+    // Rank 1 posts its receive only after rank 0's send timed out and
+    // rank 0 wrote over its buffer. Framed eager sends (TCP: partly
+    // written, the socket full) are finished from a copy of the bytes
+    // they had: the message arrives intact, the pair goes on. A
+    // single-copy send (shared memory, forced) cannot be taken back
+    // from a receiver that may be reading it: its receive fails, saying
+    // why, rather than deliver what the buffer holds now.
+    for (transport, single_copy, bytes) in [("tcp", "off", 32 << 20), ("auto", "1", 1 << 20)] {
+        let mut o = common::opts(1500);
+        o.set("transport", transport).unwrap();
+        o.set("single_copy_min", single_copy).unwrap();
+        common::world(2, o, Duration::from_secs(60), move |comm| {
+            let sent: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
+            if comm.rank() == 0 {
+                let mut buf = sent.clone();
+                let e = comm.send_tagged(&buf, 1, 1).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{transport}: {e}");
+                buf.fill(0xff);
+                comm.send_tagged(&[7u8; 16], 1, 2).unwrap();
+                drop(buf);
+            } else {
+                std::thread::sleep(Duration::from_millis(2500));
+                let mut got = vec![0u8; bytes];
+                match comm.recv_tagged(&mut got, Some(0), Some(1)) {
+                    Ok(st) => {
+                        assert_eq!(st.count, bytes, "{transport}");
+                        assert!(got == sent, "{transport}: the message arrived changed");
+                        assert_eq!(
+                            single_copy, "off",
+                            "a withdrawn single-copy message was received"
+                        );
+                    }
+                    Err(e) => {
+                        assert_eq!(single_copy, "1", "{transport}: {e}");
+                        assert!(
+                            e.to_string().contains("rank 0 withdrew this message"),
+                            "{e}"
+                        );
+                    }
+                }
+                let mut small = [0u8; 16];
+                comm.recv_tagged(&mut small, Some(0), Some(2)).unwrap();
+                assert_eq!(small, [7u8; 16], "{transport}: the pair did not go on");
+            }
+            comm.barrier().unwrap();
+        });
+    }
+}

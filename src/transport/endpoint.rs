@@ -197,7 +197,8 @@ impl Endpoint {
         }
         drop(core);
         // What is left of a call nobody waits for yet moves with the
-        // endpoint's thread (a waiting caller tells it when it stops).
+        // endpoint's thread: rung if it sleeps long, else it looks within
+        // milliseconds (while callers drive, within `CALLERS_LOOK_MS`).
         if !blocking && !done.is_finished() {
             sh.nudge();
         }
@@ -305,9 +306,15 @@ impl Endpoint {
                     // the look rings the doorbell.
                     let seen = bell.prepare();
                     let moved = core.drive(None, THOROUGH);
+                    // Calls waiting on sockets too ring no doorbell: the
+                    // naps stay short then.
+                    let sockets = core.tagged_waits_on_sockets();
                     drop(core);
-                    if !moved && !t.done.is_finished() {
-                        bell.sleep(seen, nap_now);
+                    if moved {
+                        nap = Duration::from_millis(1);
+                    } else if !t.done.is_finished() {
+                        let short = Duration::from_millis(1);
+                        bell.sleep(seen, if sockets { nap_now.min(short) } else { nap_now });
                     }
                 }
                 _ => {
@@ -315,6 +322,9 @@ impl Endpoint {
                     fds.clear();
                     core.tagged_fds(&mut fds);
                     drop(core);
+                    if moved {
+                        nap = Duration::from_millis(1);
+                    }
                     if moved || t.done.is_finished() {
                         continue;
                     }

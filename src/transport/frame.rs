@@ -90,6 +90,11 @@ pub const FAILURE_MAX: usize = 1 << 16;
 /// Bytes of a Remote frame's descriptor.
 pub const REMOTE_BYTES: usize = 16;
 
+/// Bytes of a TagRemote frame's descriptor: the message's address and
+/// length in the sender's memory, and the address of the sender's word
+/// saying which of its messages to this rank were withdrawn.
+pub const TAG_REMOTE_BYTES: usize = 24;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub kind: FrameKind,
@@ -228,7 +233,7 @@ impl Header {
             FrameKind::TagData => sized(bytes),
             FrameKind::TagCts | FrameKind::TagAck => h.payload == 0,
             FrameKind::TagRemote => {
-                h.payload == REMOTE_BYTES as u64 && bytes.is_some() && h.tag() >= 0
+                h.payload == TAG_REMOTE_BYTES as u64 && bytes.is_some() && h.tag() >= 0
             }
             FrameKind::Failure => h.payload <= FAILURE_MAX as u64,
             _ => true,

@@ -42,9 +42,16 @@ enum State {
     Dialing,
     /// Made (by either side): its channel is in `arrived`, or taken.
     Connected,
-    /// This side's dial was refused for the peer's own: it will arrive.
-    Awaiting,
+    /// This side's dial was refused for the peer's own (since then): it
+    /// will arrive, unless that dial failed; past `AWAIT_LIMIT` this side
+    /// dials again.
+    Awaiting(Instant),
 }
+
+/// How long a side whose dial was refused for the peer's waits for the
+/// peer's connection before it dials again (the peer's dial may have
+/// failed, and the peer may never dial again).
+const AWAIT_LIMIT: Duration = Duration::from_secs(5);
 
 /// What a `connect` came to.
 pub enum Connect {
@@ -115,8 +122,11 @@ impl Links {
             let mut sh = lock(&self.shared);
             match sh.states[peer] {
                 State::Idle => sh.states[peer] = State::Dialing,
+                State::Awaiting(since) if since.elapsed() >= AWAIT_LIMIT => {
+                    sh.states[peer] = State::Dialing
+                }
                 State::Dialing => return Ok(Connect::Elsewhere),
-                State::Connected | State::Awaiting => return Ok(Connect::Arriving),
+                State::Connected | State::Awaiting(_) => return Ok(Connect::Arriving),
             }
         }
         let made = self.dial(peer, deadline);
@@ -132,7 +142,7 @@ impl Links {
                 // Refused for the peer's own dial, which this side's
                 // thread admits (perhaps already has).
                 if sh.states[peer] == State::Dialing {
-                    sh.states[peer] = State::Awaiting;
+                    sh.states[peer] = State::Awaiting(Instant::now());
                 }
             }
             // The peer's own dial made the pair meanwhile: this one's

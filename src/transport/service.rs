@@ -28,7 +28,8 @@ pub(super) struct Shared {
     /// This rank's own doorbell, rung to wake a holder of the core that
     /// dozes on it (a tagged call was posted).
     pub doorbell: Option<Doorbell>,
-    /// Wakes the endpoint's thread (a caller stopped driving, closing).
+    /// Wakes the endpoint's thread (closing; a call posted while it sleeps
+    /// long, see `nudge`).
     pub wake: Wake,
     /// Callers driving progress in their waits right now: the thread
     /// stays out of their way.
@@ -47,7 +48,7 @@ pub(super) struct Shared {
 }
 
 /// How often the thread wakes with nothing to do. Whatever needs it wakes
-/// it (a dialer, a post, a caller that stops driving, data on a socket);
+/// it (a dialer, a call posted while it sleeps long, data on a socket);
 /// the timeout only paces the hook and the greetings' deadlines. (At
 /// 100 ms, a thousand idle ranks of one host woke ten thousand times a
 /// second.)
@@ -170,8 +171,8 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         if wait_ms < IDLE_WAKE_MS {
             sh.may_sleep_long.store(false, Ordering::SeqCst);
         }
-        // Woken by: a caller that stops driving or closes, a dialer, a
-        // greeting's next bytes and, when this thread moves the tagged
+        // Woken by: closing, a dialer, a call posted while it sleeps long,
+        // a greeting's next bytes and, when this thread moves the tagged
         // calls, a call posted or a connection that arrived meanwhile
         // (else whoever holds the core takes those).
         let mut wakers = vec![sh.wake.fd(), listener.as_raw_fd()];

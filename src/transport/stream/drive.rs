@@ -36,10 +36,11 @@ impl StreamTransport {
     /// tagged context has talked to, and, when a receive from any rank
     /// is posted, every connected peer). Whether bytes moved.
     pub fn drive(&mut self, peer: Option<usize>, how: Drive) -> bool {
+        // Calls posted after a failure fail with it as they are taken in.
+        self.take_posts();
         if self.failed.is_some() {
             return false;
         }
-        self.take_posts();
         self.tagged.release_waiting_senders();
         let before = self.moved;
         match peer {
@@ -154,7 +155,8 @@ impl StreamTransport {
     /// read (its receive may be matched already): someone must keep
     /// moving.
     pub fn tagged_busy(&self) -> bool {
-        self.tagged.busy() || self.conns.iter().flatten().any(|c| c.reading_tagged())
+        self.tagged.busy()
+            || (self.conns.iter().flatten()).any(|c| c.gone.is_none() && c.reading_tagged())
     }
 
     /// Whether some tagged call waits on a connection that wakes no
@@ -172,6 +174,18 @@ impl StreamTransport {
                 .iter()
                 .flatten()
                 .any(|c| memory(c) && (c.reading_tagged() || self.tagged.wants_any_source()))
+    }
+
+    /// Whether some tagged call waits on a connection through the kernel
+    /// (TCP), which rings no doorbell.
+    pub fn tagged_waits_on_sockets(&self) -> bool {
+        self.conns.iter().enumerate().any(|(p, c)| {
+            c.as_deref().is_some_and(|c| {
+                c.chan.caps().through_kernel
+                    && c.gone.is_none()
+                    && (self.tagged.wants(p) || self.tagged.has_output(p) || !c.between_frames())
+            })
+        })
     }
 
     /// The descriptors to poll, and for what, while tagged calls wait on
@@ -212,8 +226,11 @@ impl StreamTransport {
     }
 
     /// Makes tagged call `id` (which gave up waiting) never touch its
-    /// buffer again; a send already partly on the wire fails its pair.
+    /// buffer again (see `Tagged::withdraw`); where that needs memory
+    /// there is none of, the pair fails.
     pub fn withdraw_tagged(&mut self, id: u64) {
+        // It may still be among the posts (the core was held elsewhere).
+        self.take_posts();
         let conns = &mut self.conns;
         let mut reading = |id: u64| {
             for conn in conns.iter_mut().flatten() {
@@ -234,7 +251,7 @@ impl StreamTransport {
             let err = Error::new(
                 ErrorKind::Timeout,
                 format!(
-                    "an earlier send to rank {peer} timed out while under way, which broke this pair's connection"
+                    "an earlier send to rank {peer} timed out while under way, and there was no memory to finish it without its buffer, which broke this pair's connection"
                 ),
             );
             if let Some(conn) = self.conns[peer].as_mut() {

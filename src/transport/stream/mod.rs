@@ -25,7 +25,9 @@ mod small;
 
 use super::channel::Channel;
 use super::doorbell::Doorbell;
-use super::frame::{self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES};
+use super::frame::{
+    self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES, TAG_REMOTE_BYTES,
+};
 use super::link::Links;
 use super::signal::AbortSignal;
 use super::tagged::{Path, Posts, Sink, Tagged};
@@ -140,7 +142,7 @@ enum Target {
     Posted(usize),
     /// A tagged frame's payload, where the tagged context says (with the
     /// bytes of a single-copy descriptor).
-    Tagged(Sink, [u8; REMOTE_BYTES]),
+    Tagged(Sink, [u8; TAG_REMOTE_BYTES]),
     /// Into the inbox (nobody asked for it yet).
     Early(Vec<u8>),
     /// A control frame's payload.
@@ -578,8 +580,35 @@ impl StreamTransport {
                 conn.gone = Some(Gone::Lost(why.to_string()));
             }
         }
+        self.fail_tagged_reading(peer, &err);
         self.tagged.fail_peer(peer, err.clone());
         err
+    }
+
+    /// A tagged receive whose payload was being read from `peer` (it is
+    /// the core's then, not the tagged context's) fails with `err`: that
+    /// connection is gone, or the transport failed.
+    pub(super) fn fail_tagged_reading(&mut self, peer: usize, err: &Error) {
+        let Some(conn) = self.conns[peer].as_mut() else {
+            return;
+        };
+        if !conn.reading_tagged() {
+            return;
+        }
+        let was = std::mem::replace(
+            &mut conn.incoming,
+            Incoming::Header {
+                buf: [0; HEADER_BYTES],
+                got: 0,
+            },
+        );
+        if let Incoming::Payload {
+            into: Target::Tagged(Sink::Receive(r, _), _),
+            ..
+        } = was
+        {
+            r.done.complete(Err(err.clone()));
+        }
     }
 
     /// Reads everything `peer` has sent so far, completing posted receives
@@ -783,7 +812,7 @@ impl StreamTransport {
             | FrameKind::TagAck => {
                 let pid = self.conn(peer).chan.peer_pid();
                 match self.tagged.on_header(peer, &header, pid)? {
-                    Some(sink) => Target::Tagged(sink, [0; REMOTE_BYTES]),
+                    Some(sink) => Target::Tagged(sink, [0; TAG_REMOTE_BYTES]),
                     None => {
                         self.moved = self.moved.wrapping_add(1);
                         self.conn(peer).incoming = Incoming::Header {

@@ -56,6 +56,9 @@ impl StreamTransport {
         }
         // The tagged calls fail with it (their pending frames are cut).
         self.cut_tagged();
+        for peer in 0..self.size {
+            self.fail_tagged_reading(peer, &err);
+        }
         self.tagged.fail_all(err.clone());
         err
     }

@@ -4,7 +4,7 @@
 use super::{deliver, StreamTransport};
 use crate::error::Result;
 use crate::transport::channel::Channel;
-use crate::transport::frame::{FrameKind, Header, HEADER_BYTES, REMOTE_BYTES};
+use crate::transport::frame::{FrameKind, Header, HEADER_BYTES, TAG_REMOTE_BYTES};
 use crate::transport::tagged::Sink;
 use crate::transport::{Dir, Xfer};
 
@@ -165,8 +165,8 @@ impl StreamTransport {
             _ => match self.tagged.on_header(peer, &header, pid)? {
                 None => {}
                 Some(Sink::Descriptor(env)) => {
-                    let mut d = [0u8; REMOTE_BYTES];
-                    d.copy_from_slice(&payload[..REMOTE_BYTES]);
+                    let mut d = [0u8; TAG_REMOTE_BYTES];
+                    d.copy_from_slice(&payload[..TAG_REMOTE_BYTES]);
                     self.tagged.on_payload(peer, Sink::Descriptor(env), &d, pid);
                 }
                 Some(mut sink) => {

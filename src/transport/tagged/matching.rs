@@ -34,6 +34,8 @@ pub struct Arrival {
 pub struct Remote {
     pub pid: i32,
     pub addr: u64,
+    /// Where the sender says which of its messages it withdrew.
+    pub withdrawn: u64,
     pub since: std::time::Instant,
 }
 

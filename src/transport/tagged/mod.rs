@@ -5,10 +5,18 @@
 //! A message up to `EAGER_MAX` travels at once, with its envelope, and
 //! waits at the receiver for its receive (`TagEager`); a larger one sends
 //! its envelope first and its payload when the receiver answers
-//! (`TagRts`, `TagCts`, `TagData`), so memory stays bounded. Between
-//! ranks of one host that can read each other's memory, a large message
-//! stays in the sender's buffer and the receiver copies it out
-//! (`TagRemote`, answered by `TagAck`).
+//! (`TagRts`, `TagCts`, `TagData`). Between ranks of one host that can
+//! read each other's memory, a large message stays in the sender's buffer
+//! and the receiver copies it out (`TagRemote`, answered by `TagAck`).
+//!
+//! A send that gives up waiting (its timeout) is withdrawn: its buffer is
+//! never read again. What of it is framed already keeps its place in the
+//! pair's order (the receiver counts on it): its payload is copied out of
+//! the caller's buffer first, and it goes out as sent. A single-copy send
+//! cannot be taken back from a receiver that may be reading it: the sender
+//! marks it withdrawn in its memory, and the receiver, after its copy,
+//! looks there and fails the receive rather than keep bytes that may have
+//! changed under it.
 //!
 //! This is the context's state: the posted sends and receives, matching,
 //! and each pair's protocol. The stream core (`stream`) reads and writes
@@ -23,7 +31,7 @@ use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::lock;
 use crate::transport::channel::{read_remote, Channel};
-use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, REMOTE_BYTES};
+use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, TAG_REMOTE_BYTES};
 use crate::transport::signal::Wake;
 use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
 use std::collections::{HashMap, VecDeque};
@@ -238,7 +246,7 @@ pub enum Sink {
     Keep(Envelope, Vec<u8>),
     /// Read and dropped (its receive failed, or gave up).
     Drop,
-    /// A single-copy message's [address, length] in the sender's memory.
+    /// A single-copy message's descriptor (see `TAG_REMOTE_BYTES`).
     Descriptor(Envelope),
 }
 
@@ -266,19 +274,46 @@ struct SendOp {
     id: u64,
     msg: Outgoing,
     done: Arc<Done>,
+    /// Sent single copy (the receiver reads `msg.buf` itself).
+    remote: bool,
+    /// The payload copied out of a withdrawn send's buffer (`msg.buf`
+    /// points here then).
+    kept: Option<Box<[u8]>>,
+}
+
+/// A copy of `buf` that stays where it is (None: no memory for it).
+fn keep(buf: RawBuf) -> Option<(RawBuf, Box<[u8]>)> {
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(buf.len()).ok()?;
+    // SAFETY: the send is still posted: its buffer is valid until it
+    // completes or is withdrawn (which this copy is part of).
+    v.extend_from_slice(unsafe { buf.bytes() });
+    let kept = v.into_boxed_slice();
+    Some((RawBuf::of(&kept), kept))
+}
+
+/// Whether the sender of single-copy message `seq` withdrew it (its send
+/// timed out) before this rank's copy of it ended: its buffer may have
+/// changed under the copy. Its word unreadable: the sender is gone, and
+/// so is any promise about its buffer.
+fn withdrawn(remote: &Remote, seq: u64) -> bool {
+    let mut word = [0u8; 8];
+    read_remote(remote.pid, remote.withdrawn, &mut word)
+        .map_or(true, |_| u64::from_le_bytes(word) > seq)
 }
 
 /// A frame waiting to be written: its header (and a single-copy
 /// descriptor), its payload in the sender's buffer, and the send it
 /// completes once written (eager and rendezvous payloads).
 struct OutFrame {
-    head: [u8; HEADER_BYTES + REMOTE_BYTES],
+    head: [u8; HEADER_BYTES + TAG_REMOTE_BYTES],
     head_len: usize,
     payload: RawBuf,
     done: Option<(Arc<Done>, Status)>,
-    /// The send whose frame this is (a withdrawn send's frame that is
-    /// partly written breaks the pair).
+    /// The send whose frame this is (0: an answer).
     id: u64,
+    /// The payload copied out of a withdrawn send's buffer.
+    kept: Option<Box<[u8]>>,
 }
 
 impl OutFrame {
@@ -289,7 +324,7 @@ impl OutFrame {
         done: Option<(Arc<Done>, Status)>,
         id: u64,
     ) -> OutFrame {
-        let mut head = [0u8; HEADER_BYTES + REMOTE_BYTES];
+        let mut head = [0u8; HEADER_BYTES + TAG_REMOTE_BYTES];
         head[..HEADER_BYTES].copy_from_slice(&h.encode());
         head[HEADER_BYTES..HEADER_BYTES + extra.len()].copy_from_slice(extra);
         OutFrame {
@@ -298,6 +333,7 @@ impl OutFrame {
             payload,
             done,
             id,
+            kept: None,
         }
     }
 
@@ -322,6 +358,10 @@ struct Peer {
     next_in_seq: u64,
     /// Why this pair can no longer talk.
     gone: Option<Error>,
+    /// One past the highest sequence number of a single-copy send to this
+    /// peer withdrawn before the peer answered: the peer reads it here
+    /// (its descriptor says where; `Peer` is boxed, so it stays put).
+    withdrawn: AtomicU64,
 }
 
 impl Peer {
@@ -446,7 +486,13 @@ impl Tagged {
         if let Some(e) = &p.gone {
             return Err(e.clone());
         }
-        p.queued.push_back(SendOp { id, msg, done });
+        p.queued.push_back(SendOp {
+            id,
+            msg,
+            done,
+            remote: false,
+            kept: None,
+        });
         Ok(())
     }
 
@@ -566,7 +612,7 @@ impl Tagged {
     fn frame(&mut self, peer: usize, path: Path) {
         let single_copy_min = self.single_copy_min;
         let p = self.peer(peer);
-        while let Some(s) = p.queued.pop_front() {
+        while let Some(mut s) = p.queued.pop_front() {
             let seq = p.next_out_seq;
             p.next_out_seq += 1;
             let bytes = s.msg.buf.len();
@@ -587,12 +633,15 @@ impl Tagged {
             };
             if path.single_copy_pid.is_some() && bytes >= single_copy_min && bytes > 0 {
                 // Same host: the receiver copies it from here, one copy.
-                let mut d = [0u8; REMOTE_BYTES];
+                let mut d = [0u8; TAG_REMOTE_BYTES];
                 d[..8].copy_from_slice(&(s.msg.buf.addr() as u64).to_le_bytes());
-                d[8..].copy_from_slice(&(bytes as u64).to_le_bytes());
-                let h = header(FrameKind::TagRemote, REMOTE_BYTES);
+                d[8..16].copy_from_slice(&(bytes as u64).to_le_bytes());
+                let withdrawn = &p.withdrawn as *const AtomicU64 as u64;
+                d[16..].copy_from_slice(&withdrawn.to_le_bytes());
+                let h = header(FrameKind::TagRemote, TAG_REMOTE_BYTES);
                 p.out
                     .push_back(OutFrame::new(h, &d, RawBuf::EMPTY, None, s.id));
+                s.remote = true;
                 p.awaiting.insert(seq, s);
             } else if bytes <= EAGER_MAX {
                 let h = header(FrameKind::TagEager, bytes);
@@ -695,7 +744,9 @@ impl Tagged {
                     .ok_or_else(|| protocol("a payload nobody asked for"))?;
                 if let Sink::Receive(r, status) = &target {
                     if r.buf.len() < h.payload as usize {
-                        return Err(protocol("a payload larger than its envelope said"));
+                        let e = protocol("a payload larger than its envelope said");
+                        r.done.complete(Err(e.clone()));
+                        return Err(e);
                     }
                     if h.payload == 0 {
                         r.done.complete(Ok(*status));
@@ -728,13 +779,9 @@ impl Tagged {
                     s.msg.dtype,
                     s.msg.buf.len() as u64,
                 );
-                p.out.push_back(OutFrame::new(
-                    head,
-                    &[],
-                    s.msg.buf,
-                    Some((s.done, status)),
-                    s.id,
-                ));
+                let mut f = OutFrame::new(head, &[], s.msg.buf, Some((s.done, status)), s.id);
+                f.kept = s.kept;
+                p.out.push_back(f);
                 Ok(None)
             }
             _ => Err(protocol("a frame of another context")),
@@ -748,9 +795,11 @@ impl Tagged {
             Sink::Keep(env, payload) => self.arrive(env, Some(payload), None),
             Sink::Drop => {}
             Sink::Descriptor(env) => {
-                let addr = u64::from_le_bytes(descriptor[..8].try_into().expect("8 bytes"));
+                let word = |at: usize| {
+                    u64::from_le_bytes(descriptor[at..at + 8].try_into().expect("8 bytes"))
+                };
                 let _ = peer;
-                self.on_remote(env, pid.unwrap_or(0), addr);
+                self.on_remote(env, pid.unwrap_or(0), word(0), word(16));
             }
         }
     }
@@ -780,10 +829,11 @@ impl Tagged {
     /// receive to come (`REMOTE_PATIENCE`); the sender hears TagAck. When
     /// the copy is refused, the receiver asks for the payload over the
     /// connection instead (TagCts), as for any large message.
-    fn on_remote(&mut self, env: Envelope, pid: i32, addr: u64) {
+    fn on_remote(&mut self, env: Envelope, pid: i32, addr: u64, withdrawn: u64) {
         let remote = Remote {
             pid,
             addr,
+            withdrawn,
             since: Instant::now(),
         };
         match self.matching.claim(&env) {
@@ -813,23 +863,39 @@ impl Tagged {
     fn release_senders(&mut self) {
         let now = Instant::now();
         let mut answers = Vec::new();
-        for a in self.matching.unexpected.iter_mut() {
+        let mut gone = Vec::new();
+        for (i, a) in self.matching.unexpected.iter_mut().enumerate() {
             let Some(remote) = a.remote else { continue };
             if now.duration_since(remote.since) < REMOTE_PATIENCE {
                 continue;
             }
-            let len = a.env.count as usize * a.env.dtype.size();
-            let mut kept = vec![0u8; len];
             a.remote = None;
             self.matching.remote_waiting -= 1;
-            if self.matching.unexpected_bytes + len <= UNEXPECTED_LIMIT
-                && read_remote(remote.pid, remote.addr, &mut kept).is_ok()
-            {
-                self.matching.unexpected_bytes += len;
-                a.payload = Some(kept);
-                answers.push((a.env, FrameKind::TagAck));
+            // Within the limit, and where the memory is there: else kept
+            // as an envelope, whose receive asks for the payload.
+            let len = a.env.count as usize * a.env.dtype.size();
+            if self.matching.unexpected_bytes + len > UNEXPECTED_LIMIT {
+                continue;
             }
-            // Else kept as an envelope: its receive asks for the payload.
+            let mut kept: Vec<u8> = Vec::new();
+            if kept.try_reserve_exact(len).is_err() {
+                continue;
+            }
+            kept.resize(len, 0);
+            if read_remote(remote.pid, remote.addr, &mut kept).is_err() {
+                continue;
+            }
+            answers.push((a.env, FrameKind::TagAck));
+            if withdrawn(&remote, a.env.seq) {
+                // Its sender gave up on it: it was never sent.
+                gone.push(i);
+                continue;
+            }
+            self.matching.unexpected_bytes += len;
+            a.payload = Some(kept);
+        }
+        for i in gone.into_iter().rev() {
+            self.matching.unexpected.remove(i);
         }
         for (env, kind) in answers {
             self.answer(env, kind);
@@ -874,7 +940,16 @@ impl Tagged {
                 // SAFETY: as above.
                 let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
                 if read_remote(remote.pid, remote.addr, dst).is_ok() {
-                    r.done.complete(Ok(status));
+                    r.done.complete(match withdrawn(&remote, env.seq) {
+                        false => Ok(status),
+                        true => Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "rank {} withdrew this message (its send timed out) while rank {} copied it",
+                                env.source, self.rank
+                            ),
+                        )),
+                    });
                     self.answer(env, FrameKind::TagAck);
                 } else {
                     self.peer(env.source)
@@ -894,11 +969,12 @@ impl Tagged {
     }
 
     /// Makes a call that gave up never touch its buffer again. A send
-    /// whose frame is partly written, or whose envelope went out (the
-    /// receiver may answer, or read the sender's memory, at any time),
-    /// cannot be taken back: its pair must fail, and this returns that
-    /// peer. `reading` turns a receive whose payload the core is reading
-    /// right now into a drop (true when it was that).
+    /// framed already keeps its place (see the module's comment): its
+    /// payload is copied out first, or, single copy, it is marked
+    /// withdrawn for its receiver. Returns the peer whose pair must fail
+    /// instead: there was no memory for the copy. `reading` turns a
+    /// receive whose payload the core is reading right now into a drop
+    /// (true when it was that).
     pub fn withdraw(&mut self, id: u64, reading: &mut dyn FnMut(u64) -> bool) -> Option<usize> {
         if self.matching.cancel(id).is_some() || reading(id) {
             return None;
@@ -916,18 +992,31 @@ impl Tagged {
                     return None;
                 }
             }
-            let started = p.written > 0 && p.out.front().is_some_and(|f| f.id == id);
-            if started {
-                return Some(peer);
+            let mut found = false;
+            for f in p.out.iter_mut().filter(|f| f.id == id) {
+                found = true;
+                f.done = None;
+                if !f.payload.is_empty() && f.kept.is_none() {
+                    let Some((buf, kept)) = keep(f.payload) else {
+                        return Some(peer);
+                    };
+                    (f.payload, f.kept) = (buf, Some(kept));
+                }
             }
-            if let Some(k) = p.out.iter().position(|f| f.id == id) {
-                // Its envelope never went out: nobody will ask for it.
-                p.out.remove(k);
-                p.awaiting.retain(|_, s| s.id != id);
+            for (seq, s) in p.awaiting.iter_mut().filter(|(_, s)| s.id == id) {
+                found = true;
+                if s.remote {
+                    p.withdrawn.fetch_max(seq + 1, Ordering::SeqCst);
+                } else if s.kept.is_none() {
+                    // Its receiver asks for the payload later.
+                    let Some((buf, kept)) = keep(s.msg.buf) else {
+                        return Some(peer);
+                    };
+                    (s.msg.buf, s.kept) = (buf, Some(kept));
+                }
+            }
+            if found {
                 return None;
-            }
-            if p.awaiting.values().any(|s| s.id == id) {
-                return Some(peer);
             }
         }
         None
@@ -966,12 +1055,15 @@ impl Tagged {
             }
         }
         self.matching.posted = keep;
-        // Its messages still in its memory are lost with it.
+        // Its messages not here whole (still in its memory, or waiting to
+        // be asked for) are lost with it.
         let m = &mut self.matching;
-        let before = m.unexpected.len();
+        let remote_lost = (m.unexpected.iter())
+            .filter(|a| a.env.source == peer && a.remote.is_some())
+            .count();
         m.unexpected
-            .retain(|a| !(a.env.source == peer && a.remote.is_some()));
-        m.remote_waiting -= before - m.unexpected.len();
+            .retain(|a| !(a.env.source == peer && a.payload.is_none()));
+        m.remote_waiting -= remote_lost;
     }
 
     /// Every pending and future call fails with `err`.
