@@ -135,15 +135,19 @@ impl Endpoint {
                 i32::MAX
             )));
         }
-        let done = Arc::new(Done::default());
-        let id = self.shared.posts.new_id();
-        let ticket = Ticket {
-            id,
-            done: done.clone(),
-            call: Described::Send(msg),
-        };
-        self.post(Post::Send(msg, done, id), Some(msg.peer), blocking)?;
+        let ticket = self.ticket(Described::Send(msg));
+        let post = Post::Send(msg, ticket.done.clone(), ticket.id);
+        self.post(post, Some(msg.peer), blocking)?;
         Ok(ticket)
+    }
+
+    /// A new call's ticket.
+    fn ticket(&self, call: Described) -> Ticket {
+        Ticket {
+            id: self.shared.posts.new_id(),
+            done: Arc::new(Done::default()),
+            call,
+        }
     }
 
     /// Posts a tagged receive; it matches at once if its message already
@@ -158,14 +162,9 @@ impl Endpoint {
                 i32::MAX
             )));
         }
-        let done = Arc::new(Done::default());
-        let id = self.shared.posts.new_id();
-        let ticket = Ticket {
-            id,
-            done: done.clone(),
-            call: Described::Recv(r),
-        };
-        self.post(Post::Recv(r, done, id), r.peer, blocking)?;
+        let ticket = self.ticket(Described::Recv(r));
+        let post = Post::Recv(r, ticket.done.clone(), ticket.id);
+        self.post(post, r.peer, blocking)?;
         Ok(ticket)
     }
 

@@ -42,6 +42,19 @@ impl SharedMemory {
             wanted: wanted.shm,
         }
     }
+
+    /// The channel both sides agreed on (`rings`), or the stream back.
+    fn agreed(
+        &self,
+        pair: &Pair,
+        rings: Option<attach::Pair>,
+        stream: TcpStream,
+    ) -> Result<Box<dyn Channel>, TcpStream> {
+        match (rings, self.home.as_ref()) {
+            (Some(rings), Some(home)) => Ok(home.channel(pair.peer, rings, stream)),
+            _ => Err(stream),
+        }
+    }
 }
 
 impl Medium for SharedMemory {
@@ -74,14 +87,8 @@ impl Medium for SharedMemory {
         pair: &Pair,
         mut stream: TcpStream,
     ) -> io::Result<Result<Box<dyn Channel>, TcpStream>> {
-        Ok(match offer(self.home.as_ref(), pair.peer, &mut stream)? {
-            Some(p) => Ok(self
-                .home
-                .as_ref()
-                .expect("agreed")
-                .channel(pair.peer, p, stream)),
-            None => Err(stream),
-        })
+        let rings = offer(self.home.as_ref(), pair.peer, &mut stream)?;
+        Ok(self.agreed(pair, rings, stream))
     }
 
     fn answer(
@@ -89,14 +96,8 @@ impl Medium for SharedMemory {
         pair: &Pair,
         mut stream: TcpStream,
     ) -> io::Result<Result<Box<dyn Channel>, TcpStream>> {
-        Ok(match answer(self.home.as_ref(), pair.peer, &mut stream)? {
-            Some(p) => Ok(self
-                .home
-                .as_ref()
-                .expect("agreed")
-                .channel(pair.peer, p, stream)),
-            None => Err(stream),
-        })
+        let rings = answer(self.home.as_ref(), pair.peer, &mut stream)?;
+        Ok(self.agreed(pair, rings, stream))
     }
 
     fn doorbell(&self) -> Option<Doorbell> {
