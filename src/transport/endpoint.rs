@@ -185,6 +185,7 @@ impl Endpoint {
             Post::Send(_, done, _) | Post::Recv(_, done, _) => done.clone(),
         };
         let taken = match post {
+            Post::Send(msg, done, id) if core.send_at_once(msg, &done, id) => Ok(()),
             Post::Send(msg, done, id) => core.tagged.post_send(msg, done, id),
             Post::Recv(r, done, id) => core.tagged.post_recv(r, done, id),
         };
@@ -220,22 +221,28 @@ impl Endpoint {
             return r;
         }
         let sh = &self.shared;
-        let deadline = Instant::now() + self.timeout;
+        // The clock is read only once the call did not finish within the
+        // first passes (a message that comes at once costs no clock read).
+        let mut deadline = None;
         sh.drivers.fetch_add(1, Ordering::Relaxed);
-        let mut spin_until = Instant::now() + self.spin;
+        let mut spin_until: Option<Instant> = None;
         let mut passes = 0u32;
         while !t.done.is_finished() {
             if let Some(mut core) = try_lock(&sh.core) {
                 if core.drive(None, CALLER) {
-                    spin_until = Instant::now() + self.spin;
+                    spin_until = None;
                 }
             }
             if t.done.is_finished() {
                 break;
             }
             passes = passes.wrapping_add(1);
-            if passes.is_multiple_of(64) && Instant::now() >= spin_until {
-                break;
+            if passes.is_multiple_of(64) {
+                let now = Instant::now();
+                deadline.get_or_insert(now + self.timeout);
+                if now >= *spin_until.get_or_insert(now + self.spin) {
+                    break;
+                }
             }
             if self.yield_when_idle {
                 std::thread::yield_now();
@@ -244,6 +251,7 @@ impl Endpoint {
             }
         }
         if !t.done.is_finished() {
+            let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timeout);
             self.sleep_for(t, deadline);
         }
         sh.drivers.fetch_sub(1, Ordering::Relaxed);

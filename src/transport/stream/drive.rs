@@ -5,6 +5,8 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
+use crate::transport::tagged::{Done, Outgoing, Path};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The longest a tagged call's dial may take.
@@ -30,6 +32,34 @@ impl StreamTransport {
             self.posts.take_into(&mut self.tagged);
         }
         self.take_arrived();
+    }
+
+    /// A tagged send written now when its peer is connected and nothing
+    /// is ahead of it on the connection (see `Tagged::send_at_once`);
+    /// whether it was taken (else it is posted the usual way).
+    pub fn send_at_once(&mut self, msg: Outgoing, done: &Arc<Done>, id: u64) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        let Some(conn) = self.conns.get_mut(msg.peer).and_then(|c| c.as_mut()) else {
+            return false;
+        };
+        if conn.gone.is_some() || conn.unfinished_out > 0 {
+            return false;
+        }
+        let path = Path {
+            single_copy_pid: conn
+                .chan
+                .peer_pid()
+                .filter(|_| conn.chan.caps().single_copy),
+        };
+        let taken = self
+            .tagged
+            .send_at_once(msg, done, id, &mut *conn.chan, path);
+        if taken {
+            self.moved = self.moved.wrapping_add(1);
+        }
+        taken
     }
 
     /// One pass of tagged progress with `peer` (None: every peer the

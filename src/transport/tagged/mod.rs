@@ -37,7 +37,7 @@ use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 /// Who sent a received message, with which tag, and how many elements.
@@ -48,13 +48,13 @@ pub struct Status {
     pub count: usize,
 }
 
-/// Where a posted call's result appears.
+/// Where a posted call's result appears. Set and read without a lock
+/// (a spinning caller looks at it on every pass); the lock is only for
+/// those who sleep on it.
 #[derive(Default)]
 pub struct Done {
-    /// Set once the result is in (looked at without the lock while
-    /// spinning).
-    finished: AtomicBool,
-    result: Mutex<Option<Result<Status>>>,
+    result: OnceLock<Result<Status>>,
+    sleep: Mutex<()>,
     ready: Condvar,
     /// Threads asleep on `ready` (a wake costs a system call: paid only
     /// when someone sleeps).
@@ -64,40 +64,40 @@ pub struct Done {
 impl Done {
     /// The first result stays.
     pub fn complete(&self, r: Result<Status>) {
-        let mut slot = lock(&self.result);
-        if slot.is_none() {
-            *slot = Some(r);
-            self.finished.store(true, Ordering::Release);
-            if self.sleepers.load(Ordering::Relaxed) > 0 {
-                self.ready.notify_all();
-            }
+        if self.result.set(r).is_ok() && self.sleepers.load(Ordering::SeqCst) > 0 {
+            // Under the lock: a sleeper that saw no result holds it until
+            // it waits, so this wake cannot fall between its look and its
+            // wait.
+            let _held = lock(&self.sleep);
+            self.ready.notify_all();
         }
     }
 
     pub fn is_finished(&self) -> bool {
-        self.finished.load(Ordering::Acquire)
+        self.result.get().is_some()
     }
 
     pub fn get(&self) -> Option<Result<Status>> {
-        if !self.is_finished() {
-            return None;
-        }
-        lock(&self.result).clone()
+        self.result.get().cloned()
     }
 
     /// Sleeps until the result is in or `deadline` passes; the result.
     pub fn sleep_until(&self, deadline: Instant) -> Option<Result<Status>> {
-        let mut r = lock(&self.result);
-        self.sleepers.fetch_add(1, Ordering::Relaxed);
-        while r.is_none() {
+        let mut held = lock(&self.sleep);
+        // Counted before the look (both sequentially consistent, as in
+        // `complete`): either this look sees the result, or `complete`
+        // sees the sleeper and wakes it.
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        while !self.is_finished() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            r = crate::sync::wait_for(&self.ready, r, left);
+            held = crate::sync::wait_for(&self.ready, held, left);
         }
-        self.sleepers.fetch_sub(1, Ordering::Relaxed);
-        r.clone()
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        drop(held);
+        self.get()
     }
 }
 
@@ -494,6 +494,78 @@ impl Tagged {
             kept: None,
         });
         Ok(())
+    }
+
+    /// Writes eager send `id` on `chan` now, when nothing is ahead of it
+    /// to its peer (no queued send, no frame partly written) and it goes
+    /// over the connection (not single copy): no queue, no pass over the
+    /// peers, so a small message costs little more than the channel's
+    /// write. Whether it was taken: written whole (and complete), or
+    /// partly, its rest queued as any frame's. Not taken (nothing written,
+    /// nothing counted): the caller posts it with `post_send`, which also
+    /// reports why it cannot go.
+    pub fn send_at_once(
+        &mut self,
+        msg: Outgoing,
+        done: &Arc<Done>,
+        id: u64,
+        chan: &mut dyn Channel,
+        path: Path,
+    ) -> bool {
+        let bytes = msg.buf.len();
+        if self.usable().is_err()
+            || msg.peer == self.rank
+            || bytes > EAGER_MAX
+            || (path.single_copy_pid.is_some() && bytes >= self.single_copy_min && bytes > 0)
+        {
+            return false;
+        }
+        let p = self.peer(msg.peer);
+        if p.gone.is_some() || !p.queued.is_empty() || !p.out.is_empty() || p.written > 0 {
+            return false;
+        }
+        let h = Header::tagged(
+            FrameKind::TagEager,
+            p.next_out_seq,
+            msg.tag,
+            msg.count as u64,
+            msg.dtype,
+            bytes as u64,
+        );
+        let head = h.encode();
+        // SAFETY: the caller keeps the buffer valid until the ticket
+        // completes (now, or once its rest is written).
+        let body = unsafe { msg.buf.bytes() };
+        let written = loop {
+            match chan.write2(&head, body) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // Full, or broken: the usual path waits, or finds why.
+                Err(_) => return false,
+            }
+        };
+        if written == 0 {
+            return false;
+        }
+        p.next_out_seq += 1;
+        let status = Status {
+            source: msg.peer,
+            tag: msg.tag,
+            count: msg.count,
+        };
+        if written == HEADER_BYTES + bytes {
+            done.complete(Ok(status));
+        } else {
+            p.out.push_back(OutFrame::new(
+                h,
+                &[],
+                msg.buf,
+                Some((done.clone(), status)),
+                id,
+            ));
+            p.written = written;
+        }
+        true
     }
 
     /// Posts receive `id`; it matches at once if its message already
