@@ -37,7 +37,7 @@ pub trait Channel: Send {
     /// TCP connection kept to notice the peer's death).
     fn fd(&self) -> RawFd;
     /// True when data (or end of stream) is waiting, checked without
-    /// blocking (cheaply for shared memory, with a peek for TCP).
+    /// blocking (cheaply for shared memory, with poll() for TCP).
     fn has_data(&self) -> bool;
     fn shutdown(&self, how: Shutdown);
     /// Has the next read look whether the peer is gone, for a caller
