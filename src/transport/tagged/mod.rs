@@ -36,7 +36,7 @@ use crate::transport::signal::Wake;
 use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -64,7 +64,13 @@ pub struct Done {
 impl Done {
     /// The first result stays.
     pub fn complete(&self, r: Result<Status>) {
-        if self.result.set(r).is_ok() && self.sleepers.load(Ordering::SeqCst) > 0 {
+        if self.result.set(r).is_err() {
+            return;
+        }
+        // Pairs with the fence in `sleep_until`: either the sleeper's look
+        // sees the result, or this load sees the sleeper.
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
             // Under the lock: a sleeper that saw no result holds it until
             // it waits, so this wake cannot fall between its look and its
             // wait.
@@ -84,10 +90,11 @@ impl Done {
     /// Sleeps until the result is in or `deadline` passes; the result.
     pub fn sleep_until(&self, deadline: Instant) -> Option<Result<Status>> {
         let mut held = lock(&self.sleep);
-        // Counted before the look (both sequentially consistent, as in
-        // `complete`): either this look sees the result, or `complete`
-        // sees the sleeper and wakes it.
+        // Counted, then a fence, then the look (as in `complete`): either
+        // this look sees the result, or `complete` sees the sleeper and
+        // wakes it.
         self.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         while !self.is_finished() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
