@@ -261,17 +261,9 @@ impl Comm {
                 count: data.count,
             }));
         }
-        let req = self.runner.post_recv(
-            Incoming {
-                buf,
-                dtype: data.dtype,
-                count: data.count,
-                peer,
-                tag,
-                exact: false,
-            },
-            !group::active(),
-        )?;
+        let req = self
+            .runner
+            .post_recv(incoming(buf, data, peer, tag), !group::active())?;
         if group::active() {
             group::wait_at_end(req);
             return Ok(None);
@@ -298,17 +290,7 @@ impl Comm {
         if group::active() {
             return Err(group_refuses());
         }
-        self.runner.post_recv(
-            Incoming {
-                buf,
-                dtype: data.dtype,
-                count: data.count,
-                peer,
-                tag,
-                exact: false,
-            },
-            false,
-        )
+        self.runner.post_recv(incoming(buf, data, peer, tag), false)
     }
 
     /// The plain receive a tagged one on device memory becomes (None for
@@ -459,5 +441,18 @@ impl Drop for Comm {
             return;
         }
         self.runner.close();
+    }
+}
+
+/// A tagged receive on host memory, as the API describes it (wildcards
+/// allowed, a shorter message fits).
+fn incoming(buf: RawBuf, data: Data, peer: Option<usize>, tag: Option<i32>) -> Incoming {
+    Incoming {
+        buf,
+        dtype: data.dtype,
+        count: data.count,
+        peer,
+        tag,
+        exact: false,
     }
 }
