@@ -517,3 +517,80 @@ fn a_send_that_timed_out_never_hands_its_receiver_changed_bytes() {
         });
     }
 }
+
+/// A receive whose message never comes times out at its bound even while
+/// other messages keep arriving: bytes moving for other calls extend the
+/// wait's spin, never its timeout (they did, for as long as the traffic
+/// lasted, when it came faster than the spin window). Run in a process of
+/// its own, with a spin window (RDIST_SPIN_US) far longer than the gaps
+/// between the other messages.
+#[test]
+fn a_wait_times_out_while_other_messages_keep_arriving() {
+    const ROLE: &str = "busy_wait";
+    match std::env::var("RDIST_TEST_ROLE") {
+        Ok(role) if role == ROLE => busy_wait_worker(),
+        Ok(_) => {}
+        Err(_) => {
+            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--exact",
+                "a_wait_times_out_while_other_messages_keep_arriving",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("RDIST_TEST_ROLE", ROLE)
+            .env("RDIST_SPIN_US", "200000");
+            let out = common::output_within(&mut cmd, Duration::from_secs(60), "a busy wait");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(text.contains("BUSY WAIT TIMED OUT"), "{text}");
+        }
+    }
+}
+
+fn busy_wait_worker() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let done = Arc::new(AtomicBool::new(false));
+    let r = common::world(
+        2,
+        common::opts(1500),
+        Duration::from_secs(60),
+        move |comm| {
+            if comm.rank() == 0 {
+                let mut buf = [0u8; 8];
+                let t = Instant::now();
+                let e = comm.recv_tagged(&mut buf, Some(1), Some(5)).unwrap_err();
+                let waited = t.elapsed();
+                done.store(true, Ordering::Relaxed);
+                assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+                assert!(e.to_string().contains("recv from rank 1"), "{e}");
+                waited
+            } else {
+                // A message with another tag every 50 us, until rank 0 is done.
+                let t = Instant::now();
+                while !done.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(20) {
+                    if comm.send_tagged(&[1u8; 8], 0, 6).is_err() {
+                        break;
+                    }
+                    let s = Instant::now();
+                    while s.elapsed() < Duration::from_micros(50) {
+                        std::hint::spin_loop();
+                    }
+                }
+                t.elapsed()
+            }
+        },
+    );
+    assert!(
+        r[0] < Duration::from_millis(3000),
+        "the receive timed out after {:?} (bound 1.5 s)",
+        r[0]
+    );
+    println!("BUSY WAIT TIMED OUT after {:?}", r[0]);
+}
