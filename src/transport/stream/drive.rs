@@ -47,12 +47,7 @@ impl StreamTransport {
         if conn.gone.is_some() || conn.unfinished_out > 0 {
             return false;
         }
-        let path = Path {
-            single_copy_pid: conn
-                .chan
-                .peer_pid()
-                .filter(|_| conn.chan.caps().single_copy),
-        };
+        let path = Path::of(&*conn.chan);
         let taken = self
             .tagged
             .send_at_once(msg, done, id, &mut *conn.chan, path);

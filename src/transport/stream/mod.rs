@@ -558,10 +558,7 @@ impl StreamTransport {
     /// Writes what the tagged context has for `peer`.
     fn write_tagged(&mut self, peer: usize, p: &Progress) -> Result<()> {
         let conn = self.conns[peer].as_mut().expect("peer is not this rank");
-        let caps = conn.chan.caps();
-        let path = Path {
-            single_copy_pid: conn.chan.peer_pid().filter(|_| caps.single_copy),
-        };
+        let path = Path::of(&*conn.chan);
         match self.tagged.write(peer, &mut *conn.chan, path) {
             Ok(moved) => {
                 self.moved = self.moved.wrapping_add(u64::from(moved));

@@ -392,6 +392,21 @@ pub struct Path {
     pub single_copy_pid: Option<i32>,
 }
 
+impl Path {
+    /// What `chan` allows.
+    pub fn of(chan: &dyn Channel) -> Path {
+        Path {
+            single_copy_pid: chan.peer_pid().filter(|_| chan.caps().single_copy),
+        }
+    }
+
+    /// Whether a message of `bytes` stays in the sender's memory for its
+    /// receiver to copy (from `min` bytes, where the path allows it).
+    fn single_copy(&self, bytes: usize, min: usize) -> bool {
+        self.single_copy_pid.is_some() && bytes >= min && bytes > 0
+    }
+}
+
 /// Stop keeping messages nobody asked for beyond this much memory: a
 /// single-copy message past it stays in its sender until its receive
 /// comes (the sender then sends it over the connection).
@@ -523,7 +538,7 @@ impl Tagged {
         if self.usable().is_err()
             || msg.peer == self.rank
             || bytes > EAGER_MAX
-            || (path.single_copy_pid.is_some() && bytes >= self.single_copy_min && bytes > 0)
+            || path.single_copy(bytes, self.single_copy_min)
         {
             return false;
         }
@@ -710,7 +725,7 @@ impl Tagged {
                     payload as u64,
                 )
             };
-            if path.single_copy_pid.is_some() && bytes >= single_copy_min && bytes > 0 {
+            if path.single_copy(bytes, single_copy_min) {
                 // Same host: the receiver copies it from here, one copy.
                 let mut d = [0u8; TAG_REMOTE_BYTES];
                 d[..8].copy_from_slice(&(s.msg.buf.addr() as u64).to_le_bytes());
