@@ -64,6 +64,55 @@ impl Messages {
         Ok(self.posted(ticket, "recv", r.buf.len()))
     }
 
+    /// A blocking send: complete at once with no ticket when the
+    /// endpoint can write it whole now, else posted and waited for.
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until this returns.
+    pub(crate) unsafe fn send_blocking(&self, msg: Outgoing) -> Result<Status> {
+        if let Some(status) = self.send_now(msg) {
+            return Ok(status);
+        }
+        let p = self.send(msg, true)?;
+        self.wait(&p)
+    }
+
+    /// A send complete on return, numbered and traced, when the endpoint
+    /// writes it whole now (`Endpoint::send_now`); None: post it.
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until this returns.
+    pub(crate) unsafe fn send_now(&self, msg: Outgoing) -> Option<Status> {
+        let started = self.ledger.tracing().then(Instant::now);
+        let status = self.endpoint.send_now(msg)?;
+        self.note_now("send", msg.buf.len(), started);
+        Some(status)
+    }
+
+    /// A blocking receive: taken straight from its peer's connection
+    /// when nothing else is pending and its message comes within the spin
+    /// window, else posted and waited for.
+    ///
+    /// # Safety
+    /// `r.buf` valid for writes, and untouched, until this returns.
+    pub(crate) unsafe fn recv_blocking(&self, r: Incoming) -> Result<Status> {
+        let started = self.ledger.tracing().then(Instant::now);
+        if let Some(status) = self.endpoint.recv_now(r) {
+            self.note_now("recv", r.buf.len(), started);
+            return Ok(status);
+        }
+        let p = self.recv(r, true)?;
+        self.wait(&p)
+    }
+
+    /// Numbers, and traces, a call that completed without being posted.
+    fn note_now(&self, name: &'static str, bytes: usize, started: Option<Instant>) {
+        let seq = self.ledger.next_tagged();
+        if let Some(started) = started {
+            self.ledger.record_tagged(name, seq, bytes, started, true);
+        }
+    }
+
     /// Waits for a posted call, bounded by the timeout.
     pub(crate) fn wait(&self, p: &Posted) -> Result<Status> {
         let r = self.endpoint.wait(&p.ticket);

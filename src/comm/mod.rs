@@ -204,12 +204,12 @@ impl Comm {
             device_tag(tag == 0)?;
             return self.run_on(call, stream);
         }
-        let req = self.runner.post(&call, Some(tag), !group::active())?;
-        if group::active() {
-            group::wait_at_end(req);
-            return Ok(());
+        if !group::active() {
+            return self.runner.run_tagged(&call, Some(tag)).map(|_| ());
         }
-        req.wait()
+        let req = self.runner.post(&call, Some(tag), false)?;
+        group::wait_at_end(req);
+        Ok(())
     }
 
     /// Non-blocking `send_message`.
@@ -261,14 +261,13 @@ impl Comm {
                 count: data.count,
             }));
         }
-        let req = self
-            .runner
-            .post_recv(incoming(buf, data, peer, tag), !group::active())?;
-        if group::active() {
-            group::wait_at_end(req);
-            return Ok(None);
+        let r = incoming(buf, data, peer, tag);
+        if !group::active() {
+            return self.runner.run_recv(r).map(Some);
         }
-        req.wait_status()
+        let req = self.runner.post_recv(r, false)?;
+        group::wait_at_end(req);
+        Ok(None)
     }
 
     /// Non-blocking `recv_message`; the request's `status()` says who sent

@@ -14,7 +14,7 @@ use crate::call::Call;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rendezvous::store::Store;
 use crate::sync::{self, lock};
-use crate::transport::tagged::{Incoming, Outgoing, Status};
+use crate::transport::tagged::{Described, Incoming, Outgoing, Status};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -111,6 +111,8 @@ enum Kind {
         messages: Arc<Messages>,
         posted: Posted,
     },
+    /// A host send complete as it was posted (written whole at once).
+    Sent(Status),
 }
 
 impl Request {
@@ -129,6 +131,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(q) => q.wait().map(|_| None),
             Kind::P2p { messages, posted } => messages.wait(posted).map(Some),
+            Kind::Sent(status) => Ok(Some(*status)),
         }
     }
 
@@ -137,6 +140,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(q) => q.test(),
             Kind::P2p { messages, posted } => messages.test(posted).map(|r| r.map(|_| ())),
+            Kind::Sent(_) => Some(Ok(())),
         }
     }
 
@@ -153,6 +157,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(_) => None,
             Kind::P2p { messages, posted } => messages.test(posted).and_then(|r| r.ok()),
+            Kind::Sent(status) => Some(*status),
         }
     }
 }
@@ -340,7 +345,7 @@ impl Runner {
     /// Buffers of `call` valid until this returns.
     pub(crate) unsafe fn run_one(self: &Arc<Self>, call: Call, stream: Stream) -> Result<()> {
         if call.is_p2p() && self.is_tagged_host(&call) {
-            return self.post(&call, None, true)?.wait();
+            return self.run_tagged(&call, None).map(|_| ());
         }
         if call.is_p2p() && self.has_held.load(Ordering::Acquire) {
             return self.run_with_held(vec![call], vec![stream]);
@@ -479,6 +484,30 @@ impl Runner {
         crate::backend::cuda::is_host(buf.addr(), buf.len())
     }
 
+    /// A host send/receive as the tagged context takes it.
+    fn described(call: &Call, tag: Option<i32>) -> Result<Described> {
+        match *call {
+            Call::Send { buf, data, peer } => Ok(Described::Send(Outgoing {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer,
+                tag: tag.unwrap_or(0),
+            })),
+            Call::Recv { buf, data, peer } => Ok(Described::Recv(Incoming {
+                buf,
+                dtype: data.dtype,
+                count: data.count,
+                peer: Some(peer),
+                tag: Some(tag.unwrap_or(0)),
+                exact: true,
+            })),
+            _ => Err(Error::internal(
+                "a tagged call that is not a send or receive",
+            )),
+        }
+    }
+
     /// Posts a host send/receive in the tagged context. `blocking`: this
     /// thread waits for it before it returns to the caller's code.
     ///
@@ -491,35 +520,35 @@ impl Runner {
         tag: Option<i32>,
         blocking: bool,
     ) -> Result<Request> {
-        let posted = match *call {
-            Call::Send { buf, data, peer } => self.messages.send(
-                Outgoing {
-                    buf,
-                    dtype: data.dtype,
-                    count: data.count,
-                    peer,
-                    tag: tag.unwrap_or(0),
-                },
-                blocking,
-            )?,
-            Call::Recv { buf, data, peer } => self.messages.recv(
-                Incoming {
-                    buf,
-                    dtype: data.dtype,
-                    count: data.count,
-                    peer: Some(peer),
-                    tag: Some(tag.unwrap_or(0)),
-                    exact: true,
-                },
-                blocking,
-            )?,
-            _ => {
-                return Err(Error::internal(
-                    "post of a call that is not a send or receive",
-                ))
-            }
+        let posted = match Self::described(call, tag)? {
+            Described::Send(msg) => match self.messages.send_now(msg) {
+                Some(status) => return Ok(Request(Kind::Sent(status), None)),
+                None => self.messages.send(msg, blocking)?,
+            },
+            Described::Recv(r) => self.messages.recv(r, blocking)?,
         };
         Ok(Request::p2p(self.messages.clone(), posted))
+    }
+
+    /// Runs a host send/receive in the tagged context, blocking (with
+    /// no request when it completes at once).
+    ///
+    /// # Safety
+    /// The call's buffer valid (and, for a receive, untouched) until this
+    /// returns.
+    pub(crate) unsafe fn run_tagged(&self, call: &Call, tag: Option<i32>) -> Result<Status> {
+        match Self::described(call, tag)? {
+            Described::Send(msg) => self.messages.send_blocking(msg),
+            Described::Recv(r) => self.messages.recv_blocking(r),
+        }
+    }
+
+    /// A blocking receive with wildcards (tagged API).
+    ///
+    /// # Safety
+    /// As `run_tagged`.
+    pub(crate) unsafe fn run_recv(&self, r: Incoming) -> Result<Status> {
+        self.messages.recv_blocking(r)
     }
 
     /// Posts a receive with wildcards (tagged API).

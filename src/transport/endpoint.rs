@@ -11,7 +11,7 @@ use super::medium::{Layout, Wanted};
 use super::mesh::MeshSpec;
 use super::service::{self, Shared};
 use super::signal::{AbortSignal, Wake};
-use super::stream::{Drive, StreamTransport, Tuning};
+use super::stream::{Drive, RecvNow, StreamTransport, Tuning};
 use super::tagged::Described;
 use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
 use crate::error::{Error, ErrorKind, Result};
@@ -166,6 +166,62 @@ impl Endpoint {
         let post = Post::Recv(r, ticket.done.clone(), ticket.id);
         self.post(post, r.peer, blocking)?;
         Ok(ticket)
+    }
+
+    /// A blocking send that is complete on return, with no ticket, when
+    /// its message is written whole at once (shared memory, nothing ahead
+    /// of it; see `StreamTransport::send_whole_now`). None: the caller
+    /// posts it (`send`) and waits, which also reports what is wrong.
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until this returns.
+    pub unsafe fn send_now(&self, msg: Outgoing) -> Option<Status> {
+        if msg.tag < 0 {
+            return None;
+        }
+        let mut core = try_lock(&self.shared.core)?;
+        core.take_posts();
+        core.send_whole_now(msg)
+    }
+
+    /// A blocking receive that takes its message straight from its
+    /// peer's connection, with no ticket, when nothing else is pending
+    /// here and the message is next there (see
+    /// `StreamTransport::recv_whole_now`), looking for it for up to the
+    /// spin window. None: the caller posts it (`recv`) and waits, which
+    /// also sleeps, bounds the wait and reports what is wrong.
+    ///
+    /// # Safety
+    /// `r.buf` valid for writes, and untouched, until this returns.
+    pub unsafe fn recv_now(&self, r: Incoming) -> Option<Status> {
+        if r.tag.is_some_and(|t| t < 0) {
+            return None;
+        }
+        let sh = &self.shared;
+        let mut spin_until = None;
+        let mut passes = 0u32;
+        loop {
+            if let Some(mut core) = try_lock(&sh.core) {
+                core.take_posts();
+                match core.recv_whole_now(&r) {
+                    RecvNow::Taken(status) => return Some(status),
+                    RecvNow::Post => return None,
+                    RecvNow::NotYet => {}
+                }
+            }
+            passes = passes.wrapping_add(1);
+            if passes == 1 || passes.is_multiple_of(64) {
+                let now = Instant::now();
+                if now >= *spin_until.get_or_insert(now + self.spin) {
+                    return None;
+                }
+            }
+            if self.yield_when_idle {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
     }
 
     /// Takes a call in: directly when the core is free (and moves it as

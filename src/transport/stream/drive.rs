@@ -5,7 +5,7 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
-use crate::transport::tagged::{Done, Outgoing, Path};
+use crate::transport::tagged::{Done, Outgoing, Path, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -55,6 +55,22 @@ impl StreamTransport {
             self.moved = self.moved.wrapping_add(1);
         }
         taken
+    }
+
+    /// A blocking tagged send written whole now, needing no ticket (see
+    /// `Tagged::send_whole_now`): its status, or None (the caller posts it).
+    pub fn send_whole_now(&mut self, msg: Outgoing) -> Option<Status> {
+        if self.failed.is_some() {
+            return None;
+        }
+        let conn = self.conns.get_mut(msg.peer)?.as_mut()?;
+        if conn.gone.is_some() || conn.unfinished_out > 0 || !conn.chan.caps().whole_messages {
+            return None;
+        }
+        let path = Path::of(&*conn.chan);
+        let status = self.tagged.send_whole_now(msg, &mut *conn.chan, path)?;
+        self.moved = self.moved.wrapping_add(1);
+        Some(status)
     }
 
     /// One pass of tagged progress with `peer` (None: every peer the

@@ -36,6 +36,7 @@ use crate::descriptor::{Desc, OpKind};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::reduce;
 use progress::READ_AHEAD_AFTER;
+pub use small::RecvNow;
 use small::{all_of, keep_unfinished, read_whole};
 use std::collections::VecDeque;
 use std::io;

@@ -5,7 +5,7 @@ use super::{deliver, StreamTransport};
 use crate::error::Result;
 use crate::transport::channel::Channel;
 use crate::transport::frame::{FrameKind, Header, HEADER_BYTES, TAG_REMOTE_BYTES};
-use crate::transport::tagged::Sink;
+use crate::transport::tagged::{Incoming, Sink, Status};
 use crate::transport::{Dir, Xfer};
 
 /// Most transfers `exchange_whole` takes on (it tracks them in a bitmask).
@@ -181,6 +181,72 @@ impl StreamTransport {
         conn.chan.consume_whole(len);
         self.moved = self.moved.wrapping_add(1);
         Ok(true)
+    }
+}
+
+/// What a blocking receive found on its peer's connection.
+pub enum RecvNow {
+    /// Its message, copied into its buffer.
+    Taken(Status),
+    /// Nothing yet; looking again may find it.
+    NotYet,
+    /// It must be posted (something else is next, or pending, or the
+    /// connection does not lend whole messages).
+    Post,
+}
+
+impl StreamTransport {
+    /// Blocking receive `r` takes its message straight from its peer's
+    /// next whole record (shared memory), needing no ticket, when nothing
+    /// else is pending (`Tagged::receivable_now`) and that record is its
+    /// message (`Tagged::take_eager_now`).
+    pub fn recv_whole_now(&mut self, r: &Incoming) -> RecvNow {
+        if self.failed.is_some() || !self.tagged.receivable_now(r) {
+            return RecvNow::Post;
+        }
+        let Some(peer) = r.peer else {
+            return RecvNow::Post;
+        };
+        let Some(conn) = self.conns.get_mut(peer).and_then(|c| c.as_mut()) else {
+            return RecvNow::Post;
+        };
+        if conn.gone.is_some()
+            || !conn.between_frames()
+            || !conn.inbox.is_empty()
+            || !conn.chan.caps().whole_messages
+        {
+            return RecvNow::Post;
+        }
+        let Some(record) = conn.chan.peek_whole() else {
+            // Nothing yet, or a record that cannot be lent whole (it
+            // wraps around the ring): that one is read the usual way.
+            return match conn.chan.has_data() {
+                true => RecvNow::Post,
+                false => RecvNow::NotYet,
+            };
+        };
+        if record.len() < HEADER_BYTES || record[2] != FrameKind::TagEager as u8 {
+            return RecvNow::Post;
+        }
+        let head: &[u8; HEADER_BYTES] = record[..HEADER_BYTES].try_into().expect("a header");
+        // A frame that does not decode is reported by the usual path.
+        let Ok(header) = Header::decode(head, peer) else {
+            return RecvNow::Post;
+        };
+        if header.payload != (record.len() - HEADER_BYTES) as u64 {
+            return RecvNow::Post;
+        }
+        let Some(status) = self.tagged.take_eager_now(r, &header) else {
+            return RecvNow::Post;
+        };
+        let len = record.len();
+        // SAFETY: the caller keeps the buffer valid and untouched until
+        // this returns; `take_eager_now` checked that the payload fits.
+        let dest = unsafe { r.buf.bytes_mut() };
+        crate::copy::copy(&mut dest[..len - HEADER_BYTES], &record[HEADER_BYTES..]);
+        conn.chan.consume_whole(len);
+        self.moved = self.moved.wrapping_add(1);
+        RecvNow::Taken(status)
     }
 }
 

@@ -518,22 +518,10 @@ impl Tagged {
         Ok(())
     }
 
-    /// Writes eager send `id` on `chan` now, when nothing is ahead of it
-    /// to its peer (no queued send, no frame partly written) and it goes
-    /// over the connection (not single copy): no queue, no pass over the
-    /// peers, so a small message costs little more than the channel's
-    /// write. Whether it was taken: written whole (and complete), or
-    /// partly, its rest queued as any frame's. Not taken (nothing written,
-    /// nothing counted): the caller posts it with `post_send`, which also
-    /// reports why it cannot go.
-    pub fn send_at_once(
-        &mut self,
-        msg: Outgoing,
-        done: &Arc<Done>,
-        id: u64,
-        chan: &mut dyn Channel,
-        path: Path,
-    ) -> bool {
+    /// Whether eager send `msg` may be written now: nothing is ahead of
+    /// it to its peer (no queued send, no frame partly written) and it
+    /// goes over the connection (not single copy).
+    fn writable_now(&mut self, msg: &Outgoing, path: Path) -> bool {
         let bytes = msg.buf.len();
         if self.usable().is_err()
             || msg.peer == self.rank
@@ -543,9 +531,63 @@ impl Tagged {
             return false;
         }
         let p = self.peer(msg.peer);
-        if p.gone.is_some() || !p.queued.is_empty() || !p.out.is_empty() || p.written > 0 {
+        p.gone.is_none() && p.queued.is_empty() && p.out.is_empty() && p.written == 0
+    }
+
+    /// A blocking send written whole now, as one message of a channel
+    /// that keeps message boundaries (shared memory), when
+    /// `writable_now`: complete on return, so it needs no ticket. Its
+    /// status, or None (nothing written: the caller posts it).
+    pub fn send_whole_now(
+        &mut self,
+        msg: Outgoing,
+        chan: &mut dyn Channel,
+        path: Path,
+    ) -> Option<Status> {
+        if !self.writable_now(&msg, path) {
+            return None;
+        }
+        let p = self.peer(msg.peer);
+        let head = Header::tagged(
+            FrameKind::TagEager,
+            p.next_out_seq,
+            msg.tag,
+            msg.count as u64,
+            msg.dtype,
+            msg.buf.len() as u64,
+        )
+        .encode();
+        // SAFETY: the caller keeps the buffer valid until this returns.
+        if !chan.write_whole(&head, unsafe { msg.buf.bytes() }) {
+            return None;
+        }
+        p.next_out_seq += 1;
+        Some(Status {
+            source: msg.peer,
+            tag: msg.tag,
+            count: msg.count,
+        })
+    }
+
+    /// Writes eager send `id` on `chan` now, when `writable_now`: no
+    /// queue, no pass over the peers, so a small message costs little
+    /// more than the channel's write. Whether it was taken: written whole
+    /// (and complete), or partly, its rest queued as any frame's. Not
+    /// taken (nothing written, nothing counted): the caller posts it with
+    /// `post_send`, which also reports why it cannot go.
+    pub fn send_at_once(
+        &mut self,
+        msg: Outgoing,
+        done: &Arc<Done>,
+        id: u64,
+        chan: &mut dyn Channel,
+        path: Path,
+    ) -> bool {
+        if !self.writable_now(&msg, path) {
             return false;
         }
+        let bytes = msg.buf.len();
+        let p = self.peer(msg.peer);
         let h = Header::tagged(
             FrameKind::TagEager,
             p.next_out_seq,
@@ -588,6 +630,55 @@ impl Tagged {
             p.written = written;
         }
         true
+    }
+
+    /// Whether blocking receive `r` may take its peer's next message
+    /// straight from the connection, with no ticket: nothing is pending
+    /// in this context (no posted receive could claim the message first,
+    /// no send or partly moved frame needs this caller to move it) and
+    /// nothing from that peer waits unmatched (it arrived first).
+    pub fn receivable_now(&self, r: &Incoming) -> bool {
+        let Some(peer) = r.peer.filter(|p| *p != self.rank) else {
+            return false;
+        };
+        self.usable().is_ok()
+            && !self.busy()
+            && self.peer_ref(peer).is_some_and(|p| p.gone.is_none())
+            && !self
+                .matching
+                .unexpected
+                .iter()
+                .any(|a| a.env.source == peer)
+    }
+
+    /// Blocking receive `r` (`receivable_now`) takes eager frame `h`,
+    /// which is next from its peer, when the message is its own (tag,
+    /// type and count fit): the frame is counted in and the status
+    /// returned; the caller copies the payload. None: the frame goes the
+    /// usual way (which also reports a misfit or a protocol error).
+    pub fn take_eager_now(&mut self, r: &Incoming, h: &Header) -> Option<Status> {
+        let peer = r.peer?;
+        let tag = h.tag();
+        let p = self.peers.get_mut(peer)?.as_deref_mut()?;
+        let fits = h.kind == FrameKind::TagEager
+            && h.desc.seq == p.next_in_seq
+            && r.tag.is_none_or(|t| t == tag)
+            && h.desc.dtype == r.dtype
+            && if r.exact {
+                h.desc.count == r.count as u64
+            } else {
+                h.desc.count <= r.count as u64
+            }
+            && h.payload <= r.buf.len() as u64;
+        if !fits {
+            return None;
+        }
+        p.next_in_seq += 1;
+        Some(Status {
+            source: peer,
+            tag,
+            count: h.desc.count as usize,
+        })
     }
 
     /// Posts receive `id`; it matches at once if its message already
