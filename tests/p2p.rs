@@ -594,3 +594,67 @@ fn busy_wait_worker() {
     );
     println!("BUSY WAIT TIMED OUT after {:?}", r[0]);
 }
+
+#[test]
+fn a_blocking_receive_takes_the_oldest_message_it_accepts() {
+    // A blocking receive may take its message straight from the
+    // connection; never one that MPI's order gives to another: rank 0's
+    // tag-7 message that arrived first (and now waits unmatched) comes
+    // before the one still on the connection.
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            for (tag, v) in [(7, 1), (5, 2), (7, 3), (5, 4), (5, 5)] {
+                comm.send_tagged(&[v as i32], 1, tag).unwrap();
+            }
+        } else {
+            // All five are there before the first receive.
+            std::thread::sleep(Duration::from_millis(200));
+            let mut got = Vec::new();
+            for tag in [5, 7, 7, 5, 5] {
+                let mut v = [0i32];
+                let s = comm.recv_tagged(&mut v, Some(0), Some(tag)).unwrap();
+                assert_eq!(s.tag, tag);
+                got.push(v[0]);
+            }
+            assert_eq!(got, vec![2, 1, 3, 4, 5]);
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn a_blocking_receive_never_overtakes_one_posted_before_it() {
+    // The receive posted first (any tag) gets the first message, although
+    // the blocking one made later accepts it too and, spinning, sees it
+    // first. Twenty rounds, the messages sent while the blocking receive
+    // spins.
+    let both = std::sync::Arc::new(std::sync::Barrier::new(2));
+    common::world(
+        2,
+        common::opts(20_000),
+        Duration::from_secs(60),
+        move |comm| {
+            for round in 0..20 {
+                if comm.rank() == 0 {
+                    both.wait();
+                    std::thread::sleep(Duration::from_micros(100));
+                    comm.send_tagged(&[1i32], 1, 5).unwrap();
+                    comm.send_tagged(&[2i32], 1, 5).unwrap();
+                } else {
+                    let mut first = [0i32; 1];
+                    let mut bytes = [0u8; 4];
+                    let r = irecv(&comm, &mut bytes, DType::Int32, Some(0), None);
+                    both.wait();
+                    comm.recv_tagged(&mut first, Some(0), Some(5)).unwrap();
+                    r.wait().unwrap();
+                    assert_eq!(
+                        (i32::from_le_bytes(bytes), first[0]),
+                        (1, 2),
+                        "round {round}"
+                    );
+                }
+            }
+            comm.barrier().unwrap();
+        },
+    );
+}

@@ -212,7 +212,8 @@ impl Endpoint {
             passes = passes.wrapping_add(1);
             if passes == 1 || passes.is_multiple_of(64) {
                 let now = Instant::now();
-                if now >= *spin_until.get_or_insert(now + self.spin) {
+                // Never past the timeout, whatever the spin window.
+                if now >= *spin_until.get_or_insert(now + self.spin.min(self.timeout)) {
                     return None;
                 }
             }
