@@ -603,8 +603,8 @@ fn a_blocking_receive_takes_the_oldest_message_it_accepts() {
     // before the one still on the connection.
     common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
         if comm.rank() == 0 {
-            for (tag, v) in [(7, 1), (5, 2), (7, 3), (5, 4), (5, 5)] {
-                comm.send_tagged(&[v as i32], 1, tag).unwrap();
+            for (tag, v) in [(7, 1i32), (5, 2), (7, 3), (5, 4), (5, 5)] {
+                comm.send_tagged(&[v], 1, tag).unwrap();
             }
         } else {
             // All five are there before the first receive.
