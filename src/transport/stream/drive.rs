@@ -138,6 +138,9 @@ impl StreamTransport {
         if !output && !read {
             return;
         }
+        if !output && !how.thorough && self.take_tagged_wholes(peer) {
+            return;
+        }
         let mut idle = std::mem::take(&mut self.idle);
         let mut result = Ok(());
         if output {
@@ -149,6 +152,38 @@ impl StreamTransport {
         self.idle = idle;
         if let Err(e) = result {
             self.drive_failed(peer, e);
+        }
+    }
+
+    /// A spinning caller's pass over `peer` when only whole tagged
+    /// messages wait there (shared memory, between frames): taken straight
+    /// from the channel while the tagged calls want them, with none of a
+    /// collective's progress state. Whether that was all (else the full
+    /// read goes on: a frame that is not whole, or one for a collective).
+    fn take_tagged_wholes(&mut self, peer: usize) -> bool {
+        loop {
+            let conn = self.conns[peer].as_ref().expect("connected");
+            if conn.gone.is_some()
+                || !conn.between_frames()
+                || !conn.inbox.is_empty()
+                || !conn.chan.caps().whole_messages
+            {
+                return false;
+            }
+            if !self.tagged.wants(peer) {
+                return true;
+            }
+            match self.take_tagged_whole(peer) {
+                Ok(true) => {}
+                Ok(false) => {
+                    let conn = self.conns[peer].as_ref().expect("connected");
+                    return !conn.chan.has_data();
+                }
+                Err(e) => {
+                    self.drive_failed(peer, e);
+                    return true;
+                }
+            }
         }
     }
 
