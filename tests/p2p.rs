@@ -658,3 +658,35 @@ fn a_blocking_receive_never_overtakes_one_posted_before_it() {
         },
     );
 }
+
+#[test]
+fn a_receive_posted_after_its_message_came_has_its_data_and_status() {
+    // Its message is already on the connection when it is posted (it may
+    // complete there and then): the data, who sent it, the tag and the
+    // count are the message's, for any-tag receives and exact ones.
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            comm.send_tagged(&[11i32, 12], 1, 3).unwrap();
+            comm.send_tagged(&[21i32, 22, 23], 1, 4).unwrap();
+        } else {
+            std::thread::sleep(Duration::from_millis(100));
+            let mut a = [0u8; 8];
+            let r = irecv(&comm, &mut a, DType::Int32, Some(0), Some(3));
+            r.wait().unwrap();
+            let s = r.status().unwrap();
+            assert_eq!((s.source, s.tag, s.count), (0, 3, 2));
+            let mut b = [0u8; 16];
+            let r = irecv(&comm, &mut b, DType::Int32, Some(0), None);
+            r.wait().unwrap();
+            let s = r.status().unwrap();
+            assert_eq!((s.source, s.tag, s.count), (0, 4, 3));
+            let ints = |v: &[u8]| -> Vec<i32> {
+                v.chunks(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            assert_eq!((ints(&a), ints(&b[..12])), (vec![11, 12], vec![21, 22, 23]));
+        }
+        comm.barrier().unwrap();
+    });
+}

@@ -96,13 +96,25 @@ impl Messages {
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
     pub(crate) unsafe fn recv_blocking(&self, r: Incoming) -> Result<Status> {
-        let started = self.ledger.tracing().then(Instant::now);
-        if let Some(status) = self.endpoint.recv_now(r) {
-            self.note_now("recv", r.buf.len(), started);
+        if let Some(status) = self.recv_now(r, true) {
             return Ok(status);
         }
         let p = self.recv(r, true)?;
         self.wait(&p)
+    }
+
+    /// A receive complete on return, numbered and traced, when its
+    /// message is taken straight from its peer's connection
+    /// (`Endpoint::recv_now`: looked for once, or with `spin` for up to
+    /// the spin window); None: post it.
+    ///
+    /// # Safety
+    /// `r.buf` valid for writes, and untouched, until this returns.
+    pub(crate) unsafe fn recv_now(&self, r: Incoming, spin: bool) -> Option<Status> {
+        let started = self.ledger.tracing().then(Instant::now);
+        let status = self.endpoint.recv_now(r, spin)?;
+        self.note_now("recv", r.buf.len(), started);
+        Some(status)
     }
 
     /// Numbers, and traces, a call that completed without being posted.

@@ -111,8 +111,9 @@ enum Kind {
         messages: Arc<Messages>,
         posted: Posted,
     },
-    /// A host send complete as it was posted (written whole at once).
-    Sent(Status),
+    /// A host send or receive complete as it was posted (written whole
+    /// at once; its message was there).
+    Complete(Status),
 }
 
 impl Request {
@@ -131,7 +132,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(q) => q.wait().map(|_| None),
             Kind::P2p { messages, posted } => messages.wait(posted).map(Some),
-            Kind::Sent(status) => Ok(Some(*status)),
+            Kind::Complete(status) => Ok(Some(*status)),
         }
     }
 
@@ -140,7 +141,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(q) => q.test(),
             Kind::P2p { messages, posted } => messages.test(posted).map(|r| r.map(|_| ())),
-            Kind::Sent(_) => Some(Ok(())),
+            Kind::Complete(_) => Some(Ok(())),
         }
     }
 
@@ -157,7 +158,7 @@ impl Request {
         match &self.0 {
             Kind::Queued(_) => None,
             Kind::P2p { messages, posted } => messages.test(posted).and_then(|r| r.ok()),
-            Kind::Sent(status) => Some(*status),
+            Kind::Complete(status) => Some(*status),
         }
     }
 }
@@ -522,10 +523,10 @@ impl Runner {
     ) -> Result<Request> {
         let posted = match Self::described(call, tag)? {
             Described::Send(msg) => match self.messages.send_now(msg) {
-                Some(status) => return Ok(Request(Kind::Sent(status), None)),
+                Some(status) => return Ok(Request(Kind::Complete(status), None)),
                 None => self.messages.send(msg, blocking)?,
             },
-            Described::Recv(r) => self.messages.recv(r, blocking)?,
+            Described::Recv(r) => return self.post_recv(r, blocking),
         };
         Ok(Request::p2p(self.messages.clone(), posted))
     }
@@ -560,6 +561,10 @@ impl Runner {
         r: Incoming,
         blocking: bool,
     ) -> Result<Request> {
+        // Its message may be there already: then it needs no ticket.
+        if let Some(status) = self.messages.recv_now(r, false) {
+            return Ok(Request(Kind::Complete(status), None));
+        }
         let posted = self.messages.recv(r, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
     }
