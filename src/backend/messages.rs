@@ -96,7 +96,7 @@ impl Messages {
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
     pub(crate) unsafe fn recv_blocking(&self, r: Incoming) -> Result<Status> {
-        if let Some(status) = self.recv_now(r, true) {
+        if let Some(status) = self.recv_now(r) {
             return Ok(status);
         }
         let p = self.recv(r, true)?;
@@ -104,15 +104,14 @@ impl Messages {
     }
 
     /// A receive complete on return, numbered and traced, when its
-    /// message is taken straight from its peer's connection
-    /// (`Endpoint::recv_now`: looked for once, or with `spin` for up to
-    /// the spin window); None: post it.
+    /// message is taken straight from its peer's connection within the
+    /// spin window (`Endpoint::recv_now`); None: post it.
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
-    pub(crate) unsafe fn recv_now(&self, r: Incoming, spin: bool) -> Option<Status> {
+    unsafe fn recv_now(&self, r: Incoming) -> Option<Status> {
         let started = self.ledger.tracing().then(Instant::now);
-        let status = self.endpoint.recv_now(r, spin)?;
+        let status = self.endpoint.recv_now(r)?;
         self.note_now("recv", r.buf.len(), started);
         Some(status)
     }

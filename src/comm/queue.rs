@@ -111,8 +111,7 @@ enum Kind {
         messages: Arc<Messages>,
         posted: Posted,
     },
-    /// A host send or receive complete as it was posted (written whole
-    /// at once; its message was there).
+    /// A host send complete as it was posted (written whole at once).
     Complete(Status),
 }
 
@@ -561,10 +560,6 @@ impl Runner {
         r: Incoming,
         blocking: bool,
     ) -> Result<Request> {
-        // Its message may be there already: then it needs no ticket.
-        if let Some(status) = self.messages.recv_now(r, false) {
-            return Ok(Request(Kind::Complete(status), None));
-        }
         let posted = self.messages.recv(r, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
     }

@@ -187,14 +187,13 @@ impl Endpoint {
     /// A blocking receive that takes its message straight from its
     /// peer's connection, with no ticket, when nothing else is pending
     /// here and the message is next there (see
-    /// `StreamTransport::recv_whole_now`), looking for it once or, with
-    /// `spin`, for up to the spin window. None: the caller posts it
-    /// (`recv`) and waits, which also sleeps, bounds the wait and reports
-    /// what is wrong.
+    /// `StreamTransport::recv_whole_now`), looking for it for up to the
+    /// spin window. None: the caller posts it (`recv`) and waits, which
+    /// also sleeps, bounds the wait and reports what is wrong.
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
-    pub unsafe fn recv_now(&self, r: Incoming, spin: bool) -> Option<Status> {
+    pub unsafe fn recv_now(&self, r: Incoming) -> Option<Status> {
         if r.tag.is_some_and(|t| t < 0) {
             return None;
         }
@@ -209,9 +208,6 @@ impl Endpoint {
                     RecvNow::Post => return None,
                     RecvNow::NotYet => {}
                 }
-            }
-            if !spin {
-                return None;
             }
             passes = passes.wrapping_add(1);
             if passes == 1 || passes.is_multiple_of(64) {
