@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ratio table and busbw chart from a peer_bench results JSON.
 
-usage: compare.py results.json out.md out.png
+usage: compare.py results.json out.md out.png [--title T] [--producer SCRIPT]
 
 For every cell (op, world, size) it compares rdist's default transport
 against the best peer of all, and rdist with TCP forced against the best
@@ -26,15 +26,18 @@ KEEP_MARKER = "<!-- scripts/compare.py keeps everything from this line on. -->"
 
 def main():
     src, out_md, out_png = sys.argv[1:4]
+    opts = dict(zip(sys.argv[4::2], sys.argv[5::2]))
+    title = opts.get("--title", "rdist vs. peers on this machine")
+    producer = opts.get("--producer", "scripts/compare.sh")
     data = json.load(open(src))
     cells = {}
     for r in data["records"]:
         key = (r["op"], r["world"], r.get("bytes", 0))
         cells.setdefault(key, {})[r["peer"]] = r["t_med_s"]
     lines = [
-        f"# rdist vs. peers on this machine ({data['meta'].get('date', '')}, {data['meta'].get('nproc', '?')} cores)",
+        f"# {title} ({data['meta'].get('date', '')}, {data['meta'].get('nproc', '?')} cores)",
         "",
-        "Produced by `scripts/compare.sh` from one run of `bench/peers/peer_bench.py` (same timing",
+        f"Produced by `{producer}` from one run of `bench/peers/peer_bench.py` (same timing",
         "method for every library: median of batches, slowest rank). Speedup = best peer's time / rdist's",
         "time: above 1.00 rdist is faster. `rdist` is the default transport (shared memory on one host),",
         "`rdist-tcp` forces TCP (the cross-host path) and is compared with the TCP peers only.",
@@ -78,12 +81,19 @@ def main():
     except ImportError:
         print("compare.py: matplotlib missing, no chart", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    # A panel per world measured, up to four (the smallest and largest kept).
+    worlds = sorted({w for (op, w, s) in cells if op == "allreduce"})
+    if len(worlds) > 4:
+        worlds = [worlds[0], worlds[len(worlds) // 3], worlds[2 * len(worlds) // 3], worlds[-1]]
+    if not worlds:
+        return
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), sharey=True, squeeze=False)
+    axes = axes[0]
     # One color per peer in both panels (a peer may be missing from one).
     everyone = sorted({p for c in cells.values() for p in c})
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     color = {p: palette[i % len(palette)] for i, p in enumerate(everyone)}
-    for ax, world in zip(axes, (2, 4)):
+    for ax, world in zip(axes, worlds):
         peers = sorted({p for (op, w, s), c in cells.items() if op == "allreduce" and w == world for p in c})
         for p in peers:
             pts = sorted((s, s / t / 1e9 * (2 * (world - 1) / world)) for (op, w, s), c in cells.items()

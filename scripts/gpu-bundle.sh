@@ -13,6 +13,10 @@
 #                                        benchmark check then has none: for
 #                                        machines with no GPU, as in CI)
 #
+# With the release binaries, the bundle also holds what the CPU
+# comparison there needs (scripts/host-compare.sh): the harness's native C
+# worker (bench/rdist_bench, finding lib/librdist.so.0 beside it).
+#
 # The bundle runs on a machine of the same architecture with a glibc at
 # least as new as this one's.
 set -euo pipefail
@@ -33,7 +37,7 @@ fi
 cargo build
 # The test executables, from cargo's own account of what it built.
 tests_json="$(cargo test --no-run --test gpu_stub --test nccl --message-format=json)"
-[ $release = 1 ] && cargo build --release --bins
+[ $release = 1 ] && cargo build --release --bins --lib
 binaries="$(grep '"kind":\["test"\]' <<<"$tests_json" | grep '"executable":"' \
   | sed -n 's/.*"target":{[^}]*"name":"\([a-z_]*\)".*"executable":"\([^"]*\)".*/\1 \2/p')"
 for file in gpu_stub nccl; do
@@ -52,6 +56,10 @@ copy() { cp "$1" "$2" && strip --strip-debug "$2"; }
 for f in librdist.so rdistrun rdist-bench; do copy "$target/debug/$f" "$out/target/debug/$f"; done
 if [ $release = 1 ]; then
   for f in rdistrun rdist-bench; do copy "$target/release/$f" "$out/target/release/$f"; done
+  mkdir -p "$out/lib" "$out/bench"
+  copy "$target/release/librdist.so" "$out/lib/librdist.so.0"
+  cc -O2 -DUSE_RDIST -I include bench/peers/native_bench.c -L "$target/release" -lrdist \
+    -Wl,-rpath,'$ORIGIN/../lib' -lm -o "$out/bench/rdist_bench"
 fi
 : >"$out/test-binaries"
 while read -r file path; do

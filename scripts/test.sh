@@ -50,5 +50,15 @@ GPU_CHECK_PREBUILT=target/gpu-bundle GPU_CHECK_FORCE=1 bash scripts/gpu-check.sh
   || { cat target/gpu-check.log >&2; exit 1; }
 # (Not added to the total: these tests also ran above, built by cargo.)
 sed -n '/== gpu-check report/,$p' target/gpu-check.log
+# The CPU comparison as the GPU machine's host runs it (a bundle with the
+# release binaries, torch, no Rust): a smoke run, 2 ranks, that fails
+# when a peer produced nothing.
+echo "== scripts/host-compare.sh on a bundle (smoke run: 2 ranks)"
+bash scripts/gpu-bundle.sh target/host-bundle >target/host-bundle.log 2>&1 \
+  || { tail -30 target/host-bundle.log >&2; exit 1; }
+HOST_COMPARE_BUNDLE=target/host-bundle HOST_COMPARE_PYTHON="$(bash scripts/torch-env.sh)" \
+  HOST_COMPARE_WORLDS=2 QUICK=1 bash scripts/host-compare.sh >target/host-compare.log 2>&1 \
+  || { cat target/host-compare.log >&2; exit 1; }
+grep -E "^(== host-compare|skipped:)|Cells where" target/host-compare.log
 echo "every suite passed in $(( $(date +%s) - start )) s"
 echo "all: $total passed, 0 failed"

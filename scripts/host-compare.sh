@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# rdist against torch's gloo on this machine's CPUs, side by side in one
+# run (bench/peers/peer_bench.py: the same timing for both, median of
+# batches, slowest rank): shared memory and TCP forced, 2, 3, 4, 8 and 16
+# ranks (those the cores allow), allreduce 8 B-256 MiB, broadcast,
+# barrier, ping-pong and ring exchange. Needs no Rust and no network,
+# only a Python with torch, so that it runs on the GPU machine's host
+# from a bundle built here:
+#
+#   scripts/gpu-bundle.sh DIR                     here (builds DIR/bench, DIR/lib)
+#   HOST_COMPARE_BUNDLE=DIR scripts/host-compare.sh   there, after gpu-check.sh
+#
+# Without HOST_COMPARE_BUNDLE it builds the bundle first (cargo needed).
+# HOST_COMPARE_PYTHON: the Python with torch (default python3; here the
+# tests' venv, scripts/torch-env.sh, serves). HOST_COMPARE_WORLDS overrides
+# the worlds; QUICK=1 makes a smoke run. Takes under 5 minutes on 16 cores.
+# Writes build/host-compare/: results-<date>.{json,md} (every number) and
+# performance.md (each cell's ratio to torch gloo, as scripts/compare.sh
+# writes docs/performance.md), busbw.png when matplotlib is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+out=$root/build/host-compare
+py=${HOST_COMPARE_PYTHON:-python3}
+if ! "$py" -c "import torch.distributed" 2>/dev/null; then
+  echo "skipped: host-compare: $py has no torch (set HOST_COMPARE_PYTHON)"
+  exit 0
+fi
+bundle=${HOST_COMPARE_BUNDLE:-}
+if [ -z "$bundle" ]; then
+  bundle=$root/build/host-bundle
+  bash scripts/gpu-bundle.sh "$bundle" >/dev/null
+fi
+bundle=$(cd "$bundle" && pwd)
+worker=$bundle/bench/rdist_bench
+[ -x "$worker" ] || { echo "host-compare: $worker is missing (scripts/gpu-bundle.sh DIR builds it)" >&2; exit 2; }
+
+cores=$(nproc)
+worlds=${HOST_COMPARE_WORLDS:-}
+if [ -z "$worlds" ]; then
+  for w in 2 3 4 8 16; do
+    [ "$w" -le "$cores" ] && worlds=${worlds:+$worlds,}$w
+  done
+fi
+mib=$((1 << 20))
+ar=8,65536,$mib,$((16 * mib)),$((256 * mib))
+bc=8,$mib,$((16 * mib))
+p2p=8,4096,65536,$mib,$((16 * mib))
+batch=0.05 reps=3
+if [ -n "${QUICK:-}" ]; then
+  ar=8,65536,$mib bc=8,$mib p2p=8,65536 reps=2
+fi
+mkdir -p "$out"
+echo "== host-compare: $cores cores, worlds $worlds, rdist from $bundle, torch from $py"
+# Each launch is bounded; peer_bench names one that did not finish.
+PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
+  "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
+  --ar-sizes "$ar" --bc-sizes "$bc" --pp-sizes "$p2p" --ex-sizes "$p2p" \
+  --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 --outdir "$out" | tail -3
+latest=$(ls -t "$out"/results-*.json | head -1)
+# Every peer measured every world, or the run says which did not.
+"$py" - "$latest" "$worlds" <<'CHECK'
+import json, sys
+data = json.load(open(sys.argv[1]))
+worlds = [int(w) for w in sys.argv[2].split(",")]
+have = {(r["peer"], r["world"]) for r in data["records"]}
+missing = [f"{p} at {w} ranks" for w in worlds for p in ("rdist", "rdist-tcp", "torch-gloo") if (p, w) not in have]
+if missing:
+    sys.exit("host-compare: no results from " + ", ".join(missing))
+CHECK
+"$py" scripts/compare.py "$latest" "$out/performance.md" "$out/busbw.png" \
+  --title "rdist vs. torch gloo on this machine" --producer scripts/host-compare.sh
+cat "$out/performance.md"
