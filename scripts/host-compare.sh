@@ -2,8 +2,8 @@
 # rdist against torch's gloo on this machine's CPUs, side by side in one
 # run (bench/peers/peer_bench.py: the same timing for both, median of
 # batches, slowest rank): shared memory and TCP forced, 2, 3, 4, 8 and 16
-# ranks (those the cores allow), allreduce 8 B-256 MiB, broadcast,
-# barrier, ping-pong and ring exchange. Needs no Rust and no network,
+# ranks (those the cores allow): allreduce, allgather and reduce_scatter
+# up to 256 MiB, broadcast, barrier, ping-pong and ring exchange. Needs no Rust and no network,
 # only a Python with torch, so that it runs on the GPU machine's host
 # from a bundle built here:
 #
@@ -45,17 +45,18 @@ fi
 mib=$((1 << 20))
 ar=8,65536,$mib,$((16 * mib)),$((256 * mib))
 bc=8,$mib,$((16 * mib))
-p2p=8,4096,65536,$mib,$((16 * mib))
+ag=1024,$mib,$((16 * mib)),$((256 * mib))
+p2p=8,65536,$mib,$((16 * mib))
 batch=0.05 reps=3
 if [ -n "${QUICK:-}" ]; then
-  ar=8,65536,$mib bc=8,$mib p2p=8,65536 reps=2
+  ar=8,65536,$mib bc=8,$mib ag=1024,$mib p2p=8,65536 reps=2
 fi
 mkdir -p "$out"
 echo "== host-compare: $cores cores, worlds $worlds, rdist from $bundle, torch from $py"
 # Each launch is bounded; peer_bench names one that did not finish.
 PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
   "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
-  --ar-sizes "$ar" --bc-sizes "$bc" --pp-sizes "$p2p" --ex-sizes "$p2p" \
+  --ar-sizes "$ar" --bc-sizes "$bc" --ag-sizes "$ag" --rs-sizes "$ag" --pp-sizes "$p2p" --ex-sizes "$p2p" \
   --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 --outdir "$out" | tail -3
 latest=$(ls -t "$out"/results-*.json | head -1)
 # Every peer measured every world, or the run says which did not.
