@@ -6,7 +6,8 @@
 #   docs/performance.md, docs/busbw.png      ratios rdist / best peer
 # Peers: Gloo (Debian's libgloo, native; and through torch when the peers'
 # setup installed it), Open MPI (shared memory and TCP), MPICH from PyPI
-# (shared memory and TCP) when it installs. Takes ~10 min (~14 with torch).
+# (shared memory and TCP) when it installs; 2, 3 and 4 ranks. Takes
+# ~15 min (~20 with torch, which it uses when the tests' venv is there).
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
 #   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
 #       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
@@ -70,19 +71,24 @@ if [ ${#cluster_args[@]} -gt 0 ]; then
     --mpich "$mpich_bin" --torch-python "$torch_py" "${cluster_args[@]}"
 fi
 
-# Gloo through torch (PyPI torch, a 4.4 GB venv in build/peers/.venv):
-# WITH_TORCH=1 installs it (bench/peers/setup.sh) when it is not there yet.
-if [ -n "${WITH_TORCH:-}" ] && [ ! -x "$PEERS_HOME/.venv/bin/python" ]; then
-  bash "$peers_src/setup.sh" || echo "compare: the peers' setup failed; running without torch-gloo"
+# Gloo through torch, the peer torch users have: the tests' torch venv
+# (scripts/torch-env.sh, ~4 GB) when it is there or WITH_TORCH=1 asks for
+# it, else the peers' own venv (bench/peers/setup.sh) if one was made.
+venv=${RDIST_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/rdist/torch-venv}
+if [ -n "${WITH_TORCH:-}" ] || [ -x "$venv/bin/python" ]; then
+  PEERS_PYTHON=$(bash scripts/torch-env.sh) && export PEERS_PYTHON || unset PEERS_PYTHON
 fi
-if [ -x "$PEERS_HOME/.venv/bin/python" ] && "$PEERS_HOME/.venv/bin/python" -c "import torch" 2>/dev/null; then
+torch_py=${PEERS_PYTHON:-$PEERS_HOME/.venv/bin/python}
+if [ -x "$torch_py" ] && "$torch_py" -c "import torch" 2>/dev/null; then
   peers=$peers,torch-gloo
 else
   echo "compare: torch is not installed (WITH_TORCH=1 scripts/compare.sh installs it); running without torch-gloo"
 fi
 
-
-args=(--peers "$peers" --worlds 2,4 --outdir build/compare --timeout 90 --no-ref)
+# 3 ranks: a world that is not a power of two.
+mib=$((1 << 20))
+args=(--peers "$peers" --worlds 2,3,4 --outdir build/compare --timeout 90 --no-ref
+  --ag-sizes 65536,$((16 * mib)) --rs-sizes 65536,$((16 * mib)))
 [ -n "${QUICK:-}" ] && args+=(--quick)
 RDIST_BENCH_BIN=$PEERS_HOME/build/rdist_bench /usr/bin/python3 "$peers_src/peer_bench.py" "${args[@]}" | tail -5
 latest=$(ls -t build/compare/results-*.json | head -1)
