@@ -160,6 +160,17 @@ pub struct Outgoing {
     pub tag: i32,
 }
 
+impl Outgoing {
+    /// What the send's caller learns once it went.
+    pub fn status(&self) -> Status {
+        Status {
+            source: self.peer,
+            tag: self.tag,
+            count: self.count,
+        }
+    }
+}
+
 /// A receive to post.
 #[derive(Clone, Copy, Debug)]
 pub struct Incoming {
@@ -548,25 +559,13 @@ impl Tagged {
             return None;
         }
         let p = self.peer(msg.peer);
-        let head = Header::tagged(
-            FrameKind::TagEager,
-            p.next_out_seq,
-            msg.tag,
-            msg.count as u64,
-            msg.dtype,
-            msg.buf.len() as u64,
-        )
-        .encode();
+        let head = eager_header(&msg, p.next_out_seq).encode();
         // SAFETY: the caller keeps the buffer valid until this returns.
         if !chan.write_whole(&head, unsafe { msg.buf.bytes() }) {
             return None;
         }
         p.next_out_seq += 1;
-        Some(Status {
-            source: msg.peer,
-            tag: msg.tag,
-            count: msg.count,
-        })
+        Some(msg.status())
     }
 
     /// Writes eager send `id` on `chan` now, when `writable_now`: no
@@ -588,14 +587,7 @@ impl Tagged {
         }
         let bytes = msg.buf.len();
         let p = self.peer(msg.peer);
-        let h = Header::tagged(
-            FrameKind::TagEager,
-            p.next_out_seq,
-            msg.tag,
-            msg.count as u64,
-            msg.dtype,
-            bytes as u64,
-        );
+        let h = eager_header(&msg, p.next_out_seq);
         let head = h.encode();
         // SAFETY: the caller keeps the buffer valid until the ticket
         // completes (now, or once its rest is written).
@@ -612,11 +604,7 @@ impl Tagged {
             return false;
         }
         p.next_out_seq += 1;
-        let status = Status {
-            source: msg.peer,
-            tag: msg.tag,
-            count: msg.count,
-        };
+        let status = msg.status();
         if written == HEADER_BYTES + bytes {
             done.complete(Ok(status));
         } else {
@@ -1321,6 +1309,18 @@ impl Tagged {
 
 /// Where a message's payload goes: its receive when it fits there;
 /// nowhere when it does not (the receive then fails, naming both sides).
+/// The frame of eager send `msg`, number `seq` to its peer.
+fn eager_header(msg: &Outgoing, seq: u64) -> Header {
+    Header::tagged(
+        FrameKind::TagEager,
+        seq,
+        msg.tag,
+        msg.count as u64,
+        msg.dtype,
+        msg.buf.len() as u64,
+    )
+}
+
 fn fit(r: PostedRecv, env: &Envelope, me: usize) -> Sink {
     let status = Status {
         source: env.source,
