@@ -690,3 +690,59 @@ fn a_receive_posted_after_its_message_came_has_its_data_and_status() {
         comm.barrier().unwrap();
     });
 }
+
+#[test]
+fn a_blocking_receive_times_out_within_its_bound_whatever_the_spin() {
+    // Its look at the connection before it is posted counts against the
+    // timeout: with a spin window (5 s) longer than the timeout (1 s), a
+    // receive from a connected but silent peer fails at 1 s, not 2.
+    const ROLE: &str = "long_spin";
+    match std::env::var("RDIST_TEST_ROLE") {
+        Ok(role) if role == ROLE => long_spin_worker(),
+        Ok(_) => {}
+        Err(_) => {
+            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--exact",
+                "a_blocking_receive_times_out_within_its_bound_whatever_the_spin",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("RDIST_TEST_ROLE", ROLE)
+            .env("RDIST_SPIN_US", "5000000");
+            let out = common::output_within(&mut cmd, Duration::from_secs(60), "a long spin");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(text.contains("LONG SPIN TIMED OUT"), "{text}");
+        }
+    }
+}
+
+fn long_spin_worker() {
+    let r = common::world(2, common::opts(1000), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            comm.send_tagged(&[1i32], 1, 1).unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+            Duration::ZERO
+        } else {
+            let mut b = [0i32];
+            comm.recv_tagged(&mut b, Some(0), Some(1)).unwrap();
+            let t = Instant::now();
+            let e = comm.recv_tagged(&mut b, Some(0), Some(2)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert!(e.to_string().contains("recv from rank 0"), "{e}");
+            t.elapsed()
+        }
+    });
+    assert!(
+        r[1] < Duration::from_millis(1500),
+        "the receive timed out after {:?} (bound 1 s)",
+        r[1]
+    );
+    println!("LONG SPIN TIMED OUT after {:?}", r[1]);
+}

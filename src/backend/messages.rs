@@ -33,13 +33,24 @@ impl Messages {
         Messages { endpoint, ledger }
     }
 
-    fn posted(&self, ticket: Ticket, name: &'static str, bytes: usize) -> Posted {
+    /// A posted call, numbered now; traced from `since` (when its caller
+    /// began waiting for it) or from now.
+    fn posted(
+        &self,
+        ticket: Ticket,
+        name: &'static str,
+        bytes: usize,
+        since: Option<Instant>,
+    ) -> Posted {
         Posted {
             ticket,
             seq: self.ledger.next_tagged(),
             name,
             bytes,
-            started: self.ledger.tracing().then(Instant::now),
+            started: self
+                .ledger
+                .tracing()
+                .then(|| since.unwrap_or_else(Instant::now)),
             recorded: AtomicBool::new(false),
         }
     }
@@ -51,7 +62,7 @@ impl Messages {
     /// `msg.buf` valid for reads until the call completes.
     pub(crate) unsafe fn send(&self, msg: Outgoing, blocking: bool) -> Result<Posted> {
         let ticket = self.endpoint.send(msg, blocking)?;
-        Ok(self.posted(ticket, "send", msg.buf.len()))
+        Ok(self.posted(ticket, "send", msg.buf.len(), None))
     }
 
     /// Posts a receive; it matches at once if its message arrived.
@@ -61,7 +72,7 @@ impl Messages {
     /// `r.buf` valid for writes, and untouched, until the call completes.
     pub(crate) unsafe fn recv(&self, r: Incoming, blocking: bool) -> Result<Posted> {
         let ticket = self.endpoint.recv(r, blocking)?;
-        Ok(self.posted(ticket, "recv", r.buf.len()))
+        Ok(self.posted(ticket, "recv", r.buf.len(), None))
     }
 
     /// A blocking send: complete at once with no ticket when the
@@ -96,24 +107,21 @@ impl Messages {
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
     pub(crate) unsafe fn recv_blocking(&self, r: Incoming) -> Result<Status> {
-        if let Some(status) = self.recv_now(r) {
-            return Ok(status);
-        }
-        let p = self.recv(r, true)?;
-        self.wait(&p)
-    }
-
-    /// A receive complete on return, numbered and traced, when its
-    /// message is taken straight from its peer's connection within the
-    /// spin window (`Endpoint::recv_now`); None: post it.
-    ///
-    /// # Safety
-    /// `r.buf` valid for writes, and untouched, until this returns.
-    unsafe fn recv_now(&self, r: Incoming) -> Option<Status> {
         let started = self.ledger.tracing().then(Instant::now);
-        let status = self.endpoint.recv_now(r)?;
-        self.note_now("recv", r.buf.len(), started);
-        Some(status)
+        // Not taken: posted, and waited for within the timeout from when
+        // the wait began (the look counts), traced from the call's start.
+        let since = match self.endpoint.recv_now(r) {
+            Ok(status) => {
+                self.note_now("recv", r.buf.len(), started);
+                return Ok(status);
+            }
+            Err(since) => since,
+        };
+        let ticket = self.endpoint.recv(r, true)?;
+        let p = self.posted(ticket, "recv", r.buf.len(), started);
+        let result = self.endpoint.wait_since(&p.ticket, since);
+        self.note(&p, result.is_ok());
+        result
     }
 
     /// Numbers, and traces, a call that completed without being posted.

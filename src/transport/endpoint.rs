@@ -188,33 +188,35 @@ impl Endpoint {
     /// peer's connection, with no ticket, when nothing else is pending
     /// here and the message is next there (see
     /// `StreamTransport::recv_whole_now`), looking for it for up to the
-    /// spin window. None: the caller posts it (`recv`) and waits, which
-    /// also sleeps, bounds the wait and reports what is wrong.
+    /// spin window. Not taken: when the wait began, for the caller, who
+    /// posts it (`recv`) and waits (`wait_since`, bounded from then),
+    /// which also sleeps and reports what is wrong.
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
-    pub unsafe fn recv_now(&self, r: Incoming) -> Option<Status> {
+    pub unsafe fn recv_now(&self, r: Incoming) -> std::result::Result<Status, Instant> {
         if r.tag.is_some_and(|t| t < 0) {
-            return None;
+            return Err(Instant::now());
         }
         let sh = &self.shared;
-        let mut spin_until = None;
+        let mut began: Option<Instant> = None;
         let mut passes = 0u32;
         loop {
             if let Some(mut core) = try_lock(&sh.core) {
                 core.take_posts();
                 match core.recv_whole_now(&r) {
-                    RecvNow::Taken(status) => return Some(status),
-                    RecvNow::Post => return None,
+                    RecvNow::Taken(status) => return Ok(status),
+                    RecvNow::Post => return Err(began.unwrap_or_else(Instant::now)),
                     RecvNow::NotYet => {}
                 }
             }
             passes = passes.wrapping_add(1);
             if passes == 1 || passes.is_multiple_of(64) {
                 let now = Instant::now();
+                let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
-                if now >= *spin_until.get_or_insert(now + self.spin.min(self.timeout)) {
-                    return None;
+                if now >= began + self.spin.min(self.timeout) {
+                    return Err(began);
                 }
             }
             if self.yield_when_idle {
@@ -270,10 +272,16 @@ impl Endpoint {
     /// it. On timeout the call is withdrawn (its buffer is no longer
     /// touched) and the error names it and what else is pending here.
     pub fn wait(&self, t: &Ticket) -> Result<Status> {
-        self.wait_for(t).map_err(|e| named(t, e))
+        self.wait_for(t, None).map_err(|e| named(t, e))
     }
 
-    fn wait_for(&self, t: &Ticket) -> Result<Status> {
+    /// `wait` for a call whose wait began at `since` (before it was
+    /// posted): bounded by the timeout from then.
+    pub fn wait_since(&self, t: &Ticket, since: Instant) -> Result<Status> {
+        self.wait_for(t, Some(since)).map_err(|e| named(t, e))
+    }
+
+    fn wait_for(&self, t: &Ticket, since: Option<Instant>) -> Result<Status> {
         if let Some(r) = t.done.get() {
             return r;
         }
@@ -281,7 +289,7 @@ impl Endpoint {
         // The clock is first read after a pass that did not finish the
         // call (a message already there costs no clock read), then every
         // 64 passes.
-        let mut deadline = None;
+        let mut deadline = since.map(|s| s + self.timeout);
         sh.drivers.fetch_add(1, Ordering::Relaxed);
         let mut spin_until: Option<Instant> = None;
         let mut passes = 0u32;

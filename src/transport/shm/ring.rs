@@ -95,7 +95,7 @@ impl Ring {
 
     /// The word of the record starting at byte `at` of the ring.
     fn word(&self, at: u64) -> &AtomicU64 {
-        // SAFETY: `at % bytes` is a multiple of 64, inside the data
+        // SAFETY: `offset(at)` is a multiple of 64, inside the data
         // area, so the word is aligned and mapped.
         unsafe { &*self.data.add(self.offset(at)).cast::<AtomicU64>() }
     }
