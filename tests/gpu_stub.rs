@@ -1365,14 +1365,20 @@ fn the_last_of_a_burst_of_calls_is_watched_too() {
     assert!(text.contains("KIND Timeout"), "{text}\n{}", stderr(&out));
     assert!(text.contains("has not finished on the GPU"), "{text}");
     assert_eq!(nccl_lines(&log, "abort").len(), 1, "{log}");
-    // A burst within the 1 ms a shared event covers was one event,
-    // recorded again for each call after the first.
+    // A burst within the 1 ms a shared event covers shares events,
+    // recorded again for each call after the first. How many share the
+    // last one depends on when the watchdog looked: an event it found
+    // complete between two records is retired, and the next call starts
+    // another (seen once in a fresh clone's run: the last 32 shared one).
     let took = number_after(&text, "BURST");
     if took < 0.001 {
-        assert!(
-            text.contains(&format!("and the {} call(s) after it", burst - 1)),
-            "{text}"
-        );
+        let after = text
+            .split("and the ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or_else(|| panic!("the stalled call shares no event: {text}"));
+        assert!((1..burst).contains(&after), "{text}");
     } else {
         println!("skipped: the shared-event check: the burst took {took:.4} s (> 1 ms) here");
     }
