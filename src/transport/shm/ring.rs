@@ -298,7 +298,9 @@ impl Ring {
         // This record: a word on its first line, payload on the others.
         let (first, end) = (line(at), line(at) + ((next - at) / RECORD_ALIGN) as usize);
         lines[first] = 0;
-        if end <= lines.len() {
+        if end == first + 1 {
+            // One line, word and payload: nothing more to mark.
+        } else if end <= lines.len() {
             lines[first + 1..end].fill(1);
         } else {
             let wrap = end - lines.len();
