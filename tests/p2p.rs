@@ -526,31 +526,33 @@ fn a_send_that_timed_out_never_hands_its_receiver_changed_bytes() {
 /// between the other messages.
 #[test]
 fn a_wait_times_out_while_other_messages_keep_arriving() {
-    const ROLE: &str = "busy_wait";
-    match std::env::var("RDIST_TEST_ROLE") {
-        Ok(role) if role == ROLE => busy_wait_worker(),
-        Ok(_) => {}
-        Err(_) => {
-            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "--exact",
-                "a_wait_times_out_while_other_messages_keep_arriving",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env("RDIST_TEST_ROLE", ROLE)
-            .env("RDIST_SPIN_US", "200000");
-            let out = common::output_within(&mut cmd, Duration::from_secs(60), "a busy wait");
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success(),
-                "{text}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(text.contains("BUSY WAIT TIMED OUT"), "{text}");
-        }
+    with_spin(
+        "a_wait_times_out_while_other_messages_keep_arriving",
+        "200000",
+        "BUSY WAIT TIMED OUT",
+        busy_wait_worker,
+    );
+}
+
+/// Runs `worker` in a process of its own (the test `name` again, which
+/// then plays the worker) with a spin window of `spin_us` (tuning is read
+/// from the environment), and checks that it passed and printed `done`.
+fn with_spin(name: &str, spin_us: &str, done: &str, worker: fn()) {
+    if std::env::var("RDIST_TEST_ROLE").is_ok_and(|role| role == name) {
+        return worker();
     }
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env("RDIST_TEST_ROLE", name)
+        .env("RDIST_SPIN_US", spin_us);
+    let out = common::output_within(&mut cmd, Duration::from_secs(60), name);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(done), "{text}");
 }
 
 fn busy_wait_worker() {
@@ -696,31 +698,12 @@ fn a_blocking_receive_times_out_within_its_bound_whatever_the_spin() {
     // Its look at the connection before it is posted counts against the
     // timeout: with a spin window (5 s) longer than the timeout (1 s), a
     // receive from a connected but silent peer fails at 1 s, not 2.
-    const ROLE: &str = "long_spin";
-    match std::env::var("RDIST_TEST_ROLE") {
-        Ok(role) if role == ROLE => long_spin_worker(),
-        Ok(_) => {}
-        Err(_) => {
-            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "--exact",
-                "a_blocking_receive_times_out_within_its_bound_whatever_the_spin",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env("RDIST_TEST_ROLE", ROLE)
-            .env("RDIST_SPIN_US", "5000000");
-            let out = common::output_within(&mut cmd, Duration::from_secs(60), "a long spin");
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success(),
-                "{text}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(text.contains("LONG SPIN TIMED OUT"), "{text}");
-        }
-    }
+    with_spin(
+        "a_blocking_receive_times_out_within_its_bound_whatever_the_spin",
+        "5000000",
+        "LONG SPIN TIMED OUT",
+        long_spin_worker,
+    );
 }
 
 fn long_spin_worker() {
