@@ -41,12 +41,9 @@ impl StreamTransport {
         if self.failed.is_some() {
             return false;
         }
-        let Some(conn) = self.conns.get_mut(msg.peer).and_then(|c| c.as_mut()) else {
+        let Some(conn) = free_to_write(&mut self.conns, msg.peer) else {
             return false;
         };
-        if conn.gone.is_some() || conn.unfinished_out > 0 {
-            return false;
-        }
         let path = Path::of(&*conn.chan);
         let taken = self
             .tagged
@@ -63,8 +60,8 @@ impl StreamTransport {
         if self.failed.is_some() {
             return None;
         }
-        let conn = self.conns.get_mut(msg.peer)?.as_mut()?;
-        if conn.gone.is_some() || conn.unfinished_out > 0 || !conn.chan.caps().whole_messages {
+        let conn = free_to_write(&mut self.conns, msg.peer)?;
+        if !conn.chan.caps().whole_messages {
             return None;
         }
         let path = Path::of(&*conn.chan);
@@ -337,4 +334,11 @@ impl StreamTransport {
             self.lose(peer, &why, None);
         }
     }
+}
+
+/// `peer`'s connection when a tagged frame may be written on it now: made,
+/// not lost, and with no frame of the collectives cut short on it.
+fn free_to_write(conns: &mut [Option<Box<Conn>>], peer: usize) -> Option<&mut Conn> {
+    let conn = conns.get_mut(peer)?.as_deref_mut()?;
+    (conn.gone.is_none() && conn.unfinished_out == 0).then_some(conn)
 }
