@@ -332,6 +332,60 @@ fn world_size_disagreement_is_reported() {
 }
 
 #[test]
+fn a_process_with_a_rank_beyond_the_job_is_refused_at_once_and_the_job_goes_on() {
+    // A stray process (RANK=5 WORLD_SIZE=6) meets a job of 4. It comes
+    // fourth, when its count of ranks would have been the one that
+    // completed the job's: it must be refused at once, and the job must
+    // start and run as if it never came.
+    let port = common::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let start = Instant::now();
+    let real = |r: usize| {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let comm = Comm::init(&url, r as i64, 4, &common::opts(15_000))?;
+            let mut v = vec![r as f32 + 1.0; 8];
+            comm.allreduce(&mut v, ReduceOp::Sum)?;
+            Ok::<_, rdist::Error>(v)
+        })
+    };
+    let mut ranks: Vec<_> = (0..3).map(real).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let stray = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let began = Instant::now();
+            (
+                Comm::init(&url, 5, 6, &common::opts(15_000)).err(),
+                began.elapsed(),
+            )
+        })
+    };
+    let (refused, took) = stray.join().unwrap();
+    let e = refused.expect("a rank beyond the job's size joined it");
+    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+    assert!(e.message().contains("not one of the job's 4 ranks"), "{e}");
+    assert!(
+        e.message().contains("world size 4 but rank 5 with 6"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(2), "refused after {took:?}");
+    ranks.push(real(3));
+    for (r, h) in ranks.into_iter().enumerate() {
+        let v = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(v, vec![10.0; 8], "rank {r}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
 fn a_rank_that_cannot_set_up_fails_init_on_every_rank_at_once() {
     // Init returns on no rank before every rank's communicator is set up:
     // a rank that fails after the rendezvous (here: an algorithm it

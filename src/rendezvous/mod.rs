@@ -580,9 +580,9 @@ fn meet(
     })
 }
 
-/// Claim: the job's id (made by rank 0, with whether the store is rdist's
-/// own, which only rank 0 knows) and this rank's number, which no other
-/// process may hold.
+/// Claim: the job's id and world size (made by rank 0, with whether the
+/// store is rdist's own, which only rank 0 knows) and this rank's number,
+/// which no other process may hold.
 fn claim(
     met: &mut Met,
     rank: usize,
@@ -592,25 +592,58 @@ fn claim(
     hosting: bool,
 ) -> Result<[u8; 16]> {
     let store = &*met.store;
-    let job = match met.job {
-        Some(j) => j,
-        None if rank == 0 => {
+    let job = if rank == 0 {
+        if met.job.is_none() {
             met.answers_wait_get = met.file_store.is_some() || hosting;
-            let mut j = [0u8; 17];
-            crate::random::fill(&mut j[..16]);
-            j[16] = u8::from(met.answers_wait_get);
-            store.set("job", &j)?;
-            j[..16].try_into().expect("16 bytes")
         }
-        None => {
-            let v = store
-                .get("job", left(deadline))
-                .map_err(|e| missing_ranks(e, store, size, &met.place, opts))?;
-            let (id, flags) = v.split_at(v.len().min(16));
-            met.answers_wait_get = flags.first() == Some(&1);
-            id.try_into()
-                .map_err(|_| Error::internal("job id in the store has the wrong length"))?
+        let job = met.job.unwrap_or_else(|| {
+            let mut j = [0u8; 16];
+            crate::random::fill(&mut j);
+            j
+        });
+        store.set(
+            "job",
+            &JobRecord {
+                job,
+                answers_wait_get: met.answers_wait_get,
+                size,
+            }
+            .to_bytes(),
+        )?;
+        job
+    } else {
+        let v = store
+            .get("job", left(deadline))
+            .map_err(|e| missing_ranks(e, store, size, &met.place, opts))?;
+        let record = JobRecord::from_bytes(&v)
+            .ok_or_else(|| Error::internal("the job's record in the store is malformed"))?;
+        if met.job.is_none() {
+            met.answers_wait_get = record.answers_wait_get;
         }
+        // A process of another world size, found before it claims or
+        // publishes anything: one whose rank is beyond the job's cannot be
+        // one of its ranks, and goes alone, leaving the job unharmed; one
+        // within it took a real rank's place, and every rank hears why.
+        if record.size != size {
+            let e = Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "rank 0 was started with world size {} but rank {rank} with {size} \
+                     (check WORLD_SIZE / the size argument on every rank)",
+                    record.size
+                ),
+            );
+            if rank < record.size {
+                let _ = store.set(FAILED_KEY, e.message().as_bytes());
+                return Err(e);
+            }
+            return Err(e.context(format!(
+                "this process (rank {rank}) is not one of the job's {} ranks and left it \
+                 without joining",
+                record.size
+            )));
+        }
+        met.job.unwrap_or(record.job)
     };
     if store.add(&format!("claim/{rank}"), 1)? > 1 {
         return Err(Error::invalid_usage(format!(
@@ -618,6 +651,34 @@ fn claim(
         )));
     }
     Ok(job)
+}
+
+/// What rank 0 leaves in the store for the others at the claim.
+struct JobRecord {
+    job: [u8; 16],
+    /// Whether the store answers `wait_get` (see `Met`).
+    answers_wait_get: bool,
+    size: usize,
+}
+
+impl JobRecord {
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut b = self.job.to_vec();
+        b.push(u8::from(self.answers_wait_get));
+        b.extend_from_slice(&(self.size as u64).to_le_bytes());
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Option<JobRecord> {
+        if b.len() != 25 {
+            return None;
+        }
+        Some(JobRecord {
+            job: b[..16].try_into().ok()?,
+            answers_wait_get: b[16] == 1,
+            size: u64::from_le_bytes(b[17..25].try_into().ok()?) as usize,
+        })
+    }
 }
 
 /// Publish: binds this rank's listener where the others reach it, offers
@@ -887,6 +948,15 @@ fn missing_ranks(e: Error, store: &dyn Store, size: usize, place: &str, opts: &O
             Ok(false) => missing.push(r),
             Err(why) => return e.context(format!("rendezvous through {place} failed, and the store could not say who is missing ({why})")),
         }
+    }
+    if missing.is_empty() {
+        // Every rank of this world size published, yet the count of ranks
+        // never came out right: another process counted itself in.
+        return e.context(format!(
+            "rendezvous through {place} timed out after {:.1} s: all {size} ranks joined, but a \
+             process not of this job (another world size or job) counted itself in",
+            opts.timeout.as_secs_f64()
+        ));
     }
     let shown: Vec<String> = missing.iter().take(16).map(|r| r.to_string()).collect();
     let more = if missing.len() > 16 {
