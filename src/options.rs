@@ -249,7 +249,10 @@ impl Options {
             if self.explicit.contains(&key) {
                 continue;
             }
-            if let Some(value) = lookup(var).filter(|v| !v.trim().is_empty()) {
+            // A blank variable is unset, except the token's: a blank
+            // secret is a mistake that would turn authentication off.
+            if let Some(value) = lookup(var).filter(|v| !v.trim().is_empty() || key == "auth_token")
+            {
                 merged
                     .apply(key, &value)
                     .map_err(|e| e.context(format!("environment variable {var}")))?;
@@ -315,7 +318,17 @@ impl Options {
                 }
                 self.ifname = Some(v.to_string());
             }
-            "auth_token" => self.auth_token = Some(value.to_string()).filter(|t| !t.is_empty()),
+            "auth_token" => {
+                if v.is_empty() {
+                    return Err(Error::invalid_argument(format!(
+                        "option '{key}' is {}: a blank secret would turn authentication off; give \
+                         every rank the same non-blank token, or leave auth_token and \
+                         RDIST_AUTH_TOKEN unset to run without one",
+                        if value.is_empty() { "empty" } else { "blank" }
+                    )));
+                }
+                self.auth_token = Some(value.to_string())
+            }
             "debug" => {
                 self.debug = match v.to_ascii_uppercase().as_str() {
                     "WARN" | "" => LogLevel::Warn,

@@ -106,3 +106,30 @@ fn a_token_where_the_others_have_none_is_named() {
     assert!(e.message().contains("has no auth token"), "{e}");
     let _ = host.join();
 }
+
+#[test]
+fn a_blank_token_is_refused_not_taken_for_none() {
+    // Set as an option, and in a process of its own through the
+    // environment (where a blank variable used to mean "no token").
+    for blank in ["", "  "] {
+        let e = Options::default().set("auth_token", blank).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message().contains("would turn authentication off"), "{e}");
+        let out = common::output_within(
+            std::process::Command::new(env!("CARGO_BIN_EXE_rdist-bench"))
+                .args(["--op", "barrier", "--reps", "1"])
+                .env("RANK", "0")
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", common::free_port().to_string())
+                .env("RDIST_TIMEOUT_MS", "5000")
+                .env("RDIST_AUTH_TOKEN", blank),
+            Duration::from_secs(20),
+            "rdist-bench with a blank RDIST_AUTH_TOKEN",
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(stderr.contains("RDIST_AUTH_TOKEN"), "{stderr}");
+        assert!(stderr.contains("would turn authentication off"), "{stderr}");
+    }
+}

@@ -936,6 +936,32 @@ fn a_launched_job_gets_a_fresh_auth_token_unless_told_otherwise() {
     assert!(warning.contains("--auth-token"), "{warning}");
 }
 
+#[test]
+fn a_blank_auth_token_is_refused_not_taken_for_none() {
+    for blank in ["", "  "] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_rdistrun"));
+        command
+            .args(["--nproc-per-node", "2", "true"])
+            .env("RDIST_AUTH_TOKEN", blank);
+        let out = Launcher::spawn(command).finish();
+        assert_eq!(out.code(), Some(1), "stderr: {}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("RDIST_AUTH_TOKEN is set but empty or blank"),
+            "{}",
+            out.stderr
+        );
+        let out = run(&["--nproc-per-node", "2", "--auth-token", blank, "true"]);
+        assert_ne!(out.code(), Some(0), "stderr: {}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("--auth-token must not be empty or blank"),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
 /// Runs `ranks` rdist-bench barriers under rdistrun in a shell that first
 /// sets descriptor limits with `ulimit_args`, with info logging.
 fn bench_with_limits(ulimit_args: &str, ranks: usize) -> Finished {

@@ -178,8 +178,10 @@ fn set_option(options: &mut Options, name: &str, value: &str) -> Result<(), Stri
         "--master-port" => options.master_port = Some(parse_port(value)?).filter(|&p| p != 0),
         "--report-s" => options.report = parse_seconds(name, value)?,
         "--grace-s" => options.grace = parse_seconds(name, value)?,
-        "--auth-token" if value.is_empty() => {
-            return Err("--auth-token must not be empty (use --no-auth to run without)".into())
+        "--auth-token" if value.trim().is_empty() => {
+            return Err(
+                "--auth-token must not be empty or blank (use --no-auth to run without)".into(),
+            )
         }
         "--auth-token" => options.auth_token = Some(value.to_string()),
         _ => return Err(format!("unknown option '{name}'")),

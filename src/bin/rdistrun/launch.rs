@@ -70,21 +70,28 @@ fn describe_io_error(error: &io::Error) -> String {
 /// one, so that launched jobs are authenticated by default. A job across
 /// nodes needs the same token on every node, which rdistrun cannot make
 /// up alone: it runs without one and says so.
-pub fn job_token(config: &Config) -> Option<String> {
+/// A blank RDIST_AUTH_TOKEN is refused, as the ranks would refuse it.
+pub fn job_token(config: &Config) -> Result<Option<String>, String> {
     if config.no_auth {
-        return None;
+        return Ok(None);
     }
     if let Some(token) = &config.auth_token {
-        return Some(token.clone());
+        return Ok(Some(token.clone()));
     }
-    if let Some(token) = std::env::var("RDIST_AUTH_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-    {
-        return Some(token);
+    if let Some(token) = std::env::var_os("RDIST_AUTH_TOKEN") {
+        let token = token.to_string_lossy();
+        if token.trim().is_empty() {
+            return Err(
+                "RDIST_AUTH_TOKEN is set but empty or blank, which would turn \
+                 authentication off: give it a real secret, or unset it (or pass --no-auth) \
+                 to run without one"
+                    .into(),
+            );
+        }
+        return Ok(Some(token.into_owned()));
     }
     if config.nnodes == 1 {
-        return Some(random_token());
+        return Ok(Some(random_token()));
     }
     eprintln!(
         "rdistrun: warning: this job spans {} nodes and has no auth token, so any process \
@@ -92,7 +99,7 @@ pub fn job_token(config: &Config) -> Option<String> {
          or set RDIST_AUTH_TOKEN, or --no-auth to silence this",
         config.nnodes
     );
-    None
+    Ok(None)
 }
 
 /// 32 random bytes as hex.

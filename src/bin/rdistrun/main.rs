@@ -97,7 +97,13 @@ fn run(config: &Config) -> u8 {
         eprintln!("rdistrun: cannot install signal handlers: {error}");
         return EXIT_LAUNCHER_ERROR;
     }
-    let token = launch::job_token(config);
+    let token = match launch::job_token(config) {
+        Ok(token) => token,
+        Err(error) => {
+            eprintln!("rdistrun: {error}");
+            return EXIT_LAUNCHER_ERROR;
+        }
+    };
     let errors = Arc::new(ErrorLines::default());
     let mut ranks = Vec::with_capacity(config.nproc_per_node);
     let mut readers = Vec::with_capacity(2 * config.nproc_per_node);
