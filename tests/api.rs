@@ -186,6 +186,40 @@ fn split_forms_ordered_subgroups_and_nocolor_opts_out() {
 }
 
 #[test]
+fn a_store_at_an_ipv6_address_in_brackets_is_met() {
+    // An IPv6 loopback: the store, the ranks' listeners and their
+    // connections all on it (skipped where the host has no ::1).
+    let Ok(probe) = std::net::TcpListener::bind("[::1]:0") else {
+        println!("skipped: this host has no IPv6 loopback");
+        return;
+    };
+    drop(probe);
+    for transport in ["auto", "tcp"] {
+        let url = format!("tcp://[::1]:{}", common::free_port());
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    let mut o = common::opts(20_000);
+                    o.set("transport", transport).unwrap();
+                    let comm = Comm::init(&url, r, 3, &o).unwrap();
+                    let mut v = [r as i32 + 1];
+                    comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                    let mut got = [0i32];
+                    let next = (r as usize + 1) % 3;
+                    let prev = (r as usize + 2) % 3;
+                    comm.sendrecv(&[r as i32], next, &mut got, prev).unwrap();
+                    (v[0], got[0] as usize == prev)
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), (6, true), "{transport}");
+        }
+    }
+}
+
+#[test]
 fn file_rendezvous_meets_and_cleans_up() {
     let dir = std::env::temp_dir().join(format!(
         "rdist-file-{}-{:?}",

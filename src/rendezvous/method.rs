@@ -72,22 +72,10 @@ pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Resu
         return env_master(lookup);
     }
     if let Some(rest) = m.strip_prefix("tcp://") {
-        let (host, port) = rest.rsplit_once(':').ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "init method '{m}' has no port (expected tcp://HOST:PORT)"
-            ))
-        })?;
-        if host.is_empty() {
-            return Err(Error::invalid_argument(format!(
-                "init method '{m}' has no host"
-            )));
-        }
+        let (host, port) = host_and_port(m, rest.trim_end_matches('/'))?;
         return Ok(Method::Tcp {
-            host: host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string(),
-            port: parse_port(port.trim_end_matches('/'), "the port")?,
+            host: host.to_string(),
+            port: parse_port(port, "the port")?,
         });
     }
     if let Some(path) = m.strip_prefix("file://") {
@@ -103,9 +91,44 @@ pub fn parse(init_method: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Resu
     )))
 }
 
+/// HOST:PORT of the init method `m`, HOST a name, an IPv4 address or an
+/// IPv6 address in brackets (returned without them).
+fn host_and_port<'a>(m: &str, rest: &'a str) -> Result<(&'a str, &'a str)> {
+    let bad = |why: &str| Error::invalid_argument(format!("init method '{m}' {why}"));
+    let (host, after) = match rest.strip_prefix('[') {
+        Some(bracketed) => {
+            let (host, after) = bracketed.split_once(']').ok_or_else(|| {
+                bad("opens an IPv6 address with '[' and never closes it (expected tcp://[ADDRESS]:PORT)")
+            })?;
+            let port = after.strip_prefix(':').ok_or_else(|| {
+                bad("has no port after its IPv6 address (expected tcp://[ADDRESS]:PORT)")
+            })?;
+            (host, port)
+        }
+        None => {
+            let (host, port) = rest
+                .rsplit_once(':')
+                .ok_or_else(|| bad("has no port (expected tcp://HOST:PORT)"))?;
+            if host.contains([':', '[', ']']) {
+                return Err(bad(
+                    "has an IPv6 address without brackets or a stray bracket (expected tcp://HOST:PORT, or tcp://[ADDRESS]:PORT for IPv6)",
+                ));
+            }
+            (host, port)
+        }
+    };
+    if host.is_empty() {
+        return Err(bad("has no host"));
+    }
+    Ok((host, after))
+}
+
 /// The store of `env://`: MASTER_ADDR and MASTER_PORT.
 pub fn env_master(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
-    let host = lookup("MASTER_ADDR").filter(|h| !h.is_empty()).ok_or_else(|| {
+    let host = lookup("MASTER_ADDR")
+        .map(|h| h.trim().trim_start_matches('[').trim_end_matches(']').to_string())
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| {
         Error::invalid_argument(
             "init method env:// needs MASTER_ADDR and MASTER_PORT (rdistrun and torchrun set them; under Slurm, export MASTER_ADDR=$(scontrol show hostnames | head -1))",
         )
@@ -231,6 +254,38 @@ mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn a_malformed_tcp_address_is_named_for_what_it_lacks() {
+        let none = env(&[]);
+        for (bad, says) in [
+            ("tcp://[::1", "never closes it"),
+            ("tcp://[::1:80", "never closes it"),
+            ("tcp://[::1]", "no port after its IPv6 address"),
+            ("tcp://[::1]80", "no port after its IPv6 address"),
+            ("tcp://[]:80", "has no host"),
+            ("tcp://::1:80", "without brackets"),
+            ("tcp://h]:80", "stray bracket"),
+            ("tcp://:80", "has no host"),
+            ("tcp://host", "has no port"),
+        ] {
+            let e = parse(bad, &none).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                crate::error::ErrorKind::InvalidArgument,
+                "{bad}: {e}"
+            );
+            assert!(e.message().contains(says), "{bad}: {e}");
+            assert!(e.message().contains(bad), "{bad}: {e}");
+        }
+        assert_eq!(
+            parse("tcp://[fe80::1]:80/", &none).unwrap(),
+            Method::Tcp {
+                host: "fe80::1".into(),
+                port: 80
+            }
+        );
     }
 
     #[test]

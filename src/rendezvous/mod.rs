@@ -502,7 +502,7 @@ fn meet(
         Meeting::Method(Method::TorchStore { host, port, prefix }) => {
             let master = iface::resolve(host, *port)?;
             let client = TcpStoreClient::join(
-                &format!("{host}:{port}"),
+                &host_port(host, *port),
                 prefix,
                 rank,
                 deadline,
@@ -514,13 +514,13 @@ fn meet(
                     Arc::new(client),
                     Some(master),
                     None,
-                    format!("torchrun's store at {host}:{port}"),
+                    format!("torchrun's store at {}", host_port(host, *port)),
                 )
             }
         }
         Meeting::Method(Method::Tcp { host, port }) => {
             let master = iface::resolve(host, *port)?;
-            let mut place = format!("the store at {host}:{port}");
+            let mut place = format!("the store at {}", host_port(host, *port));
             let mut port_taken = None;
             if rank == 0 {
                 match store::hosted::host(store_address(host, master), token.clone()) {
@@ -531,14 +531,15 @@ fn meet(
                     // this meeting's own. Whatever else holds the port
                     // fails the handshake, and the error names it.
                     Err(e) if e.message().ends_with("address already in use") => {
-                        place = format!("the store already listening at {host}:{port}");
+                        place =
+                            format!("the store already listening at {}", host_port(host, *port));
                         port_taken = Some(e);
                     }
                     Err(e) => return Err(e),
                 }
             }
             let client = TcpStoreClient::join(
-                &format!("{host}:{port}"),
+                &host_port(host, *port),
                 "rdist/tcp/",
                 rank,
                 deadline,
@@ -578,6 +579,15 @@ fn meet(
             )
         }
     })
+}
+
+/// "HOST:PORT", an IPv6 address in brackets.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 /// Claim: the job's id and world size (made by rank 0, with whether the
