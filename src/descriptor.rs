@@ -65,7 +65,8 @@ impl OpKind {
         .find(|k| *k as u8 == v)
     }
 
-    fn has_root(self) -> bool {
+    /// Whether the call has a root (and so ranks that may receive nothing).
+    pub fn has_root(self) -> bool {
         matches!(
             self,
             OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter

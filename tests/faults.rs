@@ -198,6 +198,77 @@ fn mismatched_collectives_fail_on_both_sides_naming_both_calls() {
     }
 }
 
+/// Runs `call(comm, root)` with each rank's own idea of the root, then a
+/// barrier; returns each rank's two outcomes and the time the call took.
+fn rooted_call_with_roots(
+    roots: &'static [usize],
+    call: fn(&Comm, usize) -> rdist::Result<()>,
+) -> Vec<(Result<(), (ErrorKind, String)>, bool, Duration)> {
+    common::world(
+        roots.len(),
+        common::opts(10_000),
+        Duration::from_secs(30),
+        move |comm| {
+            let start = Instant::now();
+            let first = call(&comm, roots[comm.rank()]).map_err(|e| (e.kind(), e.to_string()));
+            let took = start.elapsed();
+            (first, comm.barrier().is_ok(), took)
+        },
+    )
+}
+
+#[test]
+fn a_rooted_call_with_another_root_fails_in_that_call() {
+    // Each rank its own root: every call sent and none received, and
+    // each used to return success keeping its own data (and a reduce or
+    // gather waited for data no rank sent, until the timeout).
+    let calls: [(&str, fn(&Comm, usize) -> rdist::Result<()>); 4] = [
+        ("broadcast", |c, root| {
+            c.broadcast(&mut [c.rank() as f32; 4], root)
+        }),
+        ("scatter", |c, root| {
+            c.scatter(&[c.rank() as f32; 8], &mut [0f32; 4], root)
+        }),
+        ("reduce", |c, root| {
+            c.reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum, root)
+        }),
+        ("gather", |c, root| {
+            c.gather(&[1f32; 4], &mut [0f32; 8], root)
+        }),
+    ];
+    for (name, call) in calls {
+        for (rank, (first, _, took)) in rooted_call_with_roots(&[0, 1], call)
+            .into_iter()
+            .enumerate()
+        {
+            let (kind, msg) = first.expect_err(&format!("{name} with two roots succeeded"));
+            assert_eq!(kind, ErrorKind::Mismatch, "{name} rank {rank}: {msg}");
+            assert!(
+                msg.contains("root 0") && msg.contains("root 1"),
+                "{name} rank {rank}: {msg}"
+            );
+            assert!(
+                took < Duration::from_secs(3),
+                "{name} rank {rank}: {took:?}"
+            );
+        }
+    }
+    // One rank of three with another root: the ranks whose neighbour
+    // called otherwise fail in the call, and the job fails on every rank
+    // by the next one.
+    let results = rooted_call_with_roots(&[0, 0, 1], calls[0].1);
+    for rank in [0, 2] {
+        let (kind, msg) = results[rank].0.clone().unwrap_err();
+        assert_eq!(kind, ErrorKind::Mismatch, "rank {rank}: {msg}");
+    }
+    for (rank, (_, barrier_ok, _)) in results.iter().enumerate() {
+        assert!(
+            !barrier_ok,
+            "rank {rank}: the barrier after a mismatch succeeded"
+        );
+    }
+}
+
 #[test]
 fn mismatched_counts_and_dtypes_are_mismatches_too() {
     let results = common::world(3, common::opts(10_000), Duration::from_secs(20), |comm| {

@@ -20,7 +20,10 @@
 //! schedule instead (see `grid`).
 
 use super::layers::Layers;
-use super::{binomial, block, chain, dissemination, grid, recursive_doubling, ring, summed, Link};
+use super::{
+    binomial, block, chain, dissemination, exchange_checked, grid, recursive_doubling, ring,
+    summed, Check, Link,
+};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{self, ReduceOp};
@@ -31,6 +34,8 @@ struct Subgroup<'a> {
     inner: &'a mut dyn Transport,
     members: &'a [usize],
     me: usize,
+    /// The whole call's neighbours' check, carried by the first exchange.
+    check: Option<Check>,
 }
 
 impl Transport for Subgroup<'_> {
@@ -42,11 +47,18 @@ impl Transport for Subgroup<'_> {
         self.members.len()
     }
 
+    fn connected(&self, peer: usize) -> bool {
+        self.inner.connected(self.members[peer])
+    }
+
     fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
         for x in xfers.iter_mut() {
             x.peer = self.members[x.peer];
         }
-        self.inner.exchange(xfers)
+        match self.check.take() {
+            Some(check) => exchange_checked(self.inner, check, xfers),
+            None => self.inner.exchange(xfers),
+        }
     }
 }
 
@@ -62,9 +74,12 @@ fn within<T>(
         inner: &mut *link.transport,
         members,
         me: members.iter().position(|r| *r == me).expect("a member"),
+        check: link.check.take(),
     };
-    let mut sub_link = Link::new(&mut sub, desc, &mut *link.scratch);
-    f(&mut sub_link)
+    let result = f(&mut Link::new(&mut sub, desc, &mut *link.scratch));
+    // A sub-group that exchanged nothing leaves the check to the call.
+    link.check = sub.check.take();
+    result
 }
 
 /// In-place allreduce of `buf` over every rank of `link`, by layers.

@@ -210,7 +210,14 @@ pub struct Link<'t> {
     /// Kept by the backend between calls, so large scratch buffers are
     /// allocated (and page-faulted) once, not per call.
     scratch: &'t mut Vec<u8>,
+    /// The neighbours' check, still to be sent (see `checked`).
+    check: Option<Check>,
 }
+
+/// The neighbours' check of a call: this rank's label to the next rank,
+/// the previous one's to this (empty transfers, in the whole world's
+/// numbering).
+pub type Check = [Xfer<'static>; 2];
 
 impl<'t> Link<'t> {
     pub fn new(transport: &'t mut dyn Transport, desc: Desc, scratch: &'t mut Vec<u8>) -> Link<'t> {
@@ -218,7 +225,34 @@ impl<'t> Link<'t> {
             transport,
             desc,
             scratch,
+            check: None,
         }
+    }
+
+    /// For a call in which a rank may receive nothing (the root of a
+    /// broadcast or scatter, a leaf of a reduce or gather): every rank
+    /// also sends its label to the next rank and receives the previous
+    /// one's, within its first exchange. A rank whose call differs from
+    /// its neighbour's (another root, count, type or operation) then
+    /// fails in this call, not the next; without it, two ranks that each
+    /// took itself for the root both returned success.
+    pub fn checked(mut self) -> Link<'t> {
+        let (rank, n, desc) = (self.rank(), self.size(), self.desc);
+        if n > 1 {
+            self.check = Some([
+                Xfer::send((rank + 1) % n, &[], desc),
+                Xfer::recv((rank + n - 1) % n, &mut [], desc),
+            ]);
+        }
+        self
+    }
+
+    /// Runs the neighbours' check if no exchange carried it.
+    pub fn finish(mut self) -> Result<()> {
+        if self.check.is_some() {
+            self.exchange(&mut [])?;
+        }
+        Ok(())
     }
 
     /// Borrows the scratch buffer with at least `len` bytes; hand it back
@@ -269,7 +303,10 @@ impl<'t> Link<'t> {
     }
 
     pub fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
-        self.transport.exchange(xfers)
+        match self.check.take() {
+            Some(check) => exchange_checked(self.transport, check, xfers),
+            None => self.transport.exchange(xfers),
+        }
     }
 
     pub fn send(&mut self, peer: usize, data: &[u8]) -> Result<()> {
@@ -288,6 +325,41 @@ impl<'t> Link<'t> {
         let r = self.recv_xfer(from, buf);
         self.exchange(&mut [s, r])
     }
+}
+
+/// `xfers` with the neighbours' check ahead of them: the first frame each
+/// rank sends its next rank in the call, and the first it takes from its
+/// previous one, whatever else passes between them.
+///
+/// While a peer is not connected yet the check goes alone, ahead: an
+/// exchange first waits for every peer it names to connect, and one whose
+/// peer connects only later in the call would hold this rank's check,
+/// which the next rank's first exchange waits for.
+pub fn exchange_checked(
+    transport: &mut dyn Transport,
+    mut check: Check,
+    xfers: &mut [Xfer<'_>],
+) -> Result<()> {
+    if !check
+        .iter()
+        .chain(xfers.iter())
+        .all(|x| transport.connected(x.peer))
+    {
+        transport.exchange(&mut check)?;
+        return transport.exchange(xfers);
+    }
+    let (peer, desc) = (check[0].peer, check[0].desc);
+    let placeholder = || Xfer::send(peer, &[], desc);
+    let mut all = Vec::with_capacity(xfers.len() + 2);
+    all.extend(check);
+    for x in xfers.iter_mut() {
+        all.push(std::mem::replace(x, placeholder()));
+    }
+    let result = transport.exchange(&mut all);
+    for (x, back) in xfers.iter_mut().zip(all.drain(2..)) {
+        *x = back;
+    }
+    result
 }
 
 /// The reduction a partial step runs: Avg is summed along the way (a

@@ -287,11 +287,15 @@ impl SocketBackend {
         let mut core = endpoint.core();
         let (desc, algo) = self.label(&*core, call.desc(seq), (entry.bytes)(call));
         let mut link = Link::new(&mut *core, desc, &mut self.scratch);
+        if desc.kind.has_root() {
+            link = link.checked();
+        }
         let context = Context {
             algo,
             layers: self.layers.as_ref(),
         };
-        (entry.run)(&mut link, call, &context)
+        (entry.run)(&mut link, call, &context)?;
+        link.finish()
     }
 
     /// Runs sends and receives together in one exchange, so that any

@@ -126,4 +126,9 @@ pub trait Transport: Send {
     /// or with the first error (after which the transport is unusable).
     /// Messages between two ranks are matched in the order they were sent.
     fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()>;
+    /// Whether this rank already has a connection to `peer` (connections
+    /// are made on first use: an exchange waits for every peer it names).
+    fn connected(&self, _peer: usize) -> bool {
+        true
+    }
 }

@@ -922,6 +922,10 @@ impl Transport for StreamTransport {
         self.shape
     }
 
+    fn connected(&self, peer: usize) -> bool {
+        peer == self.rank || self.conns.get(peer).is_some_and(Option::is_some)
+    }
+
     fn exchange(&mut self, xfers: &mut [Xfer<'_>]) -> Result<()> {
         if let Some(e) = &self.failed {
             return Err(Error::new(
