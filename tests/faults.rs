@@ -198,12 +198,16 @@ fn mismatched_collectives_fail_on_both_sides_naming_both_calls() {
     }
 }
 
+/// A rooted call, given its root.
+type RootedCall = fn(&Comm, usize) -> rdist::Result<()>;
+
+/// How a rank's rooted call went: its error's kind and text, whether the
+/// barrier after it succeeded, how long the call took.
+type RootedOutcome = (Result<(), (ErrorKind, String)>, bool, Duration);
+
 /// Runs `call(comm, root)` with each rank's own idea of the root, then a
-/// barrier; returns each rank's two outcomes and the time the call took.
-fn rooted_call_with_roots(
-    roots: &'static [usize],
-    call: fn(&Comm, usize) -> rdist::Result<()>,
-) -> Vec<(Result<(), (ErrorKind, String)>, bool, Duration)> {
+/// barrier.
+fn rooted_call_with_roots(roots: &'static [usize], call: RootedCall) -> Vec<RootedOutcome> {
     common::world(
         roots.len(),
         common::opts(10_000),
@@ -222,7 +226,7 @@ fn a_rooted_call_with_another_root_fails_in_that_call() {
     // Each rank its own root: every call sent and none received, and
     // each used to return success keeping its own data (and a reduce or
     // gather waited for data no rank sent, until the timeout).
-    let calls: [(&str, fn(&Comm, usize) -> rdist::Result<()>); 4] = [
+    let calls: [(&str, RootedCall); 4] = [
         ("broadcast", |c, root| {
             c.broadcast(&mut [c.rank() as f32; 4], root)
         }),
