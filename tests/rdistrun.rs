@@ -765,8 +765,8 @@ fn after_a_failure_the_others_have_time_to_report() {
     assert_eq!(
         messages[1..],
         [
-            "rdistrun: first error of rank 0: rank 0: late news",
-            "rdistrun: first error of rank 2: rank 2: late news"
+            "rdistrun: last line of rank 0 on stderr: rank 0: late news",
+            "rdistrun: last line of rank 2 on stderr: rank 2: late news"
         ],
         "{messages:?}"
     );
@@ -934,6 +934,45 @@ fn a_launched_job_gets_a_fresh_auth_token_unless_told_otherwise() {
     let (multi, warning) = tokens(&["--nnodes", "2", "--node-rank", "1"]);
     assert_eq!(multi, ["none"]);
     assert!(warning.contains("--auth-token"), "{warning}");
+}
+
+#[test]
+fn the_rank_that_failed_first_is_the_one_the_others_name() {
+    // A crashed rank is reaped after its address space is torn down: its
+    // peers can see its connections close, report and exit before. Rank
+    // 0 plays such a peer (it names rank 1, as rdist's errors do, and exits
+    // at once); rank 1 crashes later; rank 2 says only that it started.
+    let script = r#"case $RANK in
+        0) echo "rank 0: rank 0 lost its connection to rank 1 (connection closed: it exited or crashed)" >&2; exit 14;;
+        1) sleep 0.3; kill -SEGV $$;;
+        *) echo "worker starting" >&2; exec sleep 30;;
+    esac"#;
+    let out = run(&[
+        "--report-s",
+        "1",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code(), Some(128 + 11), "stderr: {}", out.stderr);
+    let messages = out.launcher_messages();
+    assert!(
+        messages[0].contains("rank 1 (pid ")
+            && messages[0].ends_with(
+                "failed first: killed by signal 11 (SIGSEGV); rank 0 then exited with code 14; stopped rank 2"
+            ),
+        "{messages:?}"
+    );
+    assert_eq!(
+        messages[1..],
+        [
+            "rdistrun: first error of rank 0: rank 0: rank 0 lost its connection to rank 1 (connection closed: it exited or crashed)",
+            "rdistrun: last line of rank 2 on stderr: worker starting",
+        ],
+        "{messages:?}"
+    );
 }
 
 #[test]

@@ -34,8 +34,10 @@
 //! others get `--report-s` seconds to report their own errors (say, rdist's
 //! "lost its connection to rank R") and exit, then SIGTERM and, after the grace
 //! period, SIGKILL. rdistrun then prints a summary: one line on what happened,
-//! and each failed rank's first error line; it exits with the failed rank's exit
-//! code, or 128 + signal number (supervise.rs). It exits 0 when all ranks exit 0,
+//! naming the rank that failed first (the first reaped, or the rank its error
+//! names, if that one failed on its own too), and each failed rank's first
+//! error line (else its last line on stderr); it exits with the failed rank's
+//! exit code, or 128 + signal number (supervise.rs). It exits 0 when all ranks exit 0,
 //! 2 for a bad command line (args.rs) and 127 when PROGRAM cannot be started.
 
 mod args;
@@ -147,9 +149,10 @@ fn run(config: &Config) -> u8 {
     // Drain output first, so that the summary comes after everything the ranks
     // printed, and can quote it.
     output::wait_for_readers(readers, OUTPUT_DRAIN_TIMEOUT);
-    let Some(stop) = stop else { return 0 };
+    let Some(mut stop) = stop else { return 0 };
+    stop.follow_blame(&ranks, |rank| errors.quote(rank));
     let exits: Vec<_> = ranks.iter().map(|p| (p.rank, p.exit().cloned())).collect();
-    for line in supervise::summarize(&stop, &exits, |rank| errors.first_error(rank)) {
+    for line in supervise::summarize(&stop, &exits, |rank| errors.quote(rank)) {
         eprintln!("rdistrun: {line}");
     }
     stop.exit_code()

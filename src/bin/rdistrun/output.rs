@@ -134,8 +134,18 @@ pub struct ErrorLines {
 struct FirstLines {
     /// The first line on either stream that reads as an error.
     matched: Option<String>,
-    /// The first line on stderr that is not one of rdist's INFO/TRACE lines.
-    stderr: Option<String>,
+    /// The last line on stderr that is not one of rdist's INFO/TRACE lines.
+    last_stderr: Option<String>,
+}
+
+/// What the summary quotes of a rank that failed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Quote {
+    /// Its first line that reads as an error.
+    Error(String),
+    /// None reads as one: its last line on stderr (a program's start-up
+    /// line is no error; its last words are the likelier cause).
+    LastStderr(String),
 }
 
 impl ErrorLines {
@@ -156,34 +166,48 @@ impl ErrorLines {
             }
         };
         let first = &mut ranks[index].1;
-        if first.matched.is_some() && (first.stderr.is_some() || stream == Stream::Stdout) {
+        if first.matched.is_some() {
             return;
         }
         let line = line.trim_ascii();
         if line.is_empty() || line.starts_with(b"rdist INFO") || line.starts_with(b"rdist TRACE") {
             return;
         }
-        if first.matched.is_none() && reads_as_error(line) {
+        if reads_as_error(line) {
             first.matched = Some(quote(line));
-        }
-        if stream == Stream::Stderr && first.stderr.is_none() {
-            first.stderr = Some(quote(line));
+        } else if stream == Stream::Stderr {
+            first.last_stderr = Some(quote(line));
         }
     }
 
     /// The rule of the summary: the first line that reads as an error, else
-    /// the first line on stderr.
-    pub fn first_error(&self, rank: usize) -> Option<String> {
+    /// the last line on stderr.
+    pub fn quote(&self, rank: usize) -> Option<Quote> {
         let ranks = self.lock();
         let (_, first) = ranks.iter().find(|(r, _)| *r == rank)?;
-        first.matched.clone().or_else(|| first.stderr.clone())
+        match (&first.matched, &first.last_stderr) {
+            (Some(line), _) => Some(Quote::Error(line.clone())),
+            (None, Some(line)) => Some(Quote::LastStderr(line.clone())),
+            (None, None) => None,
+        }
     }
 }
 
-/// Whether a line reads as an error: it contains "error", "fail", "panicked",
-/// "fatal" or "exception", in any case.
+/// Whether a line reads as an error: it contains "error", "fail",
+/// "panicked", "fatal", "exception", or one of the words rdist's own
+/// errors use ("lost", "timed out", "mismatch", "abort"), in any case.
 fn reads_as_error(line: &[u8]) -> bool {
-    const WORDS: [&[u8]; 5] = [b"error", b"fail", b"panicked", b"fatal", b"exception"];
+    const WORDS: [&[u8]; 9] = [
+        b"error",
+        b"fail",
+        b"panicked",
+        b"fatal",
+        b"exception",
+        b"lost",
+        b"timed out",
+        b"mismatch",
+        b"abort",
+    ];
     WORDS.iter().any(|word| {
         line.windows(word.len())
             .any(|window| window.eq_ignore_ascii_case(word))
@@ -319,10 +343,15 @@ mod tests {
     #[test]
     fn error_lines_follow_the_rule() {
         let errors = ErrorLines::default();
+        let error = |line: &str| Some(Quote::Error(line.to_string()));
         errors.note(0, Stream::Stdout, b"step 1 loss 0.5");
         errors.note(0, Stream::Stderr, b"rdist INFO [rank 0] joined 2 ranks");
+        errors.note(0, Stream::Stderr, b"worker starting");
         errors.note(0, Stream::Stderr, b"warning: slow disk");
-        assert_eq!(errors.first_error(0).as_deref(), Some("warning: slow disk"));
+        assert_eq!(
+            errors.quote(0),
+            Some(Quote::LastStderr("warning: slow disk".into()))
+        );
         errors.note(
             0,
             Stream::Stdout,
@@ -330,14 +359,17 @@ mod tests {
         );
         errors.note(0, Stream::Stderr, b"Error: second");
         assert_eq!(
-            errors.first_error(0).as_deref(),
-            Some("rank 0: rdist_allreduce failed: lost rank 1")
+            errors.quote(0),
+            error("rank 0: rdist_allreduce failed: lost rank 1")
         );
         errors.note(1, Stream::Stdout, b"all good");
-        assert_eq!(errors.first_error(1), None);
-        assert_eq!(errors.first_error(2), None);
-        errors.note(3, Stream::Stderr, "x".repeat(1000).as_bytes());
-        assert_eq!(errors.first_error(3).unwrap().len(), MAX_QUOTE + 3);
+        assert_eq!(errors.quote(1), None);
+        assert_eq!(errors.quote(2), None);
+        errors.note(3, Stream::Stderr, "error ".repeat(200).as_bytes());
+        let Some(Quote::Error(long)) = errors.quote(3) else {
+            panic!("no error quoted")
+        };
+        assert_eq!(long.len(), MAX_QUOTE + 3);
     }
 
     #[test]
@@ -348,6 +380,8 @@ mod tests {
             "Fatal Python error: Aborted",
             "RuntimeError: boom",
             "rdist_init failed (rank 3): timed out",
+            "rank 0 lost its connection to rank 1 (connection closed)",
+            "mismatched calls: rank 1 called allreduce #3",
         ] {
             assert!(reads_as_error(line.as_bytes()), "{line}");
         }

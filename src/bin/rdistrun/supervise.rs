@@ -1,6 +1,7 @@
 //! Watching the ranks: reaping them, stopping the rest after a failure or a
 //! signal (report period, SIGTERM, SIGKILL), and the final summary.
 
+use crate::output::Quote;
 use crate::signals::{self, describe_signal, signal_exit_code};
 use crate::EXIT_LAUNCHER_ERROR;
 use std::io;
@@ -205,6 +206,50 @@ impl Stop {
         }
     }
 
+    /// The failure the first one to be reaped reported, if that one was a
+    /// consequence: its error names another rank (rdist's errors name the
+    /// rank lost or failed) that failed on its own too, and so on. A rank
+    /// that crashes is reaped only after its address space is torn down,
+    /// which can take longer than its peers take to see its connections
+    /// close and exit.
+    pub fn follow_blame(&mut self, ranks: &[RankProcess], quote: impl Fn(usize) -> Option<Quote>) {
+        let StopCause::RankFailed { rank: first, .. } = self.cause else {
+            return;
+        };
+        let failed_on_its_own = |rank: usize| {
+            self.running.contains(&rank)
+                && !self.stopped.contains(&rank)
+                && ranks
+                    .iter()
+                    .any(|p| p.rank == rank && p.exit().is_some_and(|e| !e.is_success()))
+        };
+        let mut origin = first;
+        let mut seen = vec![first];
+        while let Some(Quote::Error(line) | Quote::LastStderr(line)) = quote(origin) {
+            match named_ranks(&line).find(|r| *r != origin) {
+                Some(blamed) if failed_on_its_own(blamed) && !seen.contains(&blamed) => {
+                    seen.push(blamed);
+                    origin = blamed;
+                }
+                _ => break,
+            }
+        }
+        let Some(process) = ranks.iter().find(|p| p.rank == origin && origin != first) else {
+            return;
+        };
+        let Some(exit) = process.exit().cloned() else {
+            return;
+        };
+        self.running.retain(|r| *r != origin);
+        self.running.push(first);
+        self.running.sort_unstable();
+        self.cause = StopCause::RankFailed {
+            rank: origin,
+            pid: process.pid(),
+            exit,
+        };
+    }
+
     /// rdistrun's exit status for a stopped job.
     pub fn exit_code(&self) -> u8 {
         match &self.cause {
@@ -359,12 +404,13 @@ fn reap_exited(ranks: &mut [RankProcess], reaper: Option<&Receiver<Reaped>>) -> 
 
 /// The summary: one line on what happened, e.g. "rank 2 (pid 4242) failed
 /// first: exited with code 3; ranks 0, 1 then exited with code 1; stopped rank
-/// 3", then one line per rank that did not exit 0 and printed an error, quoting
-/// its first error line (`first_error`). `exits`: every rank and how it ended.
+/// 3", then one line per rank that did not exit 0 and printed something,
+/// quoting its first error line, else its last line on stderr (`quote`).
+/// `exits`: every rank and how it ended.
 pub fn summarize(
     stop: &Stop,
     exits: &[(usize, Option<RankExit>)],
-    first_error: impl Fn(usize) -> Option<String>,
+    quote: impl Fn(usize) -> Option<Quote>,
 ) -> Vec<String> {
     let mut parts = vec![match &stop.cause {
         StopCause::RankFailed { rank, pid, exit } => {
@@ -403,11 +449,26 @@ pub fn summarize(
         if exit.as_ref().is_some_and(RankExit::is_success) {
             continue;
         }
-        if let Some(line) = first_error(*rank) {
-            lines.push(format!("first error of rank {rank}: {line}"));
+        match quote(*rank) {
+            Some(Quote::Error(line)) => lines.push(format!("first error of rank {rank}: {line}")),
+            Some(Quote::LastStderr(line)) => {
+                lines.push(format!("last line of rank {rank} on stderr: {line}"))
+            }
+            None => {}
         }
     }
     lines
+}
+
+/// The numbers N of "rank N" in `line`, in order.
+fn named_ranks(line: &str) -> impl Iterator<Item = usize> + '_ {
+    line.match_indices("rank ").filter_map(|(at, word)| {
+        let digits: String = line[at + word.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    })
 }
 
 /// "rank 3" or "ranks 0, 1, 3".
@@ -431,7 +492,7 @@ mod tests {
         }
     }
 
-    fn no_errors(_: usize) -> Option<String> {
+    fn no_errors(_: usize) -> Option<Quote> {
         None
     }
 
@@ -469,9 +530,10 @@ mod tests {
         ];
         let s = stop(failed(), &[0, 1, 3], &[3], &[]);
         let errors = |rank: usize| match rank {
-            0 => Some("lost rank 2".to_string()),
-            2 => Some("bad input".to_string()),
-            4 => Some("error: ignored, rank 4 succeeded".to_string()),
+            0 => Some(Quote::Error("lost rank 2".to_string())),
+            1 => Some(Quote::LastStderr("loading shard 1".to_string())),
+            2 => Some(Quote::Error("bad input".to_string())),
+            4 => Some(Quote::Error("error: ignored, rank 4 succeeded".to_string())),
             _ => None,
         };
         assert_eq!(
@@ -479,6 +541,7 @@ mod tests {
             [
                 "rank 2 (pid 4242) failed first: exited with code 3; ranks 0, 1 then exited with code 1; stopped rank 3",
                 "first error of rank 0: lost rank 2",
+                "last line of rank 1 on stderr: loading shard 1",
                 "first error of rank 2: bad input",
             ]
         );
