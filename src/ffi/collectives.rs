@@ -38,11 +38,7 @@ pub(crate) fn issue(
             Some(r) => {
                 // SAFETY: the C contract: buffers valid until the request completes.
                 let request = unsafe { c.submit(call) }?;
-                write_out(
-                    r,
-                    "req",
-                    Box::into_raw(Box::new(rdist_request_t { req: request })),
-                )
+                write_out(r, "req", rdist_request_t::create(request))
             }
         }
     })
@@ -633,11 +629,7 @@ fn run_or_submit_uneven(
                 // SAFETY: buffers valid until the request completes; the
                 // request keeps `arrays`.
                 let request = unsafe { c.submit_uneven(call, arrays) }?;
-                write_out(
-                    r,
-                    "req",
-                    Box::into_raw(Box::new(rdist_request_t { req: request })),
-                )
+                write_out(r, "req", rdist_request_t::create(request))
             }
         }
     })

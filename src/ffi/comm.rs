@@ -2,21 +2,22 @@
 
 use super::options::c_str;
 use super::types::*;
-use super::{boundary, check_out, handle, write_out};
+use super::{boundary, check_out, handle, handles, write_out};
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::options::Options;
 use std::ffi::c_int;
 
-fn options_of(opts: *const rdist_options_t) -> Options {
-    // SAFETY: NULL or a live handle from rdist_options_create.
-    unsafe { opts.as_ref() }
-        .map(|o| o.opts.clone())
-        .unwrap_or_default()
+/// The options of `opts`: NULL is the defaults.
+fn options_of(opts: *const rdist_options_t) -> Result<Options> {
+    if opts.is_null() {
+        return Ok(Options::default());
+    }
+    Ok((*handle(opts, "opts")?.opts).clone())
 }
 
 fn publish(out: *mut *mut rdist_comm_t, comm: Comm) -> Result<()> {
-    write_out(out, "out", Box::into_raw(Box::new(rdist_comm_t { comm })))
+    write_out(out, "out", rdist_comm_t::create(comm))
 }
 
 fn rank_hint(rank: c_int) -> Option<usize> {
@@ -45,7 +46,7 @@ pub extern "C" fn rdist_init(
     boundary("rdist_init", rank_hint(rank), || {
         check_out(out, "out")?;
         let method = c_str(init_method, "init_method")?;
-        let comm = Comm::init(method, rank.into(), world_size.into(), &options_of(opts))?;
+        let comm = Comm::init(method, rank.into(), world_size.into(), &options_of(opts)?)?;
         publish(out, comm)
     })
 }
@@ -87,7 +88,7 @@ pub extern "C" fn rdist_comm_init_rank(
         for (d, s) in bytes.iter_mut().zip(id.internal) {
             *d = s as u8;
         }
-        let comm = Comm::init_rank(&bytes, rank.into(), world_size.into(), &options_of(opts))?;
+        let comm = Comm::init_rank(&bytes, rank.into(), world_size.into(), &options_of(opts)?)?;
         publish(out, comm)
     })
 }
@@ -182,16 +183,11 @@ pub extern "C" fn rdist_comm_abort(comm: *mut rdist_comm_t) -> rdist_result_t {
 #[no_mangle]
 pub extern "C" fn rdist_comm_destroy(comm: *mut rdist_comm_t) -> rdist_result_t {
     boundary("rdist_comm_destroy", rank_of(comm), || {
-        if !comm.is_null() {
-            // SAFETY: from Box::into_raw in publish(); destroyed once.
-            drop(unsafe { Box::from_raw(comm) });
-        }
-        Ok(())
+        handles::retire(comm, "comm")
     })
 }
 
 /// The rank of a communicator handle, for error messages.
 pub(crate) fn rank_of(comm: *const rdist_comm_t) -> Option<usize> {
-    // SAFETY: NULL or a live handle.
-    unsafe { comm.as_ref() }.map(|c| c.comm.rank())
+    handle(comm, "comm").ok().map(|c| c.comm.rank())
 }

@@ -25,6 +25,8 @@ pub mod p2p;
 pub mod requests;
 // Groups.
 pub mod groups;
+// The handles' liveness (nothing of it is in the header).
+pub(crate) mod handles;
 
 use crate::error::{Error, Result};
 use std::cell::RefCell;
@@ -94,12 +96,10 @@ fn who(func: &str, rank: Option<usize>) -> String {
     }
 }
 
-/// Borrows a handle, refusing NULL.
-pub(crate) fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
-    // SAFETY: non-NULL handles come from Box::into_raw in this module and
-    // are alive until their destroy call (using one after is the caller's
-    // undefined behaviour, as in C).
-    unsafe { p.as_ref() }.ok_or_else(|| Error::invalid_argument(format!("{name} is NULL")))
+/// Borrows a handle, refusing NULL and one already destroyed or freed
+/// (see `handles`).
+pub(crate) fn handle<'a, T: handles::Handle>(p: *const T, name: &str) -> Result<&'a T> {
+    handles::get(p, name)
 }
 
 /// Writes an out-parameter (only ever on success), refusing NULL.

@@ -1,7 +1,7 @@
 //! rdist_options_*: key/value settings for rdist_init / rdist_comm_init_rank.
 
 use super::types::{rdist_options_t, rdist_result_t};
-use super::{boundary, handle, write_out};
+use super::{boundary, check_out, handle, handles, write_out};
 use crate::error::{Error, Result};
 use crate::options::Options;
 use std::ffi::{c_char, CStr};
@@ -22,10 +22,8 @@ pub(crate) fn c_str<'a>(p: *const c_char, name: &str) -> Result<&'a str> {
 #[no_mangle]
 pub extern "C" fn rdist_options_create(out: *mut *mut rdist_options_t) -> rdist_result_t {
     boundary("rdist_options_create", None, || {
-        let boxed = Box::new(rdist_options_t {
-            opts: Options::default(),
-        });
-        write_out(out, "out", Box::into_raw(boxed))
+        check_out(out, "out")?;
+        write_out(out, "out", rdist_options_t::create(Options::default()))
     })
 }
 
@@ -48,10 +46,10 @@ pub extern "C" fn rdist_options_set(
     boundary("rdist_options_set", None, || {
         let o = handle(opts, "opts")?;
         let (k, v) = (c_str(key, "key")?, c_str(value, "value")?);
-        let mut updated = o.opts.clone();
+        let mut updated = (*o.opts).clone();
         updated.set(k, v)?;
-        // SAFETY: handle() checked non-NULL; the caller owns it exclusively.
-        unsafe { (*opts).opts = updated };
+        // SAFETY: handle() checked it is live; the caller owns it exclusively.
+        unsafe { *(*opts).opts = updated };
         Ok(())
     })
 }
@@ -60,8 +58,9 @@ pub extern "C" fn rdist_options_set(
 /// keep their own copy.
 #[no_mangle]
 pub extern "C" fn rdist_options_destroy(opts: *mut rdist_options_t) {
-    if !opts.is_null() {
-        // SAFETY: from Box::into_raw in rdist_options_create.
-        let _ = std::panic::catch_unwind(|| drop(unsafe { Box::from_raw(opts) }));
-    }
+    // No result to return: a second destroy is only told in
+    // rdist_last_error().
+    let _ = boundary("rdist_options_destroy", None, || {
+        handles::retire(opts, "opts")
+    });
 }

@@ -240,11 +240,7 @@ pub extern "C" fn rdist_isend_tagged(
         let peer = check_rank("peer", peer.into(), c.size())?;
         // SAFETY: the C contract: buf valid until the request completes.
         let r = unsafe { c.isend_message(buf, data, peer, tag) }?;
-        write_out(
-            req,
-            "req",
-            Box::into_raw(Box::new(rdist_request_t { req: r })),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 
@@ -268,10 +264,6 @@ pub extern "C" fn rdist_irecv_tagged(
         let peer = source(c, peer)?;
         // SAFETY: the C contract: buf valid and untouched until the request completes.
         let r = unsafe { c.irecv_message(buf, data, peer, tag_filter(tag)) }?;
-        write_out(
-            req,
-            "req",
-            Box::into_raw(Box::new(rdist_request_t { req: r })),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }

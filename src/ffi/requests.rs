@@ -1,7 +1,7 @@
 //! Completing non-blocking calls.
 
 use super::types::*;
-use super::{boundary, check_out, handle, write_out};
+use super::{boundary, check_out, handle, handles, write_out};
 use crate::error::Error;
 use std::ffi::c_int;
 
@@ -33,13 +33,13 @@ pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdi
 /// Frees a request, waiting first if it is still in flight. NULL is a no-op.
 #[no_mangle]
 pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
-    if req.is_null() {
-        return;
-    }
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: from Box::into_raw in issue(); freed once.
-        let r = unsafe { Box::from_raw(req) };
-        let _ = r.req.wait();
+    // No result to return: a request freed twice is only told in
+    // rdist_last_error().
+    let _ = boundary("rdist_request_free", None, || {
+        if let Ok(r) = handle(req, "req") {
+            let _ = r.req.wait();
+        }
+        handles::retire(req, "req")
     });
 }
 

@@ -2,10 +2,12 @@
 //! Enum *arguments* arrive as plain integers (`RawDType` etc., shown as
 //! the enum types in the header) and are validated with TryFrom.
 
+use super::handles::{self, Handle, Liveness};
 use crate::comm::{Comm, Request};
 use crate::error::ErrorKind;
 use crate::options::Options;
 use std::ffi::{c_char, c_int};
+use std::mem::ManuallyDrop;
 
 /// Result of every fallible call; 0 is success. Details of a failure are in
 /// rdist_last_error().
@@ -159,18 +161,59 @@ pub struct rdist_status_t {
 
 /// A communicator (process group).
 pub struct rdist_comm {
-    pub(crate) comm: Comm,
+    pub(crate) live: Liveness,
+    pub(crate) comm: ManuallyDrop<Comm>,
 }
 
 /// An operation in flight.
 pub struct rdist_request {
-    pub(crate) req: Request,
+    pub(crate) live: Liveness,
+    pub(crate) req: ManuallyDrop<Request>,
 }
 
 /// Key/value settings.
 pub struct rdist_options {
-    pub(crate) opts: Options,
+    pub(crate) live: Liveness,
+    pub(crate) opts: ManuallyDrop<Options>,
 }
+
+/// Each handle with the one value it holds.
+macro_rules! handle_of {
+    ($handle:ident, $field:ident, $value:ty, $retire:literal, $retires:literal) => {
+        impl $handle {
+            /// A new handle holding `value`, as the pointer C gets.
+            pub(crate) fn create(value: $value) -> *mut $handle {
+                handles::create($handle {
+                    live: Liveness::default(),
+                    $field: ManuallyDrop::new(value),
+                })
+            }
+        }
+
+        impl Handle for $handle {
+            const RETIRED_BY: &'static str = $retire;
+            const RETIRES: &'static str = $retires;
+
+            fn liveness(&self) -> &Liveness {
+                &self.live
+            }
+
+            unsafe fn drop_value(&mut self) {
+                // SAFETY: as the trait says (once, nothing reads it after).
+                unsafe { ManuallyDrop::drop(&mut self.$field) }
+            }
+        }
+    };
+}
+handle_of!(rdist_comm, comm, Comm, "rdist_comm_destroy", "destroyed");
+handle_of!(rdist_request, req, Request, "rdist_request_free", "freed");
+handle_of!(
+    rdist_options,
+    opts,
+    Options,
+    "rdist_options_destroy",
+    "destroyed"
+);
 
 /// A communicator (process group).
 pub type rdist_comm_t = rdist_comm;

@@ -88,6 +88,11 @@ int main(void) {
     int done = 0;
     while (!done) CHECK(rdist_test(req, &done));
     rdist_request_free(req);
+    /* a freed request: an error with a message, not a crash */
+    EXPECT(rdist_wait(req) == RDIST_ERR_INVALID_ARGUMENT, "wait after free");
+    EXPECT(strstr(rdist_last_error(), "rdist_request_free"), "%s", rdist_last_error());
+    rdist_request_free(req);
+    EXPECT(strstr(rdist_last_error(), "freed twice") || strstr(rdist_last_error(), "destroyed twice"), "%s", rdist_last_error());
   }
 
   /* bad arguments fail locally, name the function, and change nothing */
@@ -101,6 +106,16 @@ int main(void) {
   CHECK(rdist_barrier(comm));
   CHECK(rdist_comm_destroy(comm));
   CHECK(rdist_comm_destroy(NULL));
+  /* a destroyed communicator, and options: errors with a message, not crashes */
+  EXPECT(rdist_barrier(comm) == RDIST_ERR_INVALID_ARGUMENT, "barrier after destroy");
+  EXPECT(strstr(rdist_last_error(), "rdist_comm_destroy"), "%s", rdist_last_error());
+  EXPECT(rdist_comm_rank(comm, &rank) == RDIST_ERR_INVALID_ARGUMENT, "rank after destroy");
+  EXPECT(rdist_send(msg, 4, RDIST_INT32, 0, comm, NULL) == RDIST_ERR_INVALID_ARGUMENT, "send after destroy");
+  EXPECT(rdist_comm_destroy(comm) == RDIST_ERR_INVALID_ARGUMENT, "destroyed twice");
+  EXPECT(strstr(rdist_last_error(), "destroyed twice"), "%s", rdist_last_error());
+  EXPECT(rdist_options_set(opts, "timeout_ms", "1") == RDIST_ERR_INVALID_ARGUMENT, "options after destroy");
+  rdist_options_destroy(opts);
+  EXPECT(strstr(rdist_last_error(), "destroyed twice"), "%s", rdist_last_error());
   free(send);
   free(recv);
   printf("rank %d: ok\n", rank);
