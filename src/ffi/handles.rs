@@ -2,13 +2,13 @@
 //! a liveness word, so that the commonest misuses of one (a call after its
 //! destroy or free, a second destroy) are an error with a message, not a
 //! crash. A retired handle's contents are dropped at once; its box stays
-//! behind as a tombstone among the last `QUARANTINE` retired on the
-//! thread, where a stale pointer still finds it dead. A pointer older than
-//! that, or one that never was a handle, is not caught (docs/api.md).
+//! behind as a tombstone among the last `QUARANTINE` of its type retired
+//! on the thread, where a stale pointer still finds it dead, and then
+//! holds the thread's next new handle of that type (so that a request a
+//! call makes and frees costs no allocation). A pointer older than that,
+//! or one that never was a handle, is not caught (docs/api.md).
 
 use crate::error::{Error, Result};
-use std::any::Any;
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -17,12 +17,8 @@ const LIVE: u32 = 0x7264_6973;
 /// The liveness word of a retired one.
 const RETIRED: u32 = 0xdead_0001;
 
-/// Tombstones a thread keeps (a few tens of bytes each).
-const QUARANTINE: usize = 4096;
-
-thread_local! {
-    static TOMBSTONES: RefCell<VecDeque<Box<dyn Any>>> = const { RefCell::new(VecDeque::new()) };
-}
+/// Tombstones a thread keeps of each type (a few tens of bytes each).
+pub const QUARANTINE: usize = 4096;
 
 /// Whether a handle is in use: `Liveness::default()` is.
 pub struct Liveness(AtomicU32);
@@ -44,11 +40,31 @@ pub trait Handle: Sized + 'static {
     /// # Safety
     /// Called once; nothing reads the value after.
     unsafe fn drop_value(&mut self);
+    /// Runs `f` on this thread's tombstones of the type (None while the
+    /// thread is exiting).
+    fn with_tombstones<R>(f: impl FnOnce(&mut VecDeque<Box<Self>>) -> R) -> Option<R>;
 }
 
-/// The pointer C gets for `handle`.
+/// The pointer C gets for `handle`: the box of the oldest tombstone once
+/// the quarantine is full, else a new one.
 pub fn create<T: Handle>(handle: T) -> *mut T {
-    Box::into_raw(Box::new(handle))
+    let reused = T::with_tombstones(|kept| {
+        if kept.len() >= QUARANTINE {
+            kept.pop_front()
+        } else {
+            None
+        }
+    })
+    .flatten();
+    match reused {
+        Some(mut boxed) => {
+            // The tombstone's value was dropped when it was retired; what
+            // is left (the liveness word) needs no drop.
+            *boxed = handle;
+            Box::into_raw(boxed)
+        }
+        None => Box::into_raw(Box::new(handle)),
+    }
 }
 
 /// Borrows a live handle; NULL, or one already retired, is an invalid
@@ -71,6 +87,12 @@ pub fn get<'a, T: Handle>(p: *const T, name: &str) -> Result<&'a T> {
 /// Drops what a live handle holds and leaves its box as a tombstone. NULL
 /// is a no-op; a handle retired before is an invalid argument.
 pub fn retire<T: Handle>(p: *mut T, name: &str) -> Result<()> {
+    retire_after(p, name, |_| {})
+}
+
+/// `retire`, running `last` on the handle first (once it is refused to
+/// every other call).
+pub fn retire_after<T: Handle>(p: *mut T, name: &str, last: impl FnOnce(&T)) -> Result<()> {
     if p.is_null() {
         return Ok(());
     }
@@ -89,19 +111,95 @@ pub fn retire<T: Handle>(p: *mut T, name: &str) -> Result<()> {
             T::RETIRES
         )));
     }
+    last(handle);
     // SAFETY: only the call that retired the handle gets here, and `get`
     // refuses it from now on.
     unsafe { handle.drop_value() };
-    // SAFETY: from Box::into_raw in `create`; freed once, when it leaves
-    // the quarantine (its value already dropped, and `T` drops nothing
-    // else).
-    let tombstone: Box<dyn Any> = unsafe { Box::from_raw(p) };
-    let _ = TOMBSTONES.try_with(|kept| {
-        let mut kept = kept.borrow_mut();
-        kept.push_back(tombstone);
-        if kept.len() > QUARANTINE {
-            kept.pop_front();
-        }
-    });
+    // SAFETY: from Box::into_raw in `create`; freed once (its value
+    // already dropped, and `T` drops nothing else), or reused by `create`.
+    let tombstone = unsafe { Box::from_raw(p) };
+    T::with_tombstones(|kept| kept.push_back(tombstone));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::mem::ManuallyDrop;
+    use std::rc::Rc;
+
+    /// A handle whose value counts its drops.
+    struct Probe {
+        live: Liveness,
+        value: ManuallyDrop<Rc<()>>,
+    }
+
+    impl Handle for Probe {
+        const RETIRED_BY: &'static str = "probe_free";
+        const RETIRES: &'static str = "freed";
+
+        fn liveness(&self) -> &Liveness {
+            &self.live
+        }
+
+        unsafe fn drop_value(&mut self) {
+            // SAFETY: as the trait says.
+            unsafe { ManuallyDrop::drop(&mut self.value) }
+        }
+
+        fn with_tombstones<R>(f: impl FnOnce(&mut VecDeque<Box<Probe>>) -> R) -> Option<R> {
+            thread_local! {
+                static KEPT: RefCell<VecDeque<Box<Probe>>> = const { RefCell::new(VecDeque::new()) };
+            }
+            KEPT.try_with(|kept| f(&mut kept.borrow_mut())).ok()
+        }
+    }
+
+    fn probe(count: &Rc<()>) -> *mut Probe {
+        create(Probe {
+            live: Liveness::default(),
+            value: ManuallyDrop::new(count.clone()),
+        })
+    }
+
+    #[test]
+    fn a_retired_handle_is_refused_and_its_value_dropped_once() {
+        let count = Rc::new(());
+        let p = probe(&count);
+        assert!(get(p, "p").is_ok());
+        assert_eq!(Rc::strong_count(&count), 2);
+        retire(p, "p").unwrap();
+        assert_eq!(Rc::strong_count(&count), 1);
+        let e = get(p, "p").err().unwrap();
+        assert!(e.message().contains("already passed to probe_free"), "{e}");
+        let e = retire(p, "p").unwrap_err();
+        assert!(e.message().contains("freed twice"), "{e}");
+        assert_eq!(Rc::strong_count(&count), 1);
+        assert!(retire(std::ptr::null_mut::<Probe>(), "p").is_ok());
+        assert!(get(std::ptr::null::<Probe>(), "p").is_err());
+    }
+
+    #[test]
+    fn tombstones_are_kept_for_the_quarantine_then_reused() {
+        let count = Rc::new(());
+        let first = probe(&count);
+        retire(first, "p").unwrap();
+        let mut later = Vec::new();
+        for _ in 1..QUARANTINE {
+            let p = probe(&count);
+            retire(p, "p").unwrap();
+            later.push(p);
+            assert!(
+                get(first, "p").is_err(),
+                "the first one left the quarantine early"
+            );
+        }
+        // The quarantine is full: the next handle takes the oldest box.
+        let next = probe(&count);
+        assert_eq!(next, first);
+        assert!(get(next, "p").is_ok());
+        retire(next, "p").unwrap();
+        assert_eq!(Rc::strong_count(&count), 1);
+    }
 }

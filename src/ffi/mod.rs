@@ -39,7 +39,7 @@ thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
 }
 
-fn set_last_error(text: String) {
+pub(crate) fn set_last_error(text: String) {
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
 }

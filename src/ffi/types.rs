@@ -6,6 +6,8 @@ use super::handles::{self, Handle, Liveness};
 use crate::comm::{Comm, Request};
 use crate::error::ErrorKind;
 use crate::options::Options;
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::ffi::{c_char, c_int};
 use std::mem::ManuallyDrop;
 
@@ -201,6 +203,14 @@ macro_rules! handle_of {
             unsafe fn drop_value(&mut self) {
                 // SAFETY: as the trait says (once, nothing reads it after).
                 unsafe { ManuallyDrop::drop(&mut self.$field) }
+            }
+
+            fn with_tombstones<R>(f: impl FnOnce(&mut VecDeque<Box<$handle>>) -> R) -> Option<R> {
+                thread_local! {
+                    static KEPT: RefCell<VecDeque<Box<$handle>>> =
+                        const { RefCell::new(VecDeque::new()) };
+                }
+                KEPT.try_with(|kept| f(&mut kept.borrow_mut())).ok()
             }
         }
     };
