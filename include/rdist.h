@@ -67,6 +67,11 @@
 #define RDIST_VERSION_PATCH 0
 
 /**
+ * Tombstones a thread keeps of each type (a few tens of bytes each).
+ */
+#define QUARANTINE 4096
+
+/**
  * Result of every fallible call; 0 is success. Details of a failure are in
  * rdist_last_error().
  */
@@ -368,6 +373,19 @@ rdist_result_t rdist_comm_backend(const rdist_comm_t *comm, rdist_backend_t *bac
  * yields *out = NULL. On failure *out is left unchanged.
  */
 rdist_result_t rdist_comm_split(rdist_comm_t *comm, int color, int key, rdist_comm_t **out);
+
+/**
+ * The ranks this rank knows to have failed in `comm` (their connection
+ * broke: they died, or their host or the network between did), in
+ * ascending order: the first `capacity` of them go to `ranks` (which may
+ * be NULL when `capacity` is 0), and `*count` is how many there are, so
+ * a call with capacity 0 sizes the array. Callable from any thread, also
+ * after a call failed. Since 0.2.
+ */
+rdist_result_t rdist_comm_failed_ranks(const rdist_comm_t *comm,
+                                       int *ranks,
+                                       int capacity,
+                                       int *count);
 
 /**
  * Makes every pending and future operation on `comm`, on every rank that

@@ -506,6 +506,23 @@ class Comm {
   /// call it while another is blocked in the communicator.
   void abort() { detail::check(rdist_comm_abort(ptr_.get())); }
 
+  /// The ranks this rank knows to have failed (their connection broke), in
+  /// ascending order. Any thread may call it, also after a call failed.
+  std::vector<int> failed_ranks() const {
+    int count = 0;
+    detail::check(rdist_comm_failed_ranks(ptr_.get(), nullptr, 0, &count));
+    std::vector<int> ranks(static_cast<size_t>(count));
+    while (true) {
+      int now = 0;
+      detail::check(rdist_comm_failed_ranks(ptr_.get(), ranks.data(), static_cast<int>(ranks.size()), &now));
+      if (static_cast<size_t>(now) <= ranks.size()) {
+        ranks.resize(static_cast<size_t>(now));
+        return ranks;
+      }
+      ranks.resize(static_cast<size_t>(now));
+    }
+  }
+
   /// Destroys the communicator now, throwing on failure (the destructor
   /// does the same but ignores errors). The Comm is empty afterwards.
   void destroy() { detail::check(rdist_comm_destroy(ptr_.release())); }

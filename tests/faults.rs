@@ -56,9 +56,10 @@ fn worker_process() {
         let t = Instant::now();
         if let Err(e) = comm.allreduce(&mut buf, ReduceOp::Sum) {
             println!(
-                "RESULT kind={:?} after={:.3} msg={}",
+                "RESULT kind={:?} after={:.3} failed={:?} msg={}",
                 e.kind(),
                 t.elapsed().as_secs_f64(),
+                comm.failed_ranks(),
                 e
             );
             return;
@@ -100,6 +101,9 @@ fn a_crashed_rank_fails_every_other_rank_quickly() {
             line.contains("rank 2"),
             "rank {rank} must name rank 2: {line}"
         );
+        // Whether it saw rank 2's connection break or heard it from the
+        // other survivor, each knows rank 2 failed, and only rank 2.
+        assert!(line.contains("failed=[2] "), "rank {rank}: {line}");
         let after: f64 = line
             .split("after=")
             .nth(1)

@@ -64,6 +64,11 @@ pub(crate) struct Aborter {
 }
 
 impl Aborter {
+    /// The ranks this rank lost (see `AbortSignal::lost_ranks`).
+    pub(crate) fn failed_ranks(&self) -> Vec<usize> {
+        self.signal.lost_ranks()
+    }
+
     pub(crate) fn abort(&self) {
         self.signal.abort();
         // NCCL's side first: an operation stuck on the GPU ends now.

@@ -380,6 +380,16 @@ impl Comm {
         }
     }
 
+    /// The ranks this rank knows to have failed: those whose connection
+    /// broke (they died, or their host or the network between did), in
+    /// ascending order. Callable from any thread, also after a call failed.
+    pub fn failed_ranks(&self) -> Vec<usize> {
+        if self.birth.forked() {
+            return Vec::new();
+        }
+        self.runner.failed_ranks()
+    }
+
     /// A handle that can abort this communicator from another thread.
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle {

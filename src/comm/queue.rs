@@ -689,6 +689,11 @@ impl Runner {
         }
     }
 
+    /// The ranks this rank knows to have failed; callable from any thread.
+    pub(crate) fn failed_ranks(&self) -> Vec<usize> {
+        self.aborter.failed_ranks()
+    }
+
     /// Makes pending and future calls fail with `Aborted`; callable from
     /// any thread.
     pub(crate) fn abort(&self) {

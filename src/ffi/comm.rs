@@ -4,7 +4,7 @@ use super::options::c_str;
 use super::types::*;
 use super::{boundary, check_out, handle, handles, write_out};
 use crate::comm::Comm;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::options::Options;
 use std::ffi::c_int;
 
@@ -161,6 +161,42 @@ pub extern "C" fn rdist_comm_split(
             Some(child) => publish(out, child),
             None => write_out(out, "out", std::ptr::null_mut()),
         }
+    })
+}
+
+/// The ranks this rank knows to have failed in `comm` (their connection
+/// broke: they died, or their host or the network between did), in
+/// ascending order: the first `capacity` of them go to `ranks` (which may
+/// be NULL when `capacity` is 0), and `*count` is how many there are, so
+/// a call with capacity 0 sizes the array. Callable from any thread, also
+/// after a call failed. Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_comm_failed_ranks(
+    comm: *const rdist_comm_t,
+    ranks: *mut c_int,
+    capacity: c_int,
+    count: *mut c_int,
+) -> rdist_result_t {
+    boundary("rdist_comm_failed_ranks", rank_of(comm), || {
+        let c = handle(comm, "comm")?;
+        check_out(count, "count")?;
+        if capacity < 0 {
+            return Err(Error::invalid_argument(format!(
+                "capacity {capacity} is negative"
+            )));
+        }
+        if capacity > 0 && ranks.is_null() {
+            return Err(Error::invalid_argument(format!(
+                "ranks is NULL but capacity is {capacity}"
+            )));
+        }
+        let failed = c.comm.failed_ranks();
+        for (i, r) in failed.iter().take(capacity as usize).enumerate() {
+            // SAFETY: ranks holds `capacity` ints (the contract), and
+            // i < capacity.
+            unsafe { ranks.add(i).write(*r as c_int) };
+        }
+        write_out(count, "count", failed.len() as c_int)
     })
 }
 

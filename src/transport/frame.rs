@@ -249,24 +249,64 @@ impl Header {
 }
 
 /// Payload of a Failure frame: the error kind and its message.
-pub fn encode_failure(err: &Error) -> Vec<u8> {
+/// A failure report: [kind, count of lost ranks (u16), each (u32),
+/// message], so that the ranks hearing it learn which ranks the reporting
+/// one lost, not only why it failed.
+pub fn encode_failure(err: &Error, lost: &[usize]) -> Vec<u8> {
+    let lost = &lost[..lost.len().min(MAX_REPORTED_LOST)];
     let mut v = vec![err.kind().code() as u8];
-    v.extend_from_slice(err.message().as_bytes());
+    v.extend_from_slice(&(lost.len() as u16).to_le_bytes());
+    for r in lost {
+        v.extend_from_slice(&(*r as u32).to_le_bytes());
+    }
+    let room = FAILURE_MAX.saturating_sub(v.len());
+    let text = err.message().as_bytes();
+    v.extend_from_slice(&text[..text.len().min(room)]);
     v
 }
 
-pub fn decode_failure(payload: &[u8]) -> (ErrorKind, String) {
+/// Ranks one failure report names at most (it stays within `FAILURE_MAX`).
+const MAX_REPORTED_LOST: usize = 4096;
+
+/// (kind, lost ranks, message) of a failure report; whatever is malformed
+/// is read as nothing.
+pub fn decode_failure(payload: &[u8]) -> (ErrorKind, Vec<usize>, String) {
     let kind = payload
         .first()
         .and_then(|k| ErrorKind::from_code(*k as i32))
         .unwrap_or(ErrorKind::PeerLost);
-    let text = String::from_utf8_lossy(payload.get(1..).unwrap_or(&[])).into_owned();
-    (kind, text)
+    let n = payload
+        .get(1..3)
+        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    let ranks_end = (3 + 4 * n).min(payload.len());
+    let lost = payload
+        .get(3..ranks_end)
+        .unwrap_or(&[])
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .collect();
+    let text = String::from_utf8_lossy(payload.get(ranks_end.max(3)..).unwrap_or(&[])).into_owned();
+    (kind, lost, text)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failure_reports_carry_the_lost_ranks() {
+        let e = Error::new(ErrorKind::PeerLost, "rank 1 lost rank 2");
+        let (kind, lost, text) = decode_failure(&encode_failure(&e, &[2, 7]));
+        assert_eq!(
+            (kind, lost, text.as_str()),
+            (ErrorKind::PeerLost, vec![2, 7], "rank 1 lost rank 2")
+        );
+        let (_, lost, text) = decode_failure(&encode_failure(&e, &[]));
+        assert_eq!((lost, text.as_str()), (vec![], "rank 1 lost rank 2"));
+        // Cut short: no panic, no more ranks than there are bytes.
+        let (_, lost, _) = decode_failure(&[4, 9, 0, 1, 0]);
+        assert!(lost.is_empty());
+    }
 
     #[test]
     fn headers_round_trip() {

@@ -3,10 +3,17 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
+/// What every thread of a communicator may ask at any time, without the
+/// lock its calls hold: whether it was aborted (with the eventfd that
+/// wakes a thread blocked in poll), and which ranks it lost.
 pub struct AbortSignal {
     aborted: AtomicBool,
     event: OwnedFd,
+    /// Ranks whose connection broke (they died, or their host or network
+    /// did), in the order they were found.
+    lost: Mutex<Vec<usize>>,
 }
 
 impl AbortSignal {
@@ -20,7 +27,23 @@ impl AbortSignal {
             aborted: AtomicBool::new(false),
             // SAFETY: fd is a fresh descriptor owned by nobody else.
             event: unsafe { OwnedFd::from_raw_fd(fd) },
+            lost: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Notes that the connection to `rank` broke.
+    pub fn note_lost(&self, rank: usize) {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if !lost.contains(&rank) {
+            lost.push(rank);
+        }
+    }
+
+    /// The ranks whose connection broke, in ascending order.
+    pub fn lost_ranks(&self) -> Vec<usize> {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        lost.sort_unstable();
+        lost
     }
 
     pub fn abort(&self) {

@@ -104,6 +104,14 @@ int main(void) {
   EXPECT(rdist_allreduce(send, recv, (size_t)-1, RDIST_FLOAT32, RDIST_SUM, comm, NULL) == RDIST_ERR_INVALID_ARGUMENT, "overflow");
 
   CHECK(rdist_barrier(comm));
+  /* no rank failed; bad arguments are refused */
+  int failed[4] = {-1, -1, -1, -1}, nfailed = -1;
+  CHECK(rdist_comm_failed_ranks(comm, failed, 4, &nfailed));
+  EXPECT(nfailed == 0 && failed[0] == -1, "failed ranks %d", nfailed);
+  CHECK(rdist_comm_failed_ranks(comm, NULL, 0, &nfailed));
+  EXPECT(rdist_comm_failed_ranks(comm, NULL, 2, &nfailed) == RDIST_ERR_INVALID_ARGUMENT, "NULL ranks");
+  EXPECT(rdist_comm_failed_ranks(comm, failed, -1, &nfailed) == RDIST_ERR_INVALID_ARGUMENT, "capacity -1");
+  EXPECT(rdist_comm_failed_ranks(comm, failed, 4, NULL) == RDIST_ERR_INVALID_ARGUMENT, "NULL count");
   CHECK(rdist_comm_destroy(comm));
   CHECK(rdist_comm_destroy(NULL));
   /* a destroyed communicator, and options: errors with a message, not crashes */

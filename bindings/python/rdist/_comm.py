@@ -456,6 +456,26 @@ class Comm:
         if handle is not None:
             check(lib.rdist_comm_destroy(handle))
 
+    def failed_ranks(self):
+        """The ranks this rank knows to have failed (their connection broke:
+        they died, or their host or the network between did), ascending.
+        Safe to call from another thread, and after a call failed."""
+        with self._lock:
+            if self._handle is None:
+                return []
+            while True:
+                count = ctypes.c_int(0)
+                check(lib.rdist_comm_failed_ranks(self._handle, None, 0, ctypes.byref(count)))
+                ranks = (ctypes.c_int * max(count.value, 1))()
+                got = ctypes.c_int(0)
+                check(
+                    lib.rdist_comm_failed_ranks(
+                        self._handle, ranks, count.value, ctypes.byref(got)
+                    )
+                )
+                if got.value <= count.value:
+                    return [ranks[i] for i in range(got.value)]
+
     def abort(self):
         """Makes every pending and future operation on this communicator, on
         every rank that can still be reached, fail promptly with

@@ -292,6 +292,7 @@ SIGNATURES = {
     "rdist_nccl_version": (_result, [POINTER(c_int)]),
     "rdist_comm_split": (_result, [CommHandle, c_int, c_int, POINTER(CommHandle)]),
     "rdist_comm_abort": (_result, [CommHandle]),
+    "rdist_comm_failed_ranks": (_result, [CommHandle, POINTER(c_int), c_int, POINTER(c_int)]),
     "rdist_comm_destroy": (_result, [CommHandle]),
     # Options.
     "rdist_options_create": (_result, [POINTER(OptionsHandle)]),

@@ -91,6 +91,7 @@ def test_a_crashed_rank_gives_peer_lost_on_the_others_quickly():
         assert result["error"] == "PeerLostError", result
         assert "rank 1" in result["message"], result
         assert result["elapsed"] < 5, result  # timeout_ms is 30 s: detected, not timed out
+        assert result["failed"] == [1], result
 
 
 def test_abort_from_another_thread_releases_both_ranks():

@@ -115,6 +115,7 @@ impl StreamTransport {
             let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_LIMIT);
             if let Err(e) = probe {
                 if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    self.signal.note_lost(peer);
                     let during = during(xfers);
                     return Err(Error::new(
                         ErrorKind::PeerLost,

@@ -572,6 +572,7 @@ impl StreamTransport {
     /// The connection to `peer` broke: it is gone, the tagged calls with
     /// it fail, and the error says so.
     pub(super) fn lose(&mut self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
+        self.signal.note_lost(peer);
         let err = self.lost(peer, why, desc);
         if let Some(conn) = self.conns[peer].as_mut() {
             if conn.gone.is_none() {
@@ -889,7 +890,13 @@ impl StreamTransport {
                 self.tagged.on_payload(peer, sink, &d, pid);
             }
             Target::Control(payload) => {
-                let (kind, text) = frame::decode_failure(&payload);
+                let (kind, lost, text) = frame::decode_failure(&payload);
+                for r in lost
+                    .into_iter()
+                    .filter(|r| *r < self.size && *r != self.rank)
+                {
+                    self.signal.note_lost(r);
+                }
                 self.heard = Some(Error::new(kind, text.clone()));
                 // Say what this rank itself was waiting for: in a chain of
                 // waits, the reporting rank names only its neighbour.

@@ -45,7 +45,7 @@ impl StreamTransport {
                     format!("rank {} failed: {}", self.rank, err.message()),
                 ),
             };
-            let payload = frame::encode_failure(&report);
+            let payload = frame::encode_failure(&report, &self.signal.lost_ranks());
             let header = Header::control(FrameKind::Failure, payload.len()).encode();
             self.cut_tagged();
             for conn in self.conns.iter_mut().flatten() {
@@ -88,7 +88,7 @@ impl StreamTransport {
                     e.kind(),
                     format!("rank {} left after an error: {}", self.rank, e.message()),
                 );
-                let payload = frame::encode_failure(&report);
+                let payload = frame::encode_failure(&report, &self.signal.lost_ranks());
                 (
                     Header::control(FrameKind::Failure, payload.len()).encode(),
                     payload,

@@ -222,10 +222,13 @@ def crash():
         started = time.monotonic()
         try:
             comm.allreduce(np.ones(1000, np.float32))
-        except rdist.PeerLostError as error:
-            report(rank=comm.rank, elapsed=time.monotonic() - started, **error_fields(error))
         except rdist.Error as error:
-            report(rank=comm.rank, elapsed=time.monotonic() - started, **error_fields(error))
+            report(
+                rank=comm.rank,
+                elapsed=time.monotonic() - started,
+                failed=comm.failed_ranks(),
+                **error_fields(error),
+            )
         else:
             report(rank=comm.rank, error=None)
 
