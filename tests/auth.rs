@@ -133,3 +133,107 @@ fn a_blank_token_is_refused_not_taken_for_none() {
         assert!(stderr.contains("would turn authentication off"), "{stderr}");
     }
 }
+
+/// Connects to `to` from the local address `from` (a loopback address
+/// other than 127.0.0.1 plays a stranger on another host).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(to) = to else {
+        panic!("an IPv4 peer expected: {to}")
+    };
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain system calls on a fresh socket with live addresses.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0);
+        let local = sin(from, 0);
+        assert_eq!(
+            libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        let remote = sin(*to.ip(), to.port());
+        assert_eq!(
+            libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+#[test]
+fn a_stranger_from_another_address_cannot_greet_a_rank_as_its_peer() {
+    // Without a token the job's id is in the store for anyone to read, and
+    // the pairs connect on first use: a stranger could greet rank 0 as rank
+    // 1 before rank 1 does, and take its place. A hello's rank is believed
+    // only from that rank's own address.
+    use std::io::{Read, Write};
+    use std::sync::mpsc;
+    let port = common::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = std::sync::Arc::new(std::sync::Mutex::new(go_rx));
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let (url, go) = (url.clone(), go_rx.clone());
+            std::thread::spawn(move || {
+                let mut o = with_token(None, 20_000);
+                o.set("transport", "tcp").unwrap();
+                let comm = Comm::init(&url, r, 2, &o)?;
+                // No call yet, so no connection between the two.
+                let _ = go.lock().unwrap().recv();
+                let mut v = [r as u64 + 1];
+                comm.allreduce(&mut v, ReduceOp::Sum)?;
+                Ok::<_, rdist::Error>(v[0])
+            })
+        })
+        .collect();
+    // The stranger reads the job id and rank 0's address from the store.
+    let store = rdist::store::TcpStoreClient::connect(
+        &format!("127.0.0.1:{port}"),
+        Instant::now() + Duration::from_secs(10),
+    )
+    .unwrap();
+    use rdist::store::Store;
+    let job = store
+        .get("rdist/tcp/1/job", Duration::from_secs(10))
+        .unwrap();
+    let rank0 = store
+        .get("rdist/tcp/1/rank/0", Duration::from_secs(10))
+        .unwrap();
+    let rank0: std::net::SocketAddr = String::from_utf8_lossy(&rank0)
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&0x5244_4831u32.to_le_bytes());
+    hello.extend_from_slice(&job[..16]);
+    hello.extend_from_slice(&0u64.to_le_bytes()); // the world communicator
+    hello.extend_from_slice(&1u32.to_le_bytes()); // "I am rank 1"
+    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&[0; 4]);
+    std::thread::sleep(Duration::from_millis(300)); // both ranks are listening
+    let mut stranger = connect_from(std::net::Ipv4Addr::new(127, 0, 0, 2), rank0);
+    stranger.write_all(&hello).unwrap();
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut verdict = [0u8; 1];
+    stranger.read_exact(&mut verdict).unwrap();
+    assert_eq!(verdict[0], 4, "rank 0 took a stranger for rank 1");
+    // The real ranks meet and run as if it never came.
+    go_tx.send(()).unwrap();
+    go_tx.send(()).unwrap();
+    for h in ranks {
+        assert_eq!(h.join().unwrap().unwrap(), 3);
+    }
+}

@@ -194,6 +194,10 @@ impl Links {
                 return;
             }
         };
+        if !mesh::came_from(&self.spec, rank, &s) {
+            mesh::answer(&self.spec, Verdict::NotFromItsAddress, 0, &mut s);
+            return;
+        }
         let verdict = {
             let mut sh = lock(&self.shared);
             let dialing_and_higher = sh.states[rank] == State::Dialing && self.spec.rank > rank;

@@ -9,8 +9,8 @@ use super::greeting::{self, Refusal};
 use crate::auth::Token;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,9 @@ pub enum Verdict {
     /// The pair is connected already, or both sides dialed at once and
     /// this side's dial wins: the dialer uses the other connection.
     Duplicate = 3,
+    /// The hello names a rank, but the connection comes from another
+    /// address than that rank's: a stranger on another host.
+    NotFromItsAddress = 4,
 }
 
 fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
@@ -54,6 +57,114 @@ fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
     b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
     b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
     b
+}
+
+/// Connects to `addr` from `local` (port any), so that the connection
+/// comes from this rank's own address, which the peer checks (see
+/// `came_from`); from any address where `local` is of another family.
+fn connect_from(local: IpAddr, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    if local.is_ipv4() != addr.is_ipv4() || local.is_unspecified() {
+        return TcpStream::connect_timeout(&addr, timeout);
+    }
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain system calls; the fd is owned by `stream` at once.
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    let (sa, len) = sockaddr(SocketAddr::new(local, 0));
+    // SAFETY: `sa` is a live sockaddr of `len` bytes.
+    if unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    stream.set_nonblocking(true)?;
+    let (sa, len) = sockaddr(addr);
+    // SAFETY: as above.
+    if unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one live pollfd.
+        match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connection timed out",
+                ))
+            }
+            n if n < 0 => return Err(io::Error::last_os_error()),
+            _ => {}
+        }
+        if let Some(e) = stream.take_error()? {
+            return Err(e);
+        }
+    }
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
+/// `addr` as the C socket address the system calls take.
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in and as aligned.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+/// Whether a connection whose hello names `rank` came from that rank's
+/// address (its dial binds it there). Without an auth token this is what
+/// keeps a stranger on another host from greeting a rank as one of its
+/// peers before that peer connects; on the same host a process can read
+/// the ranks' memory anyway (it is what single copy does).
+pub fn came_from(spec: &MeshSpec, rank: usize, s: &TcpStream) -> bool {
+    let want = spec.addrs[rank].ip().to_canonical();
+    if want.is_unspecified() {
+        return true;
+    }
+    s.peer_addr()
+        .map(|a| a.ip().to_canonical() == want)
+        .unwrap_or(false)
 }
 
 /// Judges a hello; returns the dialing rank when it belongs here (another
@@ -136,7 +247,7 @@ pub enum Dialed {
 pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
     let addr = spec.addrs[peer];
     let rank = spec.rank;
-    let mut s = TcpStream::connect_timeout(&addr, left(deadline)).map_err(|e| {
+    let mut s = connect_from(spec.addrs[rank].ip(), addr, left(deadline)).map_err(|e| {
         let why = match e.kind() {
             io::ErrorKind::ConnectionRefused => {
                 "nobody listens there: it exited, or destroyed its communicator".to_string()
@@ -193,6 +304,14 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
     }
     match verdict[0] {
         v if v == Verdict::Welcome as u8 => Ok(Dialed::Welcomed(s)),
+        v if v == Verdict::NotFromItsAddress as u8 => Err(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "rank {peer} at {addr} refused rank {rank}: the connection did not come from \
+                 rank {rank}'s address {} (is its outgoing address another one of this host's?)",
+                spec.addrs[rank].ip()
+            ),
+        )),
         v if v == Verdict::Duplicate as u8 => Ok(Dialed::Duplicate),
         v if v == Verdict::OtherJob as u8 => Err(Error::new(
             ErrorKind::Auth,
