@@ -10,7 +10,9 @@ Search order (first hit wins):
    bundles it as ``rdist/lib/librdist.so``: an installed package needs
    nothing else).
 3. From a source checkout (``bindings/python/rdist`` inside the repository):
-   ``target/release/librdist.so``, then ``target/debug/librdist.so``.
+   ``target/release/librdist.so`` and ``target/debug/librdist.so``, the one
+   built last first (a release build left from before a change must not
+   shadow the debug build that has it).
 4. The system's library search path: ``ctypes.util.find_library("rdist")``,
    then ``librdist.so.0`` and ``librdist.so`` through the dynamic loader
    (``LD_LIBRARY_PATH``, ``ldconfig``).
@@ -73,8 +75,16 @@ def _candidates():
     yield "next to the package", _PACKAGE_DIR / _FILE_NAME
     root = _checkout_root()
     if root is not None:
-        for profile in ("release", "debug"):
-            yield "source checkout", root / "target" / profile / _FILE_NAME
+        builds = [root / "target" / profile / _FILE_NAME for profile in ("release", "debug")]
+
+        def built_at(path):
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                return float("-inf")
+
+        for path in sorted(builds, key=built_at, reverse=True):
+            yield "source checkout", path
     # None (nothing found) is reported as such in the error message.
     yield "system (find_library)", ctypes.util.find_library("rdist")
     for name in _SYSTEM_NAMES:
