@@ -937,6 +937,69 @@ fn a_launched_job_gets_a_fresh_auth_token_unless_told_otherwise() {
 }
 
 #[test]
+fn with_on_failure_continue_the_others_run_to_their_end() {
+    let script = r#"case $RANK in
+        1) echo "rank 1: fatal: lost my data" >&2; exit 3;;
+        *) sleep 1; echo "rank $RANK done";;
+    esac"#;
+    let out = run(&[
+        "--on-failure",
+        "continue",
+        "--report-s",
+        "0",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    for r in [0, 2] {
+        assert!(
+            out.stdout.contains(&format!("[rank {r}] rank {r} done")),
+            "rank {r} was stopped: {:?}\n{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    let messages = out.launcher_messages();
+    assert!(
+        messages[0].ends_with(
+            "failed first: exited with code 3; the others went on (--on-failure continue); ranks 0, 2 then exited with code 0"
+        ),
+        "{messages:?}"
+    );
+    assert_eq!(
+        messages[1..],
+        ["rdistrun: first error of rank 1: rank 1: fatal: lost my data"],
+        "{messages:?}"
+    );
+    // The default still stops them.
+    let out = run(&[
+        "--report-s",
+        "0",
+        "--nproc-per-node",
+        "3",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    assert!(
+        !out.stdout.iter().any(|l| l.contains("done")),
+        "{:?}",
+        out.stdout
+    );
+    let bad = run(&["--on-failure", "retry", "true"]);
+    assert_eq!(bad.code(), Some(2), "stderr: {}", bad.stderr);
+    assert!(
+        bad.stderr.contains("--on-failure must be stop or continue"),
+        "{}",
+        bad.stderr
+    );
+}
+
+#[test]
 fn the_rank_that_failed_first_is_the_one_the_others_name() {
     // A crashed rank is reaped after its address space is torn down: its
     // peers can see its connections close, report and exit before. Rank

@@ -21,6 +21,10 @@ options:
   --report-s S        after a rank fails, seconds the other ranks get to report
                       their own errors and exit before SIGTERM (default 3)
   --grace-s S         seconds between SIGTERM and SIGKILL when stopping (default 5)
+  --on-failure WHAT   when a rank fails: stop (the others, after --report-s; the
+                      default) or continue (the others run on to their own end,
+                      as a job that shrinks its communicators and goes on needs;
+                      the failure is still reported and sets the exit status)
   --auth-token T      the job's shared secret, handed to the ranks as
                       RDIST_AUTH_TOKEN (give every node the same); default: the
                       RDIST_AUTH_TOKEN rdistrun was given, else a random one for
@@ -58,12 +62,23 @@ pub struct Config {
     pub report: Duration,
     /// Between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// What a rank's failure does to the others.
+    pub on_failure: OnFailure,
     /// `--auth-token`.
     pub auth_token: Option<String>,
     /// `--no-auth`.
     pub no_auth: bool,
     pub program: OsString,
     pub args: Vec<OsString>,
+}
+
+/// What a rank's failure does to the others (`--on-failure`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OnFailure {
+    /// They get `--report-s` to report, then SIGTERM, then SIGKILL.
+    Stop,
+    /// They run on to their own end.
+    Continue,
 }
 
 /// Option values as given, before the cross-option checks.
@@ -77,6 +92,7 @@ struct Options {
     stdout_tty: bool,
     report: Duration,
     grace: Duration,
+    on_failure: OnFailure,
     auth_token: Option<String>,
     no_auth: bool,
 }
@@ -93,6 +109,7 @@ impl Default for Options {
             stdout_tty: true,
             report: DEFAULT_REPORT,
             grace: DEFAULT_GRACE,
+            on_failure: OnFailure::Stop,
             auth_token: None,
             no_auth: false,
         }
@@ -131,7 +148,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Invocation
             "--no-auth" => options.no_auth = true,
             "--no-tty" => options.stdout_tty = false,
             "--nproc-per-node" | "--nnodes" | "--node-rank" | "--master-addr" | "--master-port"
-            | "--report-s" | "--grace-s" | "--auth-token" => {
+            | "--report-s" | "--grace-s" | "--auth-token" | "--on-failure" => {
                 let value = match inline_value {
                     Some(value) => value.to_string(),
                     None => next_value(&mut args, name)?,
@@ -151,6 +168,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Invocation
         stdout_tty: options.stdout_tty,
         report: options.report,
         grace: options.grace,
+        on_failure: options.on_failure,
         auth_token: options.auth_token,
         no_auth: options.no_auth,
         program,
@@ -178,6 +196,17 @@ fn set_option(options: &mut Options, name: &str, value: &str) -> Result<(), Stri
         "--master-port" => options.master_port = Some(parse_port(value)?).filter(|&p| p != 0),
         "--report-s" => options.report = parse_seconds(name, value)?,
         "--grace-s" => options.grace = parse_seconds(name, value)?,
+        "--on-failure" => {
+            options.on_failure = match value {
+                "stop" => OnFailure::Stop,
+                "continue" => OnFailure::Continue,
+                _ => {
+                    return Err(format!(
+                        "--on-failure must be stop or continue, got '{value}'"
+                    ))
+                }
+            }
+        }
         "--auth-token" if value.trim().is_empty() => {
             return Err(
                 "--auth-token must not be empty or blank (use --no-auth to run without)".into(),

@@ -12,6 +12,7 @@
 //!   --no-tty            ranks' stdout is a pipe, not a pseudo-terminal
 //!   --report-s S        after a rank fails, seconds the others get to report [3]
 //!   --grace-s S         seconds between SIGTERM and SIGKILL when stopping  [5]
+//!   --on-failure WHAT   stop the others after a failure, or continue      [stop]
 //!   --auth-token T      the job's shared secret (default: RDIST_AUTH_TOKEN, else random on one node)
 //!   --no-auth           no auth token
 //! ```
@@ -33,12 +34,13 @@
 //! (signals.rs). When a rank fails (non-zero exit or killed by a signal), the
 //! others get `--report-s` seconds to report their own errors (say, rdist's
 //! "lost its connection to rank R") and exit, then SIGTERM and, after the grace
-//! period, SIGKILL. rdistrun then prints a summary: one line on what happened,
-//! naming the rank that failed first (the first reaped, or the rank its error
-//! names, if that one failed on its own too), and each failed rank's first
-//! error line (else its last line on stderr); it exits with the failed rank's
-//! exit code, or 128 + signal number (supervise.rs). It exits 0 when all ranks exit 0,
-//! 2 for a bad command line (args.rs) and 127 when PROGRAM cannot be started.
+//! period, SIGKILL; with `--on-failure continue` they run on to their own end.
+//! rdistrun then prints a summary: one line on what happened, naming the rank
+//! that failed first (the first reaped, or the rank its error names, if that
+//! one failed on its own too), and each failed rank's first error line (else
+//! its last line on stderr); it exits with the failed rank's exit code, or
+//! 128 + signal number (supervise.rs). It exits 0 when all ranks exit 0, 2 for
+//! a bad command line (args.rs) and 127 when PROGRAM cannot be started.
 
 mod args;
 mod launch;
@@ -145,7 +147,7 @@ fn run(config: &Config) -> u8 {
         output::wait_for_readers(readers, OUTPUT_DRAIN_TIMEOUT);
         return launch::report_launch_error(config, &error);
     }
-    let stop = supervise::supervise(&mut ranks, config.report, config.grace);
+    let stop = supervise::supervise(&mut ranks, config.report, config.grace, config.on_failure);
     // Drain output first, so that the summary comes after everything the ranks
     // printed, and can quote it.
     output::wait_for_readers(readers, OUTPUT_DRAIN_TIMEOUT);

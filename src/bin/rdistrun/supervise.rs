@@ -1,6 +1,7 @@
 //! Watching the ranks: reaping them, stopping the rest after a failure or a
 //! signal (report period, SIGTERM, SIGKILL), and the final summary.
 
+use crate::args::OnFailure;
 use crate::output::Quote;
 use crate::signals::{self, describe_signal, signal_exit_code};
 use crate::EXIT_LAUNCHER_ERROR;
@@ -144,6 +145,9 @@ enum Phase {
     Reporting { until: Option<Instant> },
     /// The survivors were signalled; SIGKILL follows at `deadline`.
     Stopping { deadline: Option<Instant> },
+    /// After a failure, the others run on to their own end
+    /// (`--on-failure continue`).
+    Continuing,
 }
 
 /// A job being (or having been) stopped before all ranks succeeded.
@@ -169,6 +173,14 @@ impl Stop {
             phase: Phase::Reporting {
                 until: Instant::now().checked_add(report),
             },
+        }
+    }
+
+    /// After a failure, with `--on-failure continue`: the others go on.
+    fn go_on(ranks: &[RankProcess], cause: StopCause) -> Stop {
+        Stop {
+            phase: Phase::Continuing,
+            ..Stop::new(ranks, cause, Duration::ZERO)
         }
     }
 
@@ -267,7 +279,12 @@ fn running(ranks: &[RankProcess]) -> impl Iterator<Item = &RankProcess> {
 /// `report` to report and exit on their own, then SIGTERM and, `grace` later,
 /// SIGKILL; SIGINT/SIGTERM sent to rdistrun is forwarded at once. Returns `None`
 /// when every rank exited 0 undisturbed.
-pub fn supervise(ranks: &mut [RankProcess], report: Duration, grace: Duration) -> Option<Stop> {
+pub fn supervise(
+    ranks: &mut [RankProcess],
+    report: Duration,
+    grace: Duration,
+    on_failure: OnFailure,
+) -> Option<Stop> {
     let mut signals_handled = 0;
     let mut stop: Option<Stop> = None;
     let reaper = start_reaper();
@@ -276,7 +293,10 @@ pub fn supervise(ranks: &mut [RankProcess], report: Duration, grace: Duration) -
         handle_signals(ranks, &mut signals_handled, &mut stop, grace);
         if let Some(failure) = reap_exited(ranks, reaper.as_ref()) {
             if stop.is_none() {
-                stop = Some(Stop::new(ranks, failure, report));
+                stop = Some(match on_failure {
+                    OnFailure::Stop => Stop::new(ranks, failure, report),
+                    OnFailure::Continue => Stop::go_on(ranks, failure),
+                });
             }
         }
         if let Some(stop) = &mut stop {
@@ -302,7 +322,7 @@ fn handle_signals(
     let stop = stop
         .get_or_insert_with(|| Stop::new(ranks, StopCause::Signal(received.last), Duration::ZERO));
     match stop.phase {
-        Phase::Reporting { .. } => {
+        Phase::Reporting { .. } | Phase::Continuing => {
             stop.terminate(ranks, received.last, grace);
             if received.fresh > 1 {
                 stop.kill_survivors(ranks);
@@ -430,6 +450,10 @@ pub fn summarize(
             Some((_, group)) => group.push(*rank),
             None => on_their_own.push((how, vec![*rank])),
         }
+    }
+    let went_on = matches!(stop.phase, Phase::Continuing) && !on_their_own.is_empty();
+    if went_on {
+        parts.push("the others went on (--on-failure continue)".to_string());
     }
     for (how, group) in &on_their_own {
         parts.push(format!("{} then {how}", list_ranks(group)));
