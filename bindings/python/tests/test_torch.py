@@ -156,6 +156,30 @@ def test_torchrun_runs_an_unchanged_script(backend):
         assert report["cpu_backend"] == "rdist"
 
 
+def test_torchrun_restarts_a_job_that_lost_a_rank_and_rdist_meets_again():
+    """torchrun --max-restarts 2: rank 1 is killed on the first attempt; the
+    restarted ranks meet through rdist (env://) on the agent's store, and
+    the first attempt's keys there never confuse the second's."""
+    torchrun = Path(TORCH_PYTHON).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
+    with tempfile.TemporaryDirectory(prefix="rdist-elastic-") as scratch:
+        env = child_env(OMP_NUM_THREADS=1, RESULT_DIR=scratch)
+        command = [str(torchrun), "--nproc-per-node", "3", "--max-restarts", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   str(WORKERS / "torchrun_elastic.py")]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
+                                  cwd=scratch, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"torchrun did not finish in 180 s\n{expired.stdout}\n{expired.stderr}")
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        reports = [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(3)]
+    for report in reports:
+        assert report["attempt"] == 1, report
+        assert report["sum"] == [6.0] * 4, report
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_ddp_equals_gloo_beside_rdists_own_communicator(nproc):
     """DDP under torchrun equal to gloo's, and in the same processes an
