@@ -67,11 +67,6 @@
 #define RDIST_VERSION_PATCH 0
 
 /**
- * Tombstones a thread keeps of each type (a few tens of bytes each).
- */
-#define QUARANTINE 4096
-
-/**
  * Result of every fallible call; 0 is success. Details of a failure are in
  * rdist_last_error().
  */
@@ -376,7 +371,7 @@ rdist_result_t rdist_comm_split(rdist_comm_t *comm, int color, int key, rdist_co
 
 /**
  * The ranks this rank knows to have failed in `comm` (their connection
- * broke: they died, or their host or the network between did), in
+ * broke: they died or left, or their host or the network between failed), in
  * ascending order: the first `capacity` of them go to `ranks` (which may
  * be NULL when `capacity` is 0), and `*count` is how many there are, so
  * a call with capacity 0 sizes the array. Callable from any thread, also

@@ -12,6 +12,9 @@ command -v make >/dev/null || need+=(make)
 # The namespace cluster's loss and delay on kernels without netem
 # (scripts/cluster.sh: the statistic match and NFQUEUE).
 command -v iptables >/dev/null || need+=(iptables)
+# A real Slurm (slurmctld, slurmd, srun) for tests/slurm.rs, which starts
+# its own on loopback.
+command -v slurmd >/dev/null || need+=(slurm-wlm)
 # Debian's python3-* packages serve /usr/bin/python3, which need not be the
 # `python3` on PATH (e.g. a pyenv one): check the interpreter they serve.
 debian_python=/usr/bin/python3

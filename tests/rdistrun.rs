@@ -1036,6 +1036,29 @@ fn the_rank_that_failed_first_is_the_one_the_others_name() {
         ],
         "{messages:?}"
     );
+    // Two ranks that name each other (the first found the mismatch, the
+    // second heard its report): the first stays the one that failed first.
+    let script = r#"case $RANK in
+        0) echo "rank 0: mismatched calls: rank 0 called allreduce #3 but rank 1 called broadcast #3" >&2; exit 3;;
+        *) sleep 0.2; echo "rank 1: rank 0 failed: mismatched calls" >&2; exit 1;;
+    esac"#;
+    let out = run(&[
+        "--report-s",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
+    let messages = out.launcher_messages();
+    assert!(
+        messages[0].contains("rank 0 (pid ")
+            && messages[0]
+                .ends_with("failed first: exited with code 3; rank 1 then exited with code 1"),
+        "{messages:?}"
+    );
 }
 
 #[test]

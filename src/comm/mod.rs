@@ -381,7 +381,7 @@ impl Comm {
     }
 
     /// The ranks this rank knows to have failed: those whose connection
-    /// broke (they died, or their host or the network between did), in
+    /// broke (they died or left, or their host or the network between failed), in
     /// ascending order. Callable from any thread, also after a call failed.
     pub fn failed_ranks(&self) -> Vec<usize> {
         if self.birth.forked() {

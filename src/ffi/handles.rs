@@ -18,7 +18,7 @@ const LIVE: u32 = 0x7264_6973;
 const RETIRED: u32 = 0xdead_0001;
 
 /// Tombstones a thread keeps of each type (a few tens of bytes each).
-pub const QUARANTINE: usize = 4096;
+const QUARANTINE: usize = 4096;
 
 /// Whether a handle is in use: `Liveness::default()` is.
 pub struct Liveness(AtomicU32);

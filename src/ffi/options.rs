@@ -59,8 +59,11 @@ pub extern "C" fn rdist_options_set(
 #[no_mangle]
 pub extern "C" fn rdist_options_destroy(opts: *mut rdist_options_t) {
     // No result to return: a second destroy is only told in
-    // rdist_last_error().
-    let _ = boundary("rdist_options_destroy", None, || {
-        handles::retire(opts, "opts")
-    });
+    // rdist_last_error(). Not through `boundary`: destroying the options
+    // right after the call that used them must not clear that call's
+    // error.
+    let destroyed = std::panic::catch_unwind(|| handles::retire(opts, "opts"));
+    if let Ok(Err(e)) = destroyed {
+        super::set_last_error(format!("rdist_options_destroy: {}", e.message()));
+    }
 }

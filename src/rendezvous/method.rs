@@ -123,8 +123,13 @@ fn host_and_port<'a>(m: &str, rest: &'a str) -> Result<(&'a str, &'a str)> {
     Ok((host, after))
 }
 
-/// The store of `env://`: MASTER_ADDR and MASTER_PORT.
+/// The store of `env://`: MASTER_ADDR and MASTER_PORT; under Slurm with
+/// neither set, the step's first node and a port from the job and step ids
+/// (see `slurm_master`).
 pub fn env_master(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
+    if let Some(master) = slurm_master(lookup) {
+        return master;
+    }
     let host = lookup("MASTER_ADDR")
         .map(|h| h.trim().trim_start_matches('[').trim_end_matches(']').to_string())
         .filter(|h| !h.is_empty())
@@ -140,6 +145,71 @@ pub fn env_master(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Method> {
         return Ok(Method::TorchStore { host, port, prefix });
     }
     Ok(Method::Tcp { host, port })
+}
+
+/// Under srun with no MASTER_ADDR: every task of a step derives the same
+/// store from Slurm's own variables, so that `srun -n N program` needs
+/// nothing set by hand. The host is the first of the step's nodes (where
+/// task 0 runs: Slurm places tasks in node order), the port one of
+/// 12000-31999 (below Linux's ephemeral range) from the job and step ids,
+/// so that steps of one job, and jobs sharing a node, get their own.
+/// MASTER_PORT, when set, wins.
+fn slurm_master(lookup: &dyn Fn(&str) -> Option<String>) -> Option<Result<Method>> {
+    let set = |var: &str| lookup(var).filter(|v| !v.trim().is_empty());
+    if set("MASTER_ADDR").is_some() || set("SLURM_PROCID").is_none() {
+        return None;
+    }
+    let nodes = set("SLURM_STEP_NODELIST").or_else(|| set("SLURM_JOB_NODELIST"))?;
+    Some((|| {
+        let host = first_host(nodes.trim()).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "cannot read the first node of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST '{nodes}' \
+                 (set MASTER_ADDR)"
+            ))
+        })?;
+        let port = match set("MASTER_PORT") {
+            Some(p) => parse_port(&p, "MASTER_PORT")?,
+            None => {
+                let id = |var: &str| {
+                    set(var).map_or(Ok(0), |v| {
+                        v.trim().parse::<u64>().map_err(|_| {
+                            Error::invalid_argument(format!(
+                                "environment variable {var}='{v}' is not an integer"
+                            ))
+                        })
+                    })
+                };
+                let (job, step) = (id("SLURM_JOB_ID")?, id("SLURM_STEP_ID")?);
+                12_000 + (job.wrapping_mul(97).wrapping_add(step) % 20_000) as u16
+            }
+        };
+        Ok(Method::Tcp { host, port })
+    })())
+}
+
+/// The first host of a Slurm host list ("node[01-04,07],gpu1" gives
+/// "node01"; every bracket takes its first number, zero padding kept).
+fn first_host(list: &str) -> Option<String> {
+    let mut host = String::new();
+    let mut rest = list;
+    loop {
+        let stop = rest.find([',', '[']).unwrap_or(rest.len());
+        host.push_str(&rest[..stop]);
+        rest = &rest[stop..];
+        match rest.chars().next() {
+            Some('[') => {
+                let close = rest.find(']')?;
+                let first = rest[1..close].split([',', '-']).next()?.trim();
+                if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                host.push_str(first);
+                rest = &rest[close + 1..];
+            }
+            _ => break,
+        }
+    }
+    (!host.is_empty()).then_some(host)
 }
 
 /// Under torchrun, whose agent hosts a TCPStore on MASTER_PORT for its
@@ -254,6 +324,73 @@ mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn under_srun_the_store_comes_from_slurms_variables() {
+        static STEP: [(&str, &str); 5] = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NODELIST", "node[07-09,12],gpu1"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_STEP_ID", "0"),
+        ];
+        let Method::Tcp { host, port } = parse("env://", &env(&STEP)).unwrap() else {
+            panic!("not a tcp store")
+        };
+        assert_eq!(host, "node07");
+        assert!((12_000..32_000).contains(&port), "{port}");
+        // Another step of the job gets another port.
+        static NEXT: [(&str, &str); 5] = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NODELIST", "node[07-09,12],gpu1"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_STEP_ID", "1"),
+        ];
+        let Method::Tcp { port: next, .. } = parse("env://", &env(&NEXT)).unwrap() else {
+            panic!("not a tcp store")
+        };
+        assert_ne!(port, next);
+        for (list, first) in [
+            ("vm", Some("vm")),
+            ("a,b", Some("a")),
+            ("rack[1-2]-n[003-004]", Some("rack1-n003")),
+            ("n[5]", Some("n5")),
+            ("n[", None),
+            ("n[x-2]", None),
+            ("", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list}");
+        }
+        // MASTER_ADDR wins; MASTER_PORT wins over the derived port.
+        static GIVEN: [(&str, &str); 5] = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_NODELIST", "vm"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "123"),
+        ];
+        assert_eq!(
+            parse("env://", &env(&GIVEN)).unwrap(),
+            Method::Tcp {
+                host: "h".into(),
+                port: 123
+            }
+        );
+        static PORT_ONLY: [(&str, &str); 4] = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_NODELIST", "vm"),
+            ("MASTER_PORT", "123"),
+        ];
+        assert_eq!(
+            parse("env://", &env(&PORT_ONLY)).unwrap(),
+            Method::Tcp {
+                host: "vm".into(),
+                port: 123
+            }
+        );
     }
 
     #[test]

@@ -91,22 +91,32 @@ fn connect_from(local: IpAddr, addr: SocketAddr, timeout: Duration) -> io::Resul
         if e.raw_os_error() != Some(libc::EINPROGRESS) {
             return Err(e);
         }
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLOUT,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one live pollfd.
-        match unsafe { libc::poll(&mut pfd, 1, ms) } {
-            0 => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "connection timed out",
-                ))
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLOUT,
+                revents: 0,
+            };
+            let ms = left(deadline).as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: one live pollfd.
+            match unsafe { libc::poll(&mut pfd, 1, ms) } {
+                0 if left(deadline).is_zero() => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "connection timed out",
+                    ))
+                }
+                0 => {}
+                n if n < 0 => {
+                    let e = io::Error::last_os_error();
+                    // A signal (the program's own, say) is no failure.
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                _ => break,
             }
-            n if n < 0 => return Err(io::Error::last_os_error()),
-            _ => {}
         }
         if let Some(e) = stream.take_error()? {
             return Err(e);
@@ -159,7 +169,10 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
 /// the ranks' memory anyway (it is what single copy does).
 pub fn came_from(spec: &MeshSpec, rank: usize, s: &TcpStream) -> bool {
     let want = spec.addrs[rank].ip().to_canonical();
-    if want.is_unspecified() {
+    // A dialer of another family than this rank's address could not bind
+    // its own (see `connect_from`).
+    let own = spec.addrs[spec.rank].ip().to_canonical();
+    if want.is_unspecified() || want.is_ipv4() != own.is_ipv4() {
         return true;
     }
     s.peer_addr()

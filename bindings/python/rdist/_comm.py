@@ -458,7 +458,7 @@ class Comm:
 
     def failed_ranks(self):
         """The ranks this rank knows to have failed (their connection broke:
-        they died, or their host or the network between did), ascending.
+        they died or left, or their host or the network between failed), ascending.
         Safe to call from another thread, and after a call failed."""
         with self._lock:
             if self._handle is None:

@@ -235,11 +235,21 @@ impl Stop {
                     .iter()
                     .any(|p| p.rank == rank && p.exit().is_some_and(|e| !e.is_success()))
         };
+        // A rank that names this one in turn (say, as the one whose failure
+        // report it heard) is no origin: the blame stays.
+        let names = |rank: usize, other: usize| match quote(rank) {
+            Some(Quote::Error(line)) => named_ranks(&line).any(|r| r == other),
+            _ => false,
+        };
         let mut origin = first;
         let mut seen = vec![first];
-        while let Some(Quote::Error(line) | Quote::LastStderr(line)) = quote(origin) {
+        while let Some(Quote::Error(line)) = quote(origin) {
             match named_ranks(&line).find(|r| *r != origin) {
-                Some(blamed) if failed_on_its_own(blamed) && !seen.contains(&blamed) => {
+                Some(blamed)
+                    if failed_on_its_own(blamed)
+                        && !seen.contains(&blamed)
+                        && !names(blamed, origin) =>
+                {
                     seen.push(blamed);
                     origin = blamed;
                 }

@@ -41,7 +41,13 @@ impl StreamTransport {
                 continue;
             }
             if peer < self.rank {
-                links.connect(peer, deadline)?;
+                if let Err(e) = links.connect(peer, deadline) {
+                    // Nobody listens where it did: it is gone.
+                    if e.kind() == ErrorKind::PeerLost {
+                        self.signal.note_lost(peer);
+                    }
+                    return Err(e);
+                }
             }
             awaited.push(peer);
         }

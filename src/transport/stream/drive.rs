@@ -211,6 +211,9 @@ impl StreamTransport {
         match links.connect(peer, deadline) {
             Ok(_) => self.take_arrived(),
             Err(e) => {
+                if e.kind() == ErrorKind::PeerLost {
+                    self.signal.note_lost(peer);
+                }
                 let err = Error::new(
                     ErrorKind::PeerLost,
                     format!(

@@ -539,7 +539,7 @@ impl StreamTransport {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         conn.unfinished_out = total - p.written[i];
-                        return Err(self.lose(peer, &describe_io(&e), p.desc));
+                        return Err(self.broke(peer, &describe_io(&e), p.desc));
                     }
                 }
             }
@@ -565,14 +565,13 @@ impl StreamTransport {
                 self.moved = self.moved.wrapping_add(u64::from(moved));
                 Ok(())
             }
-            Err(e) => Err(self.lose(peer, &describe_io(&e), p.desc)),
+            Err(e) => Err(self.broke(peer, &describe_io(&e), p.desc)),
         }
     }
 
     /// The connection to `peer` broke: it is gone, the tagged calls with
     /// it fail, and the error says so.
     pub(super) fn lose(&mut self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
-        self.signal.note_lost(peer);
         let err = self.lost(peer, why, desc);
         if let Some(conn) = self.conns[peer].as_mut() {
             if conn.gone.is_none() {
@@ -582,6 +581,15 @@ impl StreamTransport {
         self.fail_tagged_reading(peer, &err);
         self.tagged.fail_peer(peer, err.clone());
         err
+    }
+
+    /// The connection to `peer` itself broke (closed, reset, unreadable):
+    /// the peer counts as failed (`rdist_comm_failed_ranks`), then as
+    /// `lose`. A pair given up for a protocol error or this rank's own
+    /// timeout is lost but not counted: that peer may be alive.
+    pub(super) fn broke(&mut self, peer: usize, why: &str, desc: Option<Desc>) -> Error {
+        self.signal.note_lost(peer);
+        self.lose(peer, why, desc)
     }
 
     /// A tagged receive whose payload was being read from `peer` (it is
@@ -711,7 +719,7 @@ impl StreamTransport {
                 Ok(0) => {
                     return match self.conn(peer).gone {
                         Some(Gone::Bye) => Ok(()),
-                        _ => Err(self.lose(peer, "connection closed", p.desc)),
+                        _ => Err(self.broke(peer, "connection closed", p.desc)),
                     };
                 }
                 Ok(n) => {
@@ -720,7 +728,7 @@ impl StreamTransport {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(self.lose(peer, &describe_io(&e), p.desc)),
+                Err(e) => return Err(self.broke(peer, &describe_io(&e), p.desc)),
             };
             self.advance_incoming(peer, n, xfers, p)?;
         }

@@ -40,7 +40,7 @@ impl StreamTransport {
                     return Ok(false);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.lose(peer, &describe_io(&e), p.desc)),
+                Err(e) => return Err(self.broke(peer, &describe_io(&e), p.desc)),
             }
         }
         conn.unfinished_out = 0;
