@@ -27,7 +27,9 @@ fn rank_hint(rank: c_int) -> Option<usize> {
 /// torch.distributed-style creation. `init_method` is "env://",
 /// "tcp://HOST:PORT" or "file:///path"; `rank`/`world_size` -1 read RANK /
 /// WORLD_SIZE (falling back to Slurm's and Open MPI's variables). env://
-/// reads MASTER_ADDR and MASTER_PORT; with both -1 and none of those
+/// reads MASTER_ADDR and MASTER_PORT (under srun without MASTER_ADDR: the
+/// step's first node, and a port from the job and step ids unless
+/// MASTER_PORT is set); with both -1 and none of those
 /// variables set (no launcher), it is a world of one, as under MPI, and
 /// needs neither. `opts` may be NULL. Blocks until all
 /// world_size ranks have joined or timeout_ms passes; on timeout the error
