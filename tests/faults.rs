@@ -279,14 +279,24 @@ fn a_rooted_call_with_another_root_fails_in_that_call() {
 
 #[test]
 fn mismatched_counts_and_dtypes_are_mismatches_too() {
-    let results = common::world(3, common::opts(10_000), Duration::from_secs(20), |comm| {
-        let e = match comm.rank() {
-            0 => comm.allreduce(&mut [0f32; 10], ReduceOp::Sum).unwrap_err(),
-            1 => comm.allreduce(&mut [0f32; 20], ReduceOp::Sum).unwrap_err(),
-            _ => comm.allreduce(&mut [0f64; 10], ReduceOp::Sum).unwrap_err(),
-        };
-        (e.kind(), e.to_string())
-    });
+    // Every rank keeps its communicator until all have their error: one
+    // destroyed early is, to a rank still dialing it, a rank that left
+    // (PEER_LOST, "nobody listens there"), which is not what this tests.
+    let all_failed = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let results = common::world(
+        3,
+        common::opts(10_000),
+        Duration::from_secs(20),
+        move |comm| {
+            let e = match comm.rank() {
+                0 => comm.allreduce(&mut [0f32; 10], ReduceOp::Sum).unwrap_err(),
+                1 => comm.allreduce(&mut [0f32; 20], ReduceOp::Sum).unwrap_err(),
+                _ => comm.allreduce(&mut [0f64; 10], ReduceOp::Sum).unwrap_err(),
+            };
+            all_failed.wait();
+            (e.kind(), e.to_string())
+        },
+    );
     for (kind, msg) in results {
         assert_eq!(kind, ErrorKind::Mismatch, "{msg}");
     }

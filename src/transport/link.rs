@@ -18,6 +18,7 @@
 
 use super::channel::Channel;
 use super::doorbell::Doorbell;
+use super::frame::{FrameKind, Header};
 use super::media;
 use super::medium::{Medium, Pair};
 use super::mesh::{self, Dialed, MeshSpec, Verdict};
@@ -67,6 +68,10 @@ struct Shared {
     states: Vec<State>,
     /// Channels made (dialed or admitted) and not taken yet.
     arrived: Vec<(usize, Box<dyn Channel>)>,
+    /// This rank's failure report (see `frame::encode_failure`), once its
+    /// communicator failed: a peer that dials it after that is answered
+    /// with it instead of a connection nothing would ever use.
+    failure: Option<Vec<u8>>,
 }
 
 /// What both sides of every pair of one communicator share.
@@ -88,6 +93,7 @@ impl Links {
             shared: Mutex::new(Shared {
                 states: vec![State::Idle; spec.size],
                 arrived: Vec::new(),
+                failure: None,
             }),
             media,
             bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
@@ -198,6 +204,10 @@ impl Links {
             mesh::answer(&self.spec, Verdict::NotFromItsAddress, 0, &mut s);
             return;
         }
+        if let Some(report) = lock(&self.shared).failure.clone() {
+            mesh::answer_failed(&mut s, &report);
+            return;
+        }
         let verdict = {
             let mut sh = lock(&self.shared);
             let dialing_and_higher = sh.states[rank] == State::Dialing && self.spec.rank > rank;
@@ -218,6 +228,13 @@ impl Links {
             .and_then(|()| media::agree(&self.media, &self.pair(rank), s, false));
         let mut sh = lock(&self.shared);
         match agreed {
+            // The communicator failed meanwhile: nothing would read this
+            // channel; the peer gets the report on it, then its end.
+            Ok(mut chan) if sh.failure.is_some() => {
+                let report = sh.failure.as_deref().unwrap_or_default();
+                let header = Header::control(FrameKind::Failure, report.len()).encode();
+                let _ = chan.write2(&header, report);
+            }
             Ok(chan) => {
                 sh.arrived.push((rank, chan));
                 self.pending.store(true, Ordering::Release);
@@ -226,6 +243,11 @@ impl Links {
             // The dialer hears it as a lost connection.
             Err(_) => sh.states[rank] = State::Idle,
         }
+    }
+
+    /// Keeps this rank's failure report for the peers that dial it later.
+    pub fn failed(&self, report: Vec<u8>) {
+        lock(&self.shared).failure.get_or_insert(report);
     }
 
     /// Whether a channel may wait in `take_arrived` (one load).

@@ -47,6 +47,9 @@ pub enum Verdict {
     /// The hello names a rank, but the connection comes from another
     /// address than that rank's: a stranger on another host.
     NotFromItsAddress = 4,
+    /// This rank's communicator failed; its failure report follows (a
+    /// u32 length, then `frame::encode_failure`'s bytes).
+    Failed = 5,
 }
 
 fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
@@ -317,6 +320,23 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
     }
     match verdict[0] {
         v if v == Verdict::Welcome as u8 => Ok(Dialed::Welcomed(s)),
+        v if v == Verdict::Failed as u8 => {
+            let mut len = [0u8; 4];
+            let mut report = Vec::new();
+            let read = s.read_exact(&mut len).and_then(|()| {
+                let n = (u32::from_le_bytes(len) as usize).min(super::frame::FAILURE_MAX);
+                report.resize(n, 0);
+                s.read_exact(&mut report)
+            });
+            let (kind, _, text) = super::frame::decode_failure(&report);
+            Err(match read {
+                Ok(()) => Error::new(kind, text),
+                Err(_) => Error::new(
+                    ErrorKind::PeerLost,
+                    format!("rank {peer} failed (its report was cut short)"),
+                ),
+            })
+        }
         v if v == Verdict::NotFromItsAddress as u8 => Err(Error::new(
             ErrorKind::Auth,
             format!(
@@ -340,6 +360,14 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
             ),
         )),
     }
+}
+
+/// Answers a hello with this rank's failure report (see `Verdict::Failed`).
+pub fn answer_failed(s: &mut TcpStream, report: &[u8]) {
+    let mut b = vec![Verdict::Failed as u8];
+    b.extend_from_slice(&(report.len() as u32).to_le_bytes());
+    b.extend_from_slice(report);
+    let _ = s.write_all(&b);
 }
 
 /// Sends a verdict on a greeted connection; for a welcome, also the

@@ -27,25 +27,29 @@ impl StreamTransport {
         if self.failed.is_none() {
             self.failed = Some(err.clone());
         }
+        // Pass on a report heard from another rank as it was (every rank
+        // that hears it passes it on once, so it reaches the ranks its
+        // author could not tell before its peers exited).
+        let report = match (&self.heard, err.kind()) {
+            (Some(heard), _) => heard.clone(),
+            (None, ErrorKind::Aborted) => Error::new(
+                err.kind(),
+                format!("rank {} aborted the communicator", self.rank),
+            ),
+            (None, kind) => Error::new(
+                kind,
+                format!("rank {} failed: {}", self.rank, err.message()),
+            ),
+        };
+        let payload = frame::encode_failure(&report, &self.signal.lost_ranks());
+        // Peers that dial this rank from now on get it as their answer.
+        if let Some(links) = &self.links {
+            links.failed(payload.clone());
+        }
         if tell_peers && !self.notified {
             self.notified = true;
             // Peers that connected but were never needed hear it too.
             self.take_arrived();
-            // Pass on a report heard from another rank as it was (every
-            // rank that hears it passes it on once, so it reaches the
-            // ranks its author could not tell before its peers exited).
-            let report = match (&self.heard, err.kind()) {
-                (Some(heard), _) => heard.clone(),
-                (None, ErrorKind::Aborted) => Error::new(
-                    err.kind(),
-                    format!("rank {} aborted the communicator", self.rank),
-                ),
-                (None, kind) => Error::new(
-                    kind,
-                    format!("rank {} failed: {}", self.rank, err.message()),
-                ),
-            };
-            let payload = frame::encode_failure(&report, &self.signal.lost_ranks());
             let header = Header::control(FrameKind::Failure, payload.len()).encode();
             self.cut_tagged();
             for conn in self.conns.iter_mut().flatten() {
