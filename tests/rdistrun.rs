@@ -162,6 +162,13 @@ fn run(args: &[&str]) -> Finished {
     Launcher::start(args).finish()
 }
 
+/// `run` of rdistrun's options `args`, then `sh -c script`.
+fn run_sh(args: &[&str], script: &str) -> Finished {
+    let mut all = args.to_vec();
+    all.extend(["sh", "-c", script]);
+    run(&all)
+}
+
 /// Splits "[rank R] rest" into (R, rest).
 fn split_prefix(line: &str) -> (usize, &str) {
     let rest = line
@@ -301,7 +308,7 @@ fn success_prints_only_the_ranks_output() {
 #[test]
 fn output_is_prefixed_per_stream_and_final_lines_are_kept() {
     let script = "echo out; echo err >&2; printf 'no newline'";
-    let out = run(&["--nproc-per-node", "2", "sh", "-c", script]);
+    let out = run_sh(&["--nproc-per-node", "2"], script);
     assert_eq!(out.code(), Some(0));
     let mut stdout = out.stdout.clone();
     stdout.sort();
@@ -344,7 +351,7 @@ fn lines_of_different_ranks_never_interleave() {
 #[test]
 fn failing_rank_stops_the_others_with_its_exit_code() {
     let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30";
-    let out = run(&["--nproc-per-node", "3", "sh", "-c", script]);
+    let out = run_sh(&["--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     assert!(
         out.elapsed < Duration::from_secs(10),
@@ -364,7 +371,7 @@ fn failing_rank_stops_the_others_with_its_exit_code() {
 #[test]
 fn rank_killed_by_a_signal_gives_128_plus_signal() {
     let script = "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 30";
-    let out = run(&["--nproc-per-node", "2", "sh", "-c", script]);
+    let out = run_sh(&["--nproc-per-node", "2"], script);
     assert_eq!(out.code(), Some(128 + 9), "stderr: {}", out.stderr);
     assert!(
         out.elapsed < Duration::from_secs(10),
@@ -385,15 +392,7 @@ fn rank_killed_by_a_signal_gives_128_plus_signal() {
 fn ranks_ignoring_sigterm_are_killed_after_the_grace_period() {
     // Rank 1 waits so that the others have set up their trap before it fails.
     let script = "if [ \"$RANK\" = 1 ]; then sleep 1; exit 4; fi; trap '' TERM; sleep 30";
-    let out = run(&[
-        "--grace-s",
-        "0.5",
-        "--nproc-per-node",
-        "3",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let out = run_sh(&["--grace-s", "0.5", "--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(4), "stderr: {}", out.stderr);
     assert!(
         out.elapsed < Duration::from_secs(10),
@@ -754,7 +753,7 @@ fn survivors_report_rdist_errors_and_the_summary_quotes_each_rank() {
 #[test]
 fn after_a_failure_the_others_have_time_to_report() {
     let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 1; echo \"rank $RANK: late news\" >&2; exit 1";
-    let out = run(&["--nproc-per-node", "3", "sh", "-c", script]);
+    let out = run_sh(&["--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     assert!(
         out.elapsed < Duration::from_secs(3),
@@ -779,15 +778,7 @@ fn after_a_failure_the_others_have_time_to_report() {
 
     // With no report period the others are stopped at once, before they say
     // anything.
-    let out = run(&[
-        "--report-s",
-        "0",
-        "--nproc-per-node",
-        "3",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let out = run_sh(&["--report-s", "0", "--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     assert!(!out.stderr.contains("late news"), "{}", out.stderr);
     let messages = out.launcher_messages();
@@ -942,17 +933,17 @@ fn with_on_failure_continue_the_others_run_to_their_end() {
         1) echo "rank 1: fatal: lost my data" >&2; exit 3;;
         *) sleep 1; echo "rank $RANK done";;
     esac"#;
-    let out = run(&[
-        "--on-failure",
-        "continue",
-        "--report-s",
-        "0",
-        "--nproc-per-node",
-        "3",
-        "sh",
-        "-c",
+    let out = run_sh(
+        &[
+            "--on-failure",
+            "continue",
+            "--report-s",
+            "0",
+            "--nproc-per-node",
+            "3",
+        ],
         script,
-    ]);
+    );
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     for r in [0, 2] {
         assert!(
@@ -975,15 +966,7 @@ fn with_on_failure_continue_the_others_run_to_their_end() {
         "{messages:?}"
     );
     // The default still stops them.
-    let out = run(&[
-        "--report-s",
-        "0",
-        "--nproc-per-node",
-        "3",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let out = run_sh(&["--report-s", "0", "--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     assert!(
         !out.stdout.iter().any(|l| l.contains("done")),
@@ -1010,15 +993,7 @@ fn the_rank_that_failed_first_is_the_one_the_others_name() {
         1) sleep 0.3; kill -SEGV $$;;
         *) echo "worker starting" >&2; exec sleep 30;;
     esac"#;
-    let out = run(&[
-        "--report-s",
-        "1",
-        "--nproc-per-node",
-        "3",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let out = run_sh(&["--report-s", "1", "--nproc-per-node", "3"], script);
     assert_eq!(out.code(), Some(128 + 11), "stderr: {}", out.stderr);
     let messages = out.launcher_messages();
     assert!(
@@ -1042,15 +1017,7 @@ fn the_rank_that_failed_first_is_the_one_the_others_name() {
         0) echo "rank 0: mismatched calls: rank 0 called allreduce #3 but rank 1 called broadcast #3" >&2; exit 3;;
         *) sleep 0.2; echo "rank 1: rank 0 failed: mismatched calls" >&2; exit 1;;
     esac"#;
-    let out = run(&[
-        "--report-s",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let out = run_sh(&["--report-s", "1", "--nproc-per-node", "2"], script);
     assert_eq!(out.code(), Some(3), "stderr: {}", out.stderr);
     let messages = out.launcher_messages();
     assert!(

@@ -130,26 +130,33 @@ def _cuda_devices():
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
-@pytest.mark.parametrize("backend", ["rdist", "cpu:rdist,cuda:gloo", "cpu:rdist,cuda:nccl"])
-def test_torchrun_runs_an_unchanged_script(backend):
+def _torchrun(options, script, nproc, env, scratch, timeout):
+    """Runs torchrun with `options` on WORKERS/script (bounded) and returns
+    each rank's report from RESULT_DIR (= scratch)."""
     torchrun = Path(TORCH_PYTHON).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
+    command = [str(torchrun), "--nproc-per-node", str(nproc), *options,
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(WORKERS / script)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=scratch, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"torchrun did not finish in {timeout} s\n{expired.stdout}\n{expired.stderr}")
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("backend", ["rdist", "cpu:rdist,cuda:gloo", "cpu:rdist,cuda:nccl"])
+def test_torchrun_runs_an_unchanged_script(backend):
     if "nccl" in backend and _cuda_devices() == 0:
         pytest.skip("skipped: torch's NCCL backend needs a CUDA device")
     with tempfile.TemporaryDirectory(prefix="rdist-torchrun-") as scratch:
         _fake_install(scratch)
         env = child_env(BACKEND=backend, OMP_NUM_THREADS=1, RESULT_DIR=scratch)
         env["PYTHONPATH"] = os.pathsep.join([scratch, env["PYTHONPATH"]])
-        command = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                   "--master-port", str(free_port()), str(WORKERS / "torchrun_script.py")]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120,
-                                  cwd=scratch, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"torchrun did not finish in 120 s\n{expired.stdout}\n{expired.stderr}")
-        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        reports = [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(2)]
+        reports = _torchrun([], "torchrun_script.py", 2, env, scratch, 120)
     for report in reports:
         assert report["sum"] == [3.0, 3.0, 3.0]
         assert report["gathered"] == [0.0, 1.0]
@@ -160,21 +167,9 @@ def test_torchrun_restarts_a_job_that_lost_a_rank_and_rdist_meets_again():
     """torchrun --max-restarts 2: rank 1 is killed on the first attempt; the
     restarted ranks meet through rdist (env://) on the agent's store, and
     the first attempt's keys there never confuse the second's."""
-    torchrun = Path(TORCH_PYTHON).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
     with tempfile.TemporaryDirectory(prefix="rdist-elastic-") as scratch:
         env = child_env(OMP_NUM_THREADS=1, RESULT_DIR=scratch)
-        command = [str(torchrun), "--nproc-per-node", "3", "--max-restarts", "2",
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                   str(WORKERS / "torchrun_elastic.py")]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
-                                  cwd=scratch, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"torchrun did not finish in 180 s\n{expired.stdout}\n{expired.stderr}")
-        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        reports = [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(3)]
+        reports = _torchrun(["--max-restarts", "2"], "torchrun_elastic.py", 3, env, scratch, 180)
     for report in reports:
         assert report["attempt"] == 1, report
         assert report["sum"] == [6.0] * 4, report
@@ -184,20 +179,9 @@ def test_torchrun_restarts_a_job_that_lost_a_rank_and_rdist_meets_again():
 def test_torchrun_ddp_equals_gloo_beside_rdists_own_communicator(nproc):
     """DDP under torchrun equal to gloo's, and in the same processes an
     rdist communicator made through env:// (joining torchrun's store)."""
-    torchrun = Path(TORCH_PYTHON).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
     with tempfile.TemporaryDirectory(prefix="rdist-torchrun-") as scratch:
         env = child_env(OMP_NUM_THREADS=1, RESULT_DIR=scratch)
-        command = [str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                   "--master-port", str(free_port()), str(WORKERS / "torchrun_train.py")]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240,
-                                  cwd=scratch, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"torchrun did not finish in 240 s\n{expired.stdout}\n{expired.stderr}")
-        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        reports = [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(nproc)]
+        reports = _torchrun([], "torchrun_train.py", nproc, env, scratch, 240)
     total = float(sum(range(1, nproc + 1)))
     for r, report in enumerate(reports):
         if nproc == 2:  # one addition per element: the same order as gloo's
