@@ -39,7 +39,7 @@ thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
 }
 
-pub(crate) fn set_last_error(text: String) {
+fn set_last_error(text: String) {
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
 }
@@ -85,6 +85,16 @@ pub(crate) fn boundary(
             ));
             rdist_result_t::RDIST_ERR_INTERNAL
         }
+    }
+}
+
+/// The panic boundary of a call that frees a handle and returns nothing
+/// (`rdist_request_free`, `rdist_options_destroy`): unlike `boundary` it
+/// leaves the last error alone (freeing right after a failed call must not
+/// erase why it failed), and sets it only when the handle was freed before.
+pub(crate) fn free_quietly(func: &str, free: impl FnOnce() -> Result<()>) {
+    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(free)) {
+        set_last_error(format!("{func}: {}", e.message()));
     }
 }
 

@@ -58,12 +58,5 @@ pub extern "C" fn rdist_options_set(
 /// keep their own copy.
 #[no_mangle]
 pub extern "C" fn rdist_options_destroy(opts: *mut rdist_options_t) {
-    // No result to return: a second destroy is only told in
-    // rdist_last_error(). Not through `boundary`: destroying the options
-    // right after the call that used them must not clear that call's
-    // error.
-    let destroyed = std::panic::catch_unwind(|| handles::retire(opts, "opts"));
-    if let Ok(Err(e)) = destroyed {
-        super::set_last_error(format!("rdist_options_destroy: {}", e.message()));
-    }
+    super::free_quietly("rdist_options_destroy", || handles::retire(opts, "opts"));
 }

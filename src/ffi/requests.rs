@@ -33,20 +33,11 @@ pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdi
 /// Frees a request, waiting first if it is still in flight. NULL is a no-op.
 #[no_mangle]
 pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
-    // No result to return: a request freed twice is only told in
-    // rdist_last_error(). Not through `boundary`: this is every
-    // non-blocking call's last step, and clears no earlier error.
-    if req.is_null() {
-        return;
-    }
-    let freed = std::panic::catch_unwind(|| {
+    super::free_quietly("rdist_request_free", || {
         handles::retire_after(req, "req", |r| {
             let _ = r.req.wait();
         })
     });
-    if let Ok(Err(e)) = freed {
-        super::set_last_error(format!("rdist_request_free: {}", e.message()));
-    }
 }
 
 /// The status of a completed receive: who sent it, its tag, and how many
