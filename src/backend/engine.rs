@@ -54,6 +54,8 @@ pub(crate) struct Engine {
     ledger: Arc<Ledger>,
     /// Tagged messages on host memory.
     messages: Arc<Messages>,
+    /// What it was made with (a shrink makes NCCL's side again with them).
+    options: Options,
 }
 
 /// Ends a communicator's work without its engine's lock, which a call
@@ -134,6 +136,7 @@ impl Engine {
             staging: StagingPool::default(),
             ledger,
             messages,
+            options: options.clone(),
         })
     }
 
@@ -360,8 +363,56 @@ impl Engine {
                 staging: StagingPool::default(),
                 ledger,
                 messages,
+                options: self.options.clone(),
             },
         )))
+    }
+
+    /// A communicator of the survivors (see `Comm::shrink`): every rank
+    /// of this one but `exclude` and the failed, agreed among them. The
+    /// NCCL side is made anew among the survivors (the parent's may be
+    /// broken), as at init.
+    pub(crate) fn shrink(&mut self, exclude: &[usize], timeout: Duration) -> Result<(usize, Engine)> {
+        let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
+        let (rank, mut socket) =
+            self.socket
+                .shrink(exclude, self.signal.lost_ranks(), signal.clone(), timeout)?;
+        let size = socket.roster().addrs.len();
+        let local_rank = socket.roster().local_rank(rank);
+        let ledger = Arc::new(Ledger::new(size, None));
+        let mut options = self.options.clone();
+        options.timeout = timeout;
+        let nccl = match self.nccl.is_some() {
+            true => super::nccl::establish(
+                &mut |call: &Call| {
+                    let seq = ledger.number(call);
+                    // SAFETY: establish passes calls on its own live buffers.
+                    unsafe { socket.run(call, seq) }
+                },
+                &options,
+                rank,
+                size,
+                local_rank,
+                false,
+            )?,
+            false => None,
+        };
+        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
+        Ok((
+            rank,
+            Engine {
+                rank,
+                timeout,
+                signal,
+                socket,
+                nccl,
+                cuda: self.cuda,
+                staging: StagingPool::default(),
+                ledger,
+                messages,
+                options,
+            },
+        ))
     }
 
     /// Tells the peers this rank aborted and makes the running call end.

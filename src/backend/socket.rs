@@ -13,6 +13,7 @@ use crate::transport::endpoint::{Endpoint, EndpointSpec};
 use crate::transport::media;
 use crate::transport::medium::Wanted;
 use crate::transport::membership::{hosts, split, Placement, Roster};
+use crate::transport::shrink::{self, Want};
 use crate::transport::mesh::MeshSpec;
 use crate::transport::signal::AbortSignal;
 use crate::transport::stream::Tuning;
@@ -398,5 +399,43 @@ impl SocketBackend {
         let child =
             SocketBackend::connect(new_rank, roster, &listener, signal, self.settings.clone())?;
         Ok(Some((new_rank, child)))
+    }
+
+    /// A communicator of this one's ranks but `exclude` and those that
+    /// failed, agreed among the survivors over fresh connections (see
+    /// `transport::shrink`), whatever state this one is in. `failed`: the
+    /// ranks this rank knows failed. Returns the new rank and backend.
+    pub fn shrink(
+        &self,
+        exclude: &[usize],
+        failed: Vec<usize>,
+        signal: Arc<AbortSignal>,
+        timeout: Duration,
+    ) -> Result<(usize, SocketBackend)> {
+        let ip = self.roster.addrs[self.rank].ip();
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| {
+            Error::system(format!("binding a listener on {ip} for comm_shrink"), &e)
+        })?;
+        crate::transport::mesh::widen_backlog(&listener, self.size);
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::system("local_addr", &e))?
+            .port();
+        let links = self.endpoint.links();
+        let want = Want {
+            exclude,
+            failed,
+            port,
+        };
+        let decision = shrink::agree(&links.inbox, &links.spec, want, timeout)?;
+        let (new_rank, roster) = decision
+            .child(&self.roster, self.rank)
+            .ok_or_else(|| Error::internal("a shrink's decision left its own rank out"))?;
+        let settings = Settings {
+            timeout,
+            ..self.settings.clone()
+        };
+        let child = SocketBackend::connect(new_rank, roster, &listener, signal, settings)?;
+        Ok((new_rank, child))
     }
 }

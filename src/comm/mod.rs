@@ -372,6 +372,72 @@ impl Comm {
         )))
     }
 
+    /// A new communicator of this one's ranks but `exclude` and those that
+    /// failed (NCCL's ncclCommShrink, ULFM's MPIX_Comm_shrink). Every rank
+    /// that stays calls it; excluded and failed ranks do not. With an
+    /// empty `exclude`, the survivors agree among themselves which ranks
+    /// failed, whatever each had noticed, and leave exactly those out.
+    /// The new ranks keep the old order. Works on a communicator that
+    /// failed or was aborted; this one stays as it was (split, destroy and
+    /// abort still work on it). `abort_first` (RDIST_SHRINK_ABORT) aborts
+    /// this communicator first, ending its calls in flight here and on
+    /// every rank it reaches; otherwise its queued calls finish first.
+    /// `opts`: None keeps this communicator's settings; otherwise their
+    /// timeout bounds the shrink and the new communicator's calls (the
+    /// other settings are this one's).
+    pub fn shrink(
+        &self,
+        exclude: &[usize],
+        abort_first: bool,
+        opts: Option<&Options>,
+    ) -> Result<Comm> {
+        self.birth.check()?;
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "rdist_comm_shrink cannot be called inside a group",
+            ));
+        }
+        let mut seen = vec![false; self.size];
+        for &r in exclude {
+            if r >= self.size {
+                return Err(Error::invalid_argument(format!(
+                    "exclude_ranks names rank {r}, but the communicator has ranks 0..{}",
+                    self.size
+                )));
+            }
+            if r == self.rank {
+                return Err(Error::invalid_argument(format!(
+                    "rank {r} excludes itself: ranks that leave do not call rdist_comm_shrink"
+                )));
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(Error::invalid_argument(format!(
+                    "exclude_ranks names rank {r} twice"
+                )));
+            }
+        }
+        if abort_first {
+            self.runner.abort();
+        }
+        // Queued calls end first (at once on a failed communicator).
+        self.runner.drain("rdist_comm_shrink")?;
+        let timeout = match opts {
+            Some(o) => o.with_env()?.timeout,
+            None => self.runner.timeout(),
+        };
+        let (rank, engine) = self.runner.engine().shrink(exclude, timeout)?;
+        let size = engine.roster().addrs.len();
+        let local_rank = engine.roster().local_rank(rank);
+        Ok(Comm::with_engine(
+            rank,
+            size,
+            local_rank,
+            timeout,
+            engine,
+            None,
+        ))
+    }
+
     /// Makes pending and future calls fail with `Aborted` here and on every
     /// rank that can still be reached. Callable from any thread.
     pub fn abort(&self) {

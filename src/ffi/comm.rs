@@ -1,4 +1,4 @@
-//! Communicator creation, queries, split, abort and destroy.
+//! Communicator creation, queries, split, shrink, abort and destroy.
 
 use super::options::c_str;
 use super::types::*;
@@ -163,6 +163,69 @@ pub extern "C" fn rdist_comm_split(
             Some(child) => publish(out, child),
             None => write_out(out, "out", std::ptr::null_mut()),
         }
+    })
+}
+
+/// A new communicator of `comm`'s ranks but the `exclude_count` ranks of
+/// `exclude_ranks` and those that failed (NCCL's ncclCommShrink, with
+/// agreement). Every rank that stays calls it; excluded and failed ranks
+/// do not. With `exclude_ranks` NULL and `exclude_count` 0 the survivors
+/// agree which ranks failed, whatever each had noticed, and leave exactly
+/// those out; the new ranks keep the old order. Works on a communicator
+/// that failed or was aborted, which stays usable for split, abort and
+/// destroy. `opts` NULL keeps `comm`'s settings; otherwise its timeout
+/// bounds the shrink and the new communicator. `flags`:
+/// RDIST_SHRINK_DEFAULT (queued calls finish first) or RDIST_SHRINK_ABORT
+/// (abort `comm` first, ending its calls in flight). On failure *out is
+/// left unchanged. Since 0.2.
+#[no_mangle]
+pub extern "C" fn rdist_comm_shrink(
+    comm: *mut rdist_comm_t,
+    exclude_ranks: *const c_int,
+    exclude_count: c_int,
+    out: *mut *mut rdist_comm_t,
+    opts: *const rdist_options_t,
+    flags: c_int,
+) -> rdist_result_t {
+    let rank = rank_of(comm);
+    boundary("rdist_comm_shrink", rank, || {
+        let c = handle(comm, "comm")?;
+        check_out(out, "out")?;
+        if exclude_count < 0 {
+            return Err(Error::invalid_argument(format!(
+                "exclude_count {exclude_count} is negative"
+            )));
+        }
+        if exclude_count > 0 && exclude_ranks.is_null() {
+            return Err(Error::invalid_argument(format!(
+                "exclude_ranks is NULL but exclude_count is {exclude_count}"
+            )));
+        }
+        let abort_first = match flags {
+            RDIST_SHRINK_DEFAULT => false,
+            RDIST_SHRINK_ABORT => true,
+            other => {
+                return Err(Error::invalid_argument(format!(
+                    "flags {other} is not RDIST_SHRINK_DEFAULT (0) or RDIST_SHRINK_ABORT (1)"
+                )))
+            }
+        };
+        let exclude: Vec<usize> = (0..exclude_count as usize)
+            .map(|i| {
+                // SAFETY: exclude_ranks holds exclude_count ints (the
+                // contract), and i < exclude_count.
+                let r = unsafe { exclude_ranks.add(i).read() };
+                usize::try_from(r).map_err(|_| {
+                    Error::invalid_argument(format!("exclude_ranks[{i}] is {r}, a negative rank"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let opts = match opts.is_null() {
+            true => None,
+            false => Some(options_of(opts)?),
+        };
+        let child = c.comm.shrink(&exclude, abort_first, opts.as_ref())?;
+        publish(out, child)
     })
 }
 

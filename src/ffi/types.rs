@@ -142,6 +142,14 @@ pub struct rdist_unique_id_t {
 /// communicator.
 pub const RDIST_SPLIT_NOCOLOR: c_int = -1;
 
+/// rdist_comm_shrink() flags (NCCL's values): queued calls on the parent
+/// finish first.
+pub const RDIST_SHRINK_DEFAULT: c_int = 0;
+
+/// rdist_comm_shrink() flags: abort the parent first, ending its calls in
+/// flight here and on every rank it reaches.
+pub const RDIST_SHRINK_ABORT: c_int = 1;
+
 /// As peer of a tagged receive: a message from any rank (since 0.2).
 pub const RDIST_ANY_SOURCE: c_int = -1;
 

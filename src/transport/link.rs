@@ -22,6 +22,7 @@ use super::frame::{FrameKind, Header};
 use super::media;
 use super::medium::{Medium, Pair};
 use super::mesh::{self, Dialed, MeshSpec, Verdict};
+use super::shrink::{self, Inbox};
 use super::signal::Wake;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::sync::lock;
@@ -85,6 +86,8 @@ pub struct Links {
     /// Set while `arrived` may hold something (looked at without the lock
     /// on every pass of a waiting caller).
     pending: AtomicBool,
+    /// Ballots of a shrink of this communicator (see `shrink`).
+    pub inbox: Inbox,
 }
 
 impl Links {
@@ -98,6 +101,7 @@ impl Links {
             media,
             bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
             pending: AtomicBool::new(false),
+            inbox: Inbox::new()?,
             spec,
         })
     }
@@ -193,6 +197,11 @@ impl Links {
     /// Blocking for a pair of this host (its agreement is three short
     /// messages with a dialer that is in it already), bounded.
     pub fn admit(&self, hello: &[u8; mesh::HELLO_BYTES], mut s: TcpStream) {
+        // A shrink's connection, whether or not this communicator failed.
+        if shrink::is_shrink_hello(hello) {
+            shrink::admit(&self.inbox, &self.spec, hello, s);
+            return;
+        }
         let rank = match mesh::judge(&self.spec, hello) {
             Ok(rank) => rank,
             Err(verdict) => {

@@ -21,6 +21,7 @@ pub mod membership;
 pub mod mesh;
 mod service;
 pub mod shm;
+pub mod shrink;
 pub mod signal;
 pub mod stream;
 pub mod tagged;

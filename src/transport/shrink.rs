@@ -1,0 +1,584 @@
+//! The survivors' agreement at a shrink: which ranks of a communicator
+//! go on, the same answer on every survivor whatever each had noticed,
+//! whichever rank died (the store's host too), over fresh connections to
+//! the parent's listeners (the parent's own connections may be broken,
+//! and a failed parent refuses its peers).
+//!
+//! Every survivor dials the lowest rank it does not know to be out (failed
+//! or excluded) with a shrink hello and its ballot (`survivors::Ballot`).
+//! That rank, if it believes itself the lowest, coordinates: it counts
+//! the ballots, probes the ranks it has no ballot from (a refused dial is
+//! a dead process; an answer, a rank yet to call shrink), and once every
+//! rank is counted, failed or excluded it answers every ballot with the
+//! decision. A rank that is not coordinating answers a ballot with the
+//! rank it asks itself (its senders ask that one). When the coordinator
+//! dies its ballots' senders see the connection end and ask the next
+//! lowest, which coordinates in turn. Every rank that has the decision
+//! keeps it in its `Inbox`, and its endpoint's thread answers late ballots
+//! with it, whether or not the rank is still in its shrink call.
+
+use super::greeting::{self, Refusal, HELLO_AUTH_FLAG, HELLO_BYTES};
+use super::membership::survivors::{Answer, Ballot, Decision, Tally};
+use super::mesh::{self, MeshSpec};
+use super::signal::Wake;
+use crate::error::{Error, ErrorKind, Result};
+use crate::log;
+use crate::options::LogLevel;
+use crate::sync::lock;
+use std::collections::BTreeSet;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const SHRINK_MAGIC: u32 = 0x5244_5331; // "RDS1"
+
+/// Byte 36 of a shrink hello: what the dialer wants.
+const PURPOSE: usize = 36;
+/// A ballot follows; the answer comes when the shrink is decided.
+const BALLOT: u8 = 1;
+/// Is this rank's process alive? Answered `ALIVE` at once.
+const PROBE: u8 = 2;
+const ALIVE: u8 = 0x21;
+/// Bytes 38..40: the shrink's number (the epoch) on this communicator.
+const EPOCH: usize = 38;
+
+/// How long a probe may take: a live rank's endpoint thread answers at
+/// once, a dead process's address refuses; no answer by then (a stopped
+/// process, a vanished host) counts as failed.
+const PROBE_LIMIT: Duration = Duration::from_secs(3);
+/// Probes run at most this many at once.
+const PROBES_AT_ONCE: usize = 64;
+
+/// A ballot that reached this rank: its sender waits for an answer.
+struct Caller {
+    rank: usize,
+    epoch: u16,
+    stream: TcpStream,
+}
+
+struct State {
+    /// The number of this rank's latest shrink of the communicator.
+    epoch: u16,
+    waiting: Vec<Caller>,
+    /// The latest shrink's answer, once known: late ballots get it.
+    settled: Option<(u16, Vec<u8>)>,
+}
+
+/// Where ballots for this rank wait (one per communicator, beside its
+/// links), filled by the endpoint's thread.
+pub struct Inbox {
+    state: Mutex<State>,
+    bell: Wake,
+}
+
+impl Inbox {
+    pub fn new() -> Result<Inbox> {
+        Ok(Inbox {
+            state: Mutex::new(State {
+                epoch: 0,
+                waiting: Vec::new(),
+                settled: None,
+            }),
+            bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
+        })
+    }
+
+    fn next_epoch(&self) -> u16 {
+        let mut st = lock(&self.state);
+        st.epoch = st.epoch.wrapping_add(1);
+        st.epoch
+    }
+
+    fn take(&self) -> Vec<Caller> {
+        self.bell.drain();
+        std::mem::take(&mut lock(&self.state).waiting)
+    }
+
+    /// Keeps the answer of shrink `epoch` and gives it to every ballot
+    /// waiting for it.
+    fn settle(&self, epoch: u16, answer: &Answer, me: usize) {
+        let bytes = answer.encode();
+        let waiting = {
+            let mut st = lock(&self.state);
+            st.settled = Some((epoch, bytes.clone()));
+            std::mem::take(&mut st.waiting)
+        };
+        for mut c in waiting {
+            reply(&mut c, epoch, &bytes, me);
+        }
+    }
+}
+
+/// Answers a waiting ballot with `bytes` if it is of shrink `epoch`, else
+/// says the two ranks are at different shrinks.
+fn reply(c: &mut Caller, epoch: u16, bytes: &[u8], me: usize) {
+    let _ = c.stream.set_write_timeout(Some(Duration::from_secs(1)));
+    if c.epoch == epoch {
+        let _ = write_frame(&mut c.stream, bytes);
+        return;
+    }
+    let why = Answer::Refused(format!(
+        "rank {} is at shrink #{} of this communicator and rank {me} at #{epoch}: every remaining rank must call rdist_comm_shrink as often",
+        c.rank, c.epoch
+    ));
+    let _ = write_frame(&mut c.stream, &why.encode());
+}
+
+/// Whether a greeted hello is a shrink's rather than a pair's.
+pub fn is_shrink_hello(hello: &[u8; HELLO_BYTES]) -> bool {
+    hello[0..4] == SHRINK_MAGIC.to_le_bytes()
+}
+
+fn hello(spec: &MeshSpec, purpose: u8, epoch: u16) -> [u8; HELLO_BYTES] {
+    let mut b = [0u8; HELLO_BYTES];
+    b[0..4].copy_from_slice(&SHRINK_MAGIC.to_le_bytes());
+    b[4..20].copy_from_slice(&spec.job);
+    b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
+    b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
+    b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
+    b[PURPOSE] = purpose;
+    debug_assert_eq!(HELLO_AUTH_FLAG, 37);
+    b[EPOCH..EPOCH + 2].copy_from_slice(&epoch.to_le_bytes());
+    b
+}
+
+/// The endpoint thread's part, for a greeted shrink hello: a probe is
+/// answered at once, a ballot waits in the inbox (or gets the settled
+/// answer). Never blocks long.
+pub fn admit(inbox: &Inbox, spec: &MeshSpec, b: &[u8; HELLO_BYTES], mut s: TcpStream) {
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
+    let rank = u32_at(28);
+    let ours = b[4..20] == spec.job
+        && b[20..28] == spec.comm_id.to_le_bytes()
+        && u32_at(32) == spec.size
+        && rank < spec.size
+        && rank != spec.rank;
+    if !ours || !mesh::came_from(spec, rank, &s) {
+        return;
+    }
+    let epoch = u16::from_le_bytes([b[EPOCH], b[EPOCH + 1]]);
+    match b[PURPOSE] {
+        PROBE => {
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = s.write_all(&[ALIVE]);
+        }
+        BALLOT => {
+            let mut c = Caller {
+                rank,
+                epoch,
+                stream: s,
+            };
+            let mut st = lock(&inbox.state);
+            if let Some((settled, bytes)) = &st.settled {
+                if *settled == epoch {
+                    let bytes = bytes.clone();
+                    drop(st);
+                    reply(&mut c, epoch, &bytes, spec.rank);
+                    return;
+                }
+            }
+            st.waiting.push(c);
+            inbox.bell.ring();
+        }
+        _ => {}
+    }
+}
+
+fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> io::Result<()> {
+    let mut b = Vec::with_capacity(4 + bytes.len());
+    b.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    b.extend_from_slice(bytes);
+    s.write_all(&b)
+}
+
+/// Reads one length-prefixed message of at most `limit` bytes (blocking,
+/// bounded by the stream's read timeout).
+fn read_frame(s: &mut TcpStream, limit: usize) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a shrink message of {n} bytes"),
+        ));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// Most bytes a ballot or an answer of a world of `size` takes.
+fn frame_limit(size: usize) -> usize {
+    64 + 8 * size + 1024
+}
+
+/// Why a dial to another rank got nowhere.
+enum Unreached {
+    /// Its process is gone (refused, reset, closed) or never answered.
+    Gone,
+    /// It refused this rank's token.
+    Auth(Error),
+}
+
+/// Dials `peer`'s listener with a shrink hello, bounded by `deadline`.
+fn dial(
+    spec: &MeshSpec,
+    peer: usize,
+    purpose: u8,
+    epoch: u16,
+    deadline: Instant,
+) -> std::result::Result<TcpStream, Unreached> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(Unreached::Gone);
+    }
+    let mut s = mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left)
+        .map_err(|_| Unreached::Gone)?;
+    let _ = s.set_nodelay(true);
+    let hello = hello(spec, purpose, epoch);
+    greeting::introduce(&mut s, &hello, spec.token.as_ref(), deadline).map_err(|e| match e {
+        Refusal::Auth(why) => Unreached::Auth(Error::new(
+            ErrorKind::Auth,
+            format!(
+                "rank {} cannot reach rank {peer} for rdist_comm_shrink: {why}",
+                spec.rank
+            ),
+        )),
+        Refusal::Io(_) => Unreached::Gone,
+    })?;
+    Ok(s)
+}
+
+/// Whether `peer`'s process answers a probe.
+fn alive(spec: &MeshSpec, peer: usize, epoch: u16, deadline: Instant) -> bool {
+    let deadline = deadline.min(Instant::now() + PROBE_LIMIT);
+    let Ok(mut s) = dial(spec, peer, PROBE, epoch, deadline) else {
+        return false;
+    };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    let mut b = [0u8; 1];
+    s.set_read_timeout(Some(left)).is_ok() && s.read_exact(&mut b).is_ok() && b[0] == ALIVE
+}
+
+/// The ranks of `ranks` that do not answer a probe.
+fn unanswered(spec: &MeshSpec, ranks: &[usize], epoch: u16, deadline: Instant) -> Vec<usize> {
+    let mut out = Vec::new();
+    for chunk in ranks.chunks(PROBES_AT_ONCE) {
+        std::thread::scope(|scope| {
+            let probes: Vec<_> = chunk
+                .iter()
+                .map(|&r| (r, scope.spawn(move || alive(spec, r, epoch, deadline))))
+                .collect();
+            for (r, p) in probes {
+                if !p.join().unwrap_or(false) {
+                    out.push(r);
+                }
+            }
+        });
+    }
+    out
+}
+
+/// Polls `fds` for input (or their end) up to `wait`.
+fn wait_for(fds: &[i32], wait: Duration) {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = wait.as_millis().clamp(1, 1000) as libc::c_int;
+    // SAFETY: a live array of pollfd.
+    unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+}
+
+/// Whether the other end of a connection that sends nothing closed it.
+fn ended(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: peeks one byte into a live buffer, without blocking.
+    let n = unsafe {
+        libc::recv(
+            s.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n == 0 {
+        return true;
+    }
+    n < 0 && {
+        let e = io::Error::last_os_error();
+        !matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        )
+    }
+}
+
+/// What this rank brings to a shrink.
+pub struct Want<'a> {
+    /// The ranks its caller leaves out (none: only the failed ones).
+    pub exclude: &'a [usize],
+    /// The ranks it knows failed.
+    pub failed: Vec<usize>,
+    /// The port it listens on for the new communicator.
+    pub port: u16,
+}
+
+/// Runs this rank's part of a shrink of the communicator `spec`
+/// describes; returns the decision (which names this rank), bounded by
+/// `timeout`.
+pub fn agree(inbox: &Inbox, spec: &MeshSpec, want: Want<'_>, timeout: Duration) -> Result<Decision> {
+    let started = Instant::now();
+    let deadline = started + timeout;
+    let me = spec.rank;
+    let epoch = inbox.next_epoch();
+    let mut exclude = want.exclude.to_vec();
+    exclude.sort_unstable();
+    exclude.dedup();
+    let ballot = Ballot {
+        epoch,
+        port: want.port,
+        exclude: exclude.clone(),
+        failed: want.failed.clone(),
+    };
+    // The ranks this rank believes out: it asks the lowest of the others.
+    let mut out: BTreeSet<usize> = exclude.iter().chain(&want.failed).copied().collect();
+    out.remove(&me);
+    let mut ask: Option<usize> = None;
+    loop {
+        if Instant::now() >= deadline {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "rank {me}'s rdist_comm_shrink timed out after {:.1} s waiting for the lowest remaining rank's decision (ranks believed out: {:?})",
+                    timeout.as_secs_f64(),
+                    out
+                ),
+            ));
+        }
+        let lowest = (0..spec.size)
+            .find(|r| !out.contains(r))
+            .expect("this rank is never out");
+        let c = ask.take().unwrap_or(lowest);
+        if c == me {
+            return coordinate(inbox, spec, &ballot, deadline, timeout);
+        }
+        match ask_rank(inbox, spec, c, &ballot, deadline)? {
+            Some(Answer::Decided(d)) => {
+                inbox.settle(epoch, &Answer::Decided(d.clone()), me);
+                if d.members.iter().all(|(r, _)| *r != me) {
+                    return Err(left_out(me, c));
+                }
+                return Ok(d);
+            }
+            Some(Answer::Refused(why)) => {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    format!("rdist_comm_shrink on rank {me}: {why}"),
+                ))
+            }
+            Some(Answer::AskRank(x)) => {
+                // A rank this one believes out, or a loop: the rank that
+                // said so will see it soon; meanwhile, not too often.
+                if out.contains(&x) || x == c || x == me {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                if x != me {
+                    ask = Some(x);
+                }
+            }
+            None => {
+                out.insert(c);
+            }
+        }
+    }
+}
+
+fn left_out(me: usize, by: usize) -> Error {
+    Error::new(
+        ErrorKind::PeerLost,
+        format!(
+            "rank {by}'s rdist_comm_shrink decided without rank {me}: it was believed failed, or called rdist_comm_shrink after the others had waited for it until their timeout"
+        ),
+    )
+}
+
+/// Sends the ballot to rank `c` and waits for its answer, answering the
+/// ballots that reach this rank meanwhile with "ask rank c". None: `c` is
+/// gone.
+fn ask_rank(
+    inbox: &Inbox,
+    spec: &MeshSpec,
+    c: usize,
+    ballot: &Ballot,
+    deadline: Instant,
+) -> Result<Option<Answer>> {
+    let mut s = match dial(spec, c, BALLOT, ballot.epoch, deadline) {
+        Ok(s) => s,
+        Err(Unreached::Gone) => return Ok(None),
+        Err(Unreached::Auth(e)) => return Err(e),
+    };
+    if write_frame(&mut s, &ballot.encode()).is_err() {
+        return Ok(None);
+    }
+    let redirect = Answer::AskRank(c).encode();
+    loop {
+        for mut caller in inbox.take() {
+            reply(&mut caller, ballot.epoch, &redirect, spec.rank);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "rank {}'s rdist_comm_shrink timed out waiting for rank {c}'s decision (is rank {c} stopped, or did it not call rdist_comm_shrink?)",
+                    spec.rank
+                ),
+            ));
+        }
+        wait_for(&[s.as_raw_fd(), inbox.bell.fd()], left);
+        let mut pfd = libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd, no wait.
+        if unsafe { libc::poll(&mut pfd, 1, 0) } <= 0 {
+            continue;
+        }
+        // An answer is written whole: it arrives at once once it starts.
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        return Ok(read_frame(&mut s, frame_limit(spec.size))
+            .ok()
+            .and_then(|b| Answer::decode(&b, spec.size)));
+    }
+}
+
+/// This rank is the lowest it believes alive: it counts the ballots until
+/// every rank is counted, failed or excluded, then answers them all.
+fn coordinate(
+    inbox: &Inbox,
+    spec: &MeshSpec,
+    ballot: &Ballot,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Decision> {
+    let me = spec.rank;
+    let epoch = ballot.epoch;
+    let mut tally = Tally::new(spec.size, me, ballot);
+    let mut held: Vec<(usize, TcpStream)> = Vec::new();
+    // Ballots still under way when the reporters give up are left out a
+    // little before their deadline, so that they hear the decision.
+    let give_up = deadline - (timeout / 10).min(Duration::from_secs(2));
+    let mut next_probe = Instant::now();
+    let mut probe_every = Duration::from_millis(20);
+    loop {
+        for mut caller in inbox.take() {
+            if caller.epoch != epoch {
+                reply(&mut caller, epoch, &[], me);
+                continue;
+            }
+            let _ = caller
+                .stream
+                .set_read_timeout(Some(Duration::from_secs(2)));
+            match read_frame(&mut caller.stream, frame_limit(spec.size))
+                .ok()
+                .and_then(|b| Ballot::decode(&b, spec.size))
+            {
+                Some(b) if b.epoch == epoch => {
+                    tally.count(caller.rank, &b);
+                    held.retain(|(r, _)| *r != caller.rank);
+                    held.push((caller.rank, caller.stream));
+                }
+                _ => tally.lost(caller.rank),
+            }
+        }
+        // A member that died after its ballot is out again.
+        held.retain(|(r, s)| {
+            let gone = ended(s);
+            if gone {
+                tally.lost(*r);
+            }
+            !gone
+        });
+        let undecided = tally.undecided();
+        if undecided.is_empty() {
+            break;
+        }
+        let now = Instant::now();
+        if now >= give_up {
+            log::emit(
+                LogLevel::Warn,
+                Some(me),
+                &format!("rdist_comm_shrink: ranks {undecided:?} sent no ballot within the timeout and are left out"),
+            );
+            for r in undecided {
+                tally.lost(r);
+            }
+            continue;
+        }
+        if now >= next_probe {
+            for r in unanswered(spec, &undecided, epoch, give_up) {
+                tally.lost(r);
+            }
+            next_probe = Instant::now() + probe_every;
+            probe_every = (probe_every * 2).min(Duration::from_millis(500));
+            continue;
+        }
+        let mut fds: Vec<i32> = held.iter().map(|(_, s)| s.as_raw_fd()).collect();
+        fds.push(inbox.bell.fd());
+        wait_for(&fds, next_probe.min(give_up).saturating_duration_since(now));
+    }
+    let answer = tally.decide(spec.comm_id);
+    inbox.settle(epoch, &answer, me);
+    let bytes = answer.encode();
+    for (_, s) in &mut held {
+        let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+        let _ = write_frame(s, &bytes);
+    }
+    match answer {
+        Answer::Decided(d) => Ok(d),
+        Answer::Refused(why) => Err(Error::new(
+            ErrorKind::Mismatch,
+            format!("rdist_comm_shrink on rank {me}: {why}"),
+        )),
+        Answer::AskRank(_) => Err(Error::internal("a coordinator asked another rank")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shrink_hello_is_told_apart_and_carries_purpose_and_epoch() {
+        let spec = MeshSpec {
+            rank: 2,
+            size: 4,
+            addrs: (0..4)
+                .map(|r| format!("127.0.0.1:{}", 1000 + r).parse().unwrap())
+                .collect(),
+            job: [5; 16],
+            comm_id: 77,
+            token: None,
+            far: vec![false; 4].into(),
+        };
+        let h = hello(&spec, BALLOT, 513);
+        assert!(is_shrink_hello(&h));
+        assert_eq!(h[PURPOSE], BALLOT);
+        assert_eq!(h[HELLO_AUTH_FLAG], 0);
+        assert_eq!(u16::from_le_bytes([h[EPOCH], h[EPOCH + 1]]), 513);
+        let mut pair = h;
+        pair[0..4].copy_from_slice(&0x5244_4831u32.to_le_bytes());
+        assert!(!is_shrink_hello(&pair));
+    }
+}
