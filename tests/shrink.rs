@@ -13,7 +13,10 @@ use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 fn now_us() -> u128 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
 }
 
 /// Starts `size` ranks of this binary as workers in `role` (see
@@ -24,13 +27,19 @@ fn run_job(role: &str, size: usize, limit: Duration) -> Vec<Option<String>> {
     let children: Vec<_> = (0..size)
         .map(|rank| {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args(["--exact", "shrink_worker", "--nocapture", "--test-threads", "1"])
-                .env("RDIST_TEST_ROLE", role)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", size.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RDIST_TIMEOUT_MS", "20000");
+            cmd.args([
+                "--exact",
+                "shrink_worker",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("RDIST_TEST_ROLE", role)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", size.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RDIST_TIMEOUT_MS", "20000");
             std::thread::spawn(move || common::output_within(&mut cmd, limit, "a shrink worker"))
         })
         .collect();
@@ -88,7 +97,7 @@ fn shrink_worker() {
     let doomed = victims.contains(&me);
     let mut killed_at = 0u128;
     match mode {
-        "noticed" => {
+        "noticed" | "failover" => {
             let mut buf = vec![1.0f32; 1024];
             for i in 0.. {
                 if doomed && i == 30 {
@@ -110,6 +119,13 @@ fn shrink_worker() {
                     break;
                 }
                 buf.iter_mut().for_each(|x| *x = 1.0);
+            }
+            if mode == "failover" && me == 0 {
+                // The coordinator-to-be dies while the others wait on it.
+                std::thread::sleep(Duration::from_millis(300));
+                println!("KILLED at={}", now_us());
+                // SAFETY: as above.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
         }
         "quiet" => {
@@ -177,6 +193,10 @@ fn shrink_worker() {
 fn survivors_shrink(mode: &str, size: usize, victims: &[usize]) -> Vec<BTreeMap<String, String>> {
     let list: Vec<String> = victims.iter().map(|v| v.to_string()).collect();
     let role = format!("{mode}:{}", list.join(","));
+    let mut victims = victims.to_vec();
+    if mode == "failover" {
+        victims.push(0);
+    }
     let lines = run_job(&role, size, Duration::from_secs(90));
     let survivors: Vec<usize> = (0..size).filter(|r| !victims.contains(r)).collect();
     let want: f64 = survivors.iter().map(|r| *r as f64 + 1.0).sum();
@@ -194,6 +214,12 @@ fn survivors_shrink(mode: &str, size: usize, victims: &[usize]) -> Vec<BTreeMap<
         assert_eq!(f["new"], new_rank.to_string(), "{role}: {line}");
         assert_eq!(f["size"], survivors.len().to_string(), "{role}: {line}");
         assert_eq!(f["sum"].parse::<f64>().unwrap(), want, "{role}: {line}");
+        // Found out within seconds, not at the timeout (20 s).
+        let took = f["shrink_us"].parse::<u64>().unwrap();
+        assert!(
+            took < 5_000_000,
+            "{role}: rank {rank}'s shrink took {took} us"
+        );
         out.push(f);
     }
     out
@@ -211,6 +237,14 @@ fn the_survivors_of_a_killed_rank_shrink_and_go_on_whichever_rank_died() {
             .unwrap();
         eprintln!("killed {victims:?} of 4: slowest shrink {slowest} us");
     }
+}
+
+#[test]
+fn a_coordinator_that_dies_during_the_shrink_is_replaced() {
+    // Rank 3 dies; rank 0, whom the others ask first, dies while they
+    // wait for its decision: rank 1 takes over.
+    let results = survivors_shrink("failover", 4, &[3]);
+    assert_eq!(results.len(), 2);
 }
 
 #[test]

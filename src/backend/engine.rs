@@ -372,7 +372,11 @@ impl Engine {
     /// of this one but `exclude` and the failed, agreed among them. The
     /// NCCL side is made anew among the survivors (the parent's may be
     /// broken), as at init.
-    pub(crate) fn shrink(&mut self, exclude: &[usize], timeout: Duration) -> Result<(usize, Engine)> {
+    pub(crate) fn shrink(
+        &mut self,
+        exclude: &[usize],
+        timeout: Duration,
+    ) -> Result<(usize, Engine)> {
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
         let (rank, mut socket) =
             self.socket

@@ -429,12 +429,7 @@ impl Comm {
         let size = engine.roster().addrs.len();
         let local_rank = engine.roster().local_rank(rank);
         Ok(Comm::with_engine(
-            rank,
-            size,
-            local_rank,
-            timeout,
-            engine,
-            None,
+            rank, size, local_rank, timeout, engine, None,
         ))
     }
 

@@ -65,7 +65,11 @@ fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
 /// Connects to `addr` from `local` (port any), so that the connection
 /// comes from this rank's own address, which the peer checks (see
 /// `came_from`); from any address where `local` is of another family.
-pub(super) fn connect_from(local: IpAddr, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+pub(super) fn connect_from(
+    local: IpAddr,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
     if local.is_ipv4() != addr.is_ipv4() || local.is_unspecified() {
         return TcpStream::connect_timeout(&addr, timeout);
     }

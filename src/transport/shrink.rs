@@ -336,7 +336,12 @@ pub struct Want<'a> {
 /// Runs this rank's part of a shrink of the communicator `spec`
 /// describes; returns the decision (which names this rank), bounded by
 /// `timeout`.
-pub fn agree(inbox: &Inbox, spec: &MeshSpec, want: Want<'_>, timeout: Duration) -> Result<Decision> {
+pub fn agree(
+    inbox: &Inbox,
+    spec: &MeshSpec,
+    want: Want<'_>,
+    timeout: Duration,
+) -> Result<Decision> {
     let started = Instant::now();
     let deadline = started + timeout;
     let me = spec.rank;
@@ -487,9 +492,7 @@ fn coordinate(
                 reply(&mut caller, epoch, &[], me);
                 continue;
             }
-            let _ = caller
-                .stream
-                .set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = caller.stream.set_read_timeout(Some(Duration::from_secs(2)));
             match read_frame(&mut caller.stream, frame_limit(spec.size))
                 .ok()
                 .and_then(|b| Ballot::decode(&b, spec.size))

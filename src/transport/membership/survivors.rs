@@ -233,7 +233,9 @@ impl Tally {
     pub fn undecided(&self) -> Vec<usize> {
         (0..self.size)
             .filter(|r| {
-                !self.members.contains_key(r) && !self.failed.contains(r) && !self.excluded.contains(r)
+                !self.members.contains_key(r)
+                    && !self.failed.contains(r)
+                    && !self.excluded.contains(r)
             })
             .collect()
     }
@@ -398,7 +400,9 @@ mod tests {
         let mut healthy = Tally::new(3, 0, &ballot(100, &[2], &[]));
         healthy.count(1, &ballot(101, &[2], &[]));
         assert!(healthy.undecided().is_empty());
-        assert!(matches!(healthy.decide(parent(3).comm_id), Answer::Decided(d) if d.members.len() == 2));
+        assert!(
+            matches!(healthy.decide(parent(3).comm_id), Answer::Decided(d) if d.members.len() == 2)
+        );
         assert!(matches!(t.decide(parent(3).comm_id), Answer::Decided(_)));
     }
 }
