@@ -42,6 +42,18 @@
 #define RDIST_SPLIT_NOCOLOR -1
 
 /**
+ * rdist_comm_shrink() flags (NCCL's values): queued calls on the parent
+ * finish first.
+ */
+#define RDIST_SHRINK_DEFAULT 0
+
+/**
+ * rdist_comm_shrink() flags: abort the parent first, ending its calls in
+ * flight here and on every rank it reaches.
+ */
+#define RDIST_SHRINK_ABORT 1
+
+/**
  * As peer of a tagged receive: a message from any rank (since 0.2).
  */
 #define RDIST_ANY_SOURCE -1
@@ -370,6 +382,27 @@ rdist_result_t rdist_comm_backend(const rdist_comm_t *comm, rdist_backend_t *bac
  * yields *out = NULL. On failure *out is left unchanged.
  */
 rdist_result_t rdist_comm_split(rdist_comm_t *comm, int color, int key, rdist_comm_t **out);
+
+/**
+ * A new communicator of `comm`'s ranks but the `exclude_count` ranks of
+ * `exclude_ranks` and those that failed (NCCL's ncclCommShrink, with
+ * agreement). Every rank that stays calls it; excluded and failed ranks
+ * do not. With `exclude_ranks` NULL and `exclude_count` 0 the survivors
+ * agree which ranks failed, whatever each had noticed, and leave exactly
+ * those out; the new ranks keep the old order. Works on a communicator
+ * that failed or was aborted, which stays usable for split, abort and
+ * destroy. `opts` NULL keeps `comm`'s settings; otherwise its timeout
+ * bounds the shrink and the new communicator. `flags`:
+ * RDIST_SHRINK_DEFAULT (queued calls finish first) or RDIST_SHRINK_ABORT
+ * (abort `comm` first, ending its calls in flight). On failure *out is
+ * left unchanged. Since 0.2.
+ */
+rdist_result_t rdist_comm_shrink(rdist_comm_t *comm,
+                                 const int *exclude_ranks,
+                                 int exclude_count,
+                                 rdist_comm_t **out,
+                                 const rdist_options_t *opts,
+                                 int flags);
 
 /**
  * The ranks this rank knows to have failed in `comm` (their connection

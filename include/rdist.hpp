@@ -501,6 +501,18 @@ class Comm {
     return Comm(raw);
   }
 
+  /// A new communicator of this one's ranks but `exclude` and those that
+  /// failed (see rdist_comm_shrink): every rank that stays calls it. With no
+  /// list the survivors agree which ranks failed. `flags`:
+  /// RDIST_SHRINK_DEFAULT or RDIST_SHRINK_ABORT.
+  Comm shrink(const std::vector<int>& exclude = {}, int flags = RDIST_SHRINK_DEFAULT,
+              const rdist_options_t* opts = nullptr) {
+    rdist_comm_t* raw = nullptr;
+    detail::check(rdist_comm_shrink(ptr_.get(), exclude.empty() ? nullptr : exclude.data(),
+                                    static_cast<int>(exclude.size()), &raw, opts, flags));
+    return Comm(raw);
+  }
+
   /// Makes pending and future operations on this communicator fail with
   /// RDIST_ERR_ABORTED, on every rank that can be reached. Any thread may
   /// call it while another is blocked in the communicator.

@@ -60,3 +60,30 @@ fn c_program_runs_four_ranks_through_rdistrun() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn c_survivors_shrink_after_a_rank_is_killed() {
+    let dir = std::env::temp_dir().join(format!("rdist-c-shrink-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("shrink_ranks");
+    compile("tests/c/shrink_ranks.c", &exe);
+    let out = run_bounded(
+        Command::new(env!("CARGO_BIN_EXE_rdistrun"))
+            .args(["--nproc-per-node", "4", "--on-failure", "continue"])
+            .arg(&exe)
+            .env("LD_LIBRARY_PATH", lib_dir()),
+        Duration::from_secs(60),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The job failed (rank 1 did), and said so; the others finished.
+    assert!(!out.status.success(), "rank 1's death went unreported:\n{stdout}\n{stderr}");
+    for r in [0, 2, 3] {
+        assert!(
+            stdout.contains(&format!("[rank {r}] rank {r}: shrunk ok")),
+            "rank {r} missing:\n{stdout}\n{stderr}"
+        );
+    }
+    assert!(!stdout.contains("rank 1: shrunk"), "{stdout}");
+    let _ = std::fs::remove_dir_all(dir);
+}

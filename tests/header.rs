@@ -77,6 +77,7 @@ fn header_has_every_name_of_the_contract() {
         "rdist_comm_local_rank",
         "rdist_comm_backend",
         "rdist_comm_split",
+        "rdist_comm_shrink",
         "rdist_comm_abort",
         "rdist_comm_failed_ranks",
         "rdist_comm_destroy",
