@@ -37,6 +37,8 @@ from ._errors import (
 )
 from ._buffers import DType, Op
 from ._comm import (
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     SPLIT_NOCOLOR,
     Backend,
     Comm,
@@ -71,6 +73,7 @@ from ._default import (
     reduce_scatter_tensor,
     scatter,
     send,
+    shrink_group,
 )
 
 #: Version of this Python package.
@@ -120,6 +123,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "scatter",
     "send",
+    "shrink_group",
     "AbortedError",
     "AuthError",
     "Backend",
@@ -137,6 +141,8 @@ __all__ = [
     "PeerLostError",
     "Request",
     "Result",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "SPLIT_NOCOLOR",
     "SystemCallError",
     "UnavailableError",

@@ -24,6 +24,8 @@ from ._library import (
 from ._streams import order_after
 
 __all__ = [
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "SPLIT_NOCOLOR",
     "Backend",
     "Comm",
@@ -39,6 +41,11 @@ __all__ = [
 
 #: Pass as color to :meth:`Comm.split` (or pass None) to join no new communicator.
 SPLIT_NOCOLOR = -1
+
+#: :meth:`Comm.shrink` flags (NCCL's and torch's values): the parent's
+#: queued calls finish first, or the parent is aborted first.
+SHRINK_DEFAULT = 0
+SHRINK_ABORT = 1
 
 
 class Backend(enum.IntEnum):
@@ -494,6 +501,35 @@ class Comm:
         child = CommHandle()
         check(lib.rdist_comm_split(handle, color, operator.index(key), ctypes.byref(child)))
         return Comm(child, _parent=self) if child else None
+
+    def shrink(self, exclude=None, flags=SHRINK_DEFAULT, **options):
+        """A new communicator of this one's ranks but ``exclude`` and those
+        that failed. Every rank that stays calls it; excluded and failed
+        ranks do not. With ``exclude`` None (or empty) the survivors agree
+        among themselves which ranks failed, whatever each had noticed, and
+        leave exactly those out; the new ranks keep the old order. Works
+        after a call failed with :class:`PeerLostError` (or the communicator
+        was aborted, which is how one rank makes every other stop waiting on
+        it); this communicator stays as it was, to destroy. ``flags``
+        :data:`SHRINK_ABORT` aborts it first, ending its calls in flight.
+        ``options``: ``timeout_ms`` bounds the shrink and the new
+        communicator (default: this one's)."""
+        handle = self._live_handle("shrink")
+        ranks = [] if exclude is None else [operator.index(r) for r in exclude]
+        array = (ctypes.c_int * len(ranks))(*ranks) if ranks else None
+        child = CommHandle()
+        if options:
+            with _Options(options) as opts:
+                check(
+                    lib.rdist_comm_shrink(
+                        handle, array, len(ranks), ctypes.byref(child), opts, int(flags)
+                    )
+                )
+        else:
+            check(
+                lib.rdist_comm_shrink(handle, array, len(ranks), ctypes.byref(child), None, int(flags))
+            )
+        return Comm(child, _parent=self)
 
     def __enter__(self):
         return self

@@ -10,6 +10,10 @@ creating communicators through a key-value store (a torch ``Store``).
     evens = rdist.new_group([0, 2])            # rdist_comm_split underneath
     if evens is not rdist.NON_GROUP_MEMBER:
         rdist.broadcast(grad, src=0, group=evens)
+    try:
+        rdist.all_reduce(grad)
+    except rdist.PeerLostError:
+        rdist.shrink_group()                   # the survivors go on as the default
     rdist.destroy_process_group()
 """
 
@@ -17,7 +21,7 @@ import itertools
 import operator
 import threading
 
-from ._comm import SPLIT_NOCOLOR, Comm, init, init_rank, unique_id
+from ._comm import SHRINK_DEFAULT, SPLIT_NOCOLOR, Comm, init, init_rank, unique_id
 from ._errors import InvalidArgumentError, InvalidUsageError
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "scatter",
     "send",
+    "shrink_group",
 ]
 
 
@@ -153,6 +158,33 @@ def new_group(ranks=None):
         return NON_GROUP_MEMBER
     _groups.append(child)
     return child
+
+
+def shrink_group(ranks_to_exclude=None, group=None, shrink_flags=SHRINK_DEFAULT, **options):
+    """torch.distributed.shrink_group's counterpart: a communicator of
+    ``group``'s ranks (the default communicator's when None) but
+    ``ranks_to_exclude`` and those that failed (see :meth:`Comm.shrink`;
+    None: the survivors agree which failed). Every rank that stays calls it.
+    The old group is destroyed; shrinking the default communicator makes the
+    new one the default and destroys the groups made from the old one, as
+    torch does. Returns the new communicator."""
+    global _default
+    old = _comm(group)
+    if old is NON_GROUP_MEMBER:
+        raise InvalidUsageError("rdist.shrink_group: this rank is not in the group")
+    new = old.shrink(ranks_to_exclude, shrink_flags, **options)
+    if group is not None and group is not _default:
+        if group in _groups:
+            _groups[_groups.index(group)] = new
+        old.destroy()
+        return new
+    with _lock:
+        _default = new
+        groups, _groups[:] = list(_groups), []
+    for child in groups:
+        child.destroy()
+    old.destroy()
+    return new
 
 
 # ---------------------------------------------------------------------------

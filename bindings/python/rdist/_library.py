@@ -301,6 +301,10 @@ SIGNATURES = {
     "rdist_comm_backend": (_result, [CommHandle, POINTER(_backend)]),
     "rdist_nccl_version": (_result, [POINTER(c_int)]),
     "rdist_comm_split": (_result, [CommHandle, c_int, c_int, POINTER(CommHandle)]),
+    "rdist_comm_shrink": (
+        _result,
+        [CommHandle, POINTER(c_int), c_int, POINTER(CommHandle), OptionsHandle, c_int],
+    ),
     "rdist_comm_abort": (_result, [CommHandle]),
     "rdist_comm_failed_ranks": (_result, [CommHandle, POINTER(c_int), c_int, POINTER(c_int)]),
     "rdist_comm_destroy": (_result, [CommHandle]),

@@ -253,7 +253,7 @@ class RdistBackend(_C10dBackend):
 
     @property
     def supports_shrinking(self):
-        return False
+        return True
 
     @property
     def supports_reconfigure(self):
@@ -303,6 +303,27 @@ class RdistBackend(_C10dBackend):
 
     def abort(self):
         self.comm.abort()
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
+        """torch.distributed.shrink_group's call (``supports_shrinking``): a
+        backend on the survivors (:meth:`rdist.Comm.shrink`): every rank of
+        this one but ``ranks_to_exclude`` (this group's ranks) and any other
+        that failed, which the survivors find out and agree on among
+        themselves. Needs no store (the store's host may be the rank that
+        died). ``shrink_flags`` SHRINK_ABORT aborts this backend's calls in
+        flight first; ``opts_override``'s timeout, when set, bounds the
+        shrink and the new backend."""
+        options = {}
+        timeout = getattr(opts_override, "_timeout", None)
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            options["timeout_ms"] = int(timeout.total_seconds() * 1000)
+        child = self.comm.shrink(list(ranks_to_exclude), int(shrink_flags), **options)
+        return RdistBackend(child, child.rank, child.size)
+
+    def failed_ranks(self):
+        """The ranks of this group that this rank knows failed (for
+        ``shrink_group``'s ``ranks_to_exclude``)."""
+        return self.comm.failed_ranks()
 
     # -- issuing ---------------------------------------------------------------
 

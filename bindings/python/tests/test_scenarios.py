@@ -101,3 +101,18 @@ def test_abort_from_another_thread_releases_both_ranks():
         assert result["after"] == "AbortedError", result  # aborted stays aborted
         assert result["elapsed"] < 3, result
     assert "rank 0 aborted" in results[1]["message"], results[1]
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_the_survivors_shrink_the_default_communicator_and_go_on(victim):
+    ranks = run_ranks([SCENARIOS, "shrink", victim], 4, timeout=60)
+    assert ranks[victim].returncode == 7, describe_all(ranks)
+    survivors = [r for r in range(4) if r != victim]
+    for new_rank, old_rank in enumerate(survivors):
+        assert ranks[old_rank].returncode == 0, describe_all(ranks)
+        result = ranks[old_rank].result
+        assert result["rank"] == old_rank, result
+        assert result["new_rank"] == new_rank and result["size"] == 3, result
+        assert result["default"] is True, result
+        assert result["sum"] == sum(r + 1 for r in survivors), result
+        assert result["took"] < 5, result

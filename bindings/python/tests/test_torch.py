@@ -292,3 +292,47 @@ def test_tensors_default_communicator_new_group_and_init_from_store():
     for report in reports:
         failed = [k for k, ok in report["checks"].items() if not ok]
         assert not failed, f"rank {report['rank']}: {failed}"
+
+
+_AGENT_STORE = (
+    "import sys, time, datetime, torch.distributed as d\n"
+    "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False,"
+    " timeout=datetime.timedelta(seconds=120))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_shrink_group_on_rdist_lets_the_survivors_go_on(victim):
+    """torch.distributed.shrink_group on the default group after a rank
+    died (the store's host, rank 0, too): the backend says it supports
+    shrinking and the survivors all-reduce on the shrunk group."""
+    env = {}
+    store = None
+    if victim == 0:
+        # torch's shrink_group clones the old group's store: with rank 0
+        # hosting it (plain env://) it dies with rank 0. Hosted outside the
+        # ranks, as torchrun's agent does, it survives.
+        port = free_port()
+        store = subprocess.Popen(
+            [TORCH_PYTHON, "-c", _AGENT_STORE, str(port)], stdout=subprocess.PIPE, text=True,
+            env=child_env(), stdin=subprocess.DEVNULL,
+        )
+        assert store.stdout.readline().strip() == "ready"
+        env["RDIST_TEST_AGENT_STORE_PORT"] = port
+    try:
+        ranks = run_ranks([WORKERS / "torch_shrink.py", victim], 4, timeout=120, python=TORCH_PYTHON, env=env)
+    finally:
+        if store is not None:
+            store.kill()
+            store.wait()
+    assert ranks[victim].returncode == 7, describe_all(ranks)
+    survivors = [r for r in range(4) if r != victim]
+    for new_rank, old_rank in enumerate(survivors):
+        assert ranks[old_rank].returncode == 0, describe_all(ranks)
+        result = ranks[old_rank].result
+        assert result["error"], result  # the failure was seen first
+        assert result["new_rank"] == new_rank and result["size"] == 3, result
+        assert result["default"] is True, result
+        assert result["sum"] == sum(r + 1 for r in survivors), result

@@ -300,9 +300,40 @@ def numpy_free():
         )
 
 
+def shrink(victim):
+    """The default communicator loses rank `victim`; the survivors, which
+    may not have noticed, shrink it (the default group's shrink_group) and
+    go on on the new default."""
+    import numpy as np
+
+    victim = int(victim)
+    rdist.init_process_group(timeout_ms=30000)
+    old_rank = rdist.get_rank()
+    rdist.barrier()
+    if old_rank == victim:
+        os._exit(7)
+    time.sleep(0.2)
+    try:
+        rdist.all_reduce(np.ones(1000, np.float32))
+        error = None
+    except rdist.PeerLostError as e:
+        error = type(e).__name__
+    started = time.monotonic()
+    comm = rdist.shrink_group()
+    took = time.monotonic() - started
+    total = np.array([old_rank + 1.0])
+    rdist.all_reduce(total)
+    report(
+        rank=old_rank, new_rank=rdist.get_rank(), size=rdist.get_world_size(),
+        default=comm is rdist.get_default_comm(), sum=float(total[0]), error=error, took=took,
+    )
+    rdist.destroy_process_group()
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (nonblocking, group_swap, split, mismatch, timeout, crash, abort, unique_id, file_init, numpy_free)
+    for f in (nonblocking, group_swap, split, mismatch, timeout, crash, abort, unique_id, file_init, numpy_free,
+              shrink)
 }
 
 if __name__ == "__main__":
