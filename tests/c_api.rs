@@ -77,7 +77,10 @@ fn c_survivors_shrink_after_a_rank_is_killed() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // The job failed (rank 1 did), and said so; the others finished.
-    assert!(!out.status.success(), "rank 1's death went unreported:\n{stdout}\n{stderr}");
+    assert!(
+        !out.status.success(),
+        "rank 1's death went unreported:\n{stdout}\n{stderr}"
+    );
     for r in [0, 2, 3] {
         assert!(
             stdout.contains(&format!("[rank {r}] rank {r}: shrunk ok")),

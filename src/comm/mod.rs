@@ -1,5 +1,5 @@
 //! `Comm`: a communicator's life. Creation (rendezvous, then the engine
-//! that connects every rank), rank/size, split, abort and destroy. Its
+//! that connects every rank), rank/size, split, shrink, abort and destroy. Its
 //! calls run through `queue` (issue order, non-blocking calls, held
 //! sends/receives) on the backends' engine; `group` batches them.
 
