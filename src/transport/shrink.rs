@@ -48,6 +48,8 @@ const EPOCH: usize = 38;
 /// once, a dead process's address refuses; no answer by then (a stopped
 /// process, a vanished host) counts as failed.
 const PROBE_LIMIT: Duration = Duration::from_secs(3);
+/// How long a rank waits for the rank it asked before it probes it.
+const LOOK_AFTER: Duration = Duration::from_secs(1);
 /// Probes run at most this many at once.
 const PROBES_AT_ONCE: usize = 64;
 
@@ -349,7 +351,7 @@ pub fn agree(
     let mut exclude = want.exclude.to_vec();
     exclude.sort_unstable();
     exclude.dedup();
-    let ballot = Ballot {
+    let mut ballot = Ballot {
         epoch,
         port: want.port,
         exclude: exclude.clone(),
@@ -402,7 +404,12 @@ pub fn agree(
                 }
             }
             None => {
+                // Gone, or stopped: what this rank found out goes in its
+                // ballot, so that the next coordinator need not probe it.
                 out.insert(c);
+                if !ballot.failed.contains(&c) {
+                    ballot.failed.push(c);
+                }
             }
         }
     }
@@ -436,6 +443,7 @@ fn ask_rank(
         return Ok(None);
     }
     let redirect = Answer::AskRank(c).encode();
+    let mut next_look = Instant::now() + LOOK_AFTER;
     loop {
         for mut caller in inbox.take() {
             reply(&mut caller, ballot.epoch, &redirect, spec.rank);
@@ -450,7 +458,16 @@ fn ask_rank(
                 ),
             ));
         }
-        wait_for(&[s.as_raw_fd(), inbox.bell.fd()], left);
+        // A stopped rank's kernel took the connection, but nobody answers:
+        // now and then the rank is probed; no answer is a failed rank.
+        if Instant::now() >= next_look {
+            if !alive(spec, c, ballot.epoch, deadline) {
+                return Ok(None);
+            }
+            next_look = Instant::now() + LOOK_AFTER;
+        }
+        let wait = left.min(next_look.saturating_duration_since(Instant::now()));
+        wait_for(&[s.as_raw_fd(), inbox.bell.fd()], wait);
         let mut pfd = libc::pollfd {
             fd: s.as_raw_fd(),
             events: libc::POLLIN,
