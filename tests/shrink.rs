@@ -142,10 +142,12 @@ fn shrink_worker() {
                 // Stopped (not dead: its kernel still takes connections),
                 // as a debugger or ^Z would; killed after the test.
                 let pid = std::process::id();
-                Command::new("sh")
+                // The killer outlives this process (nobody waits for it).
+                let killer = Command::new("sh")
                     .args(["-c", &format!("sleep 10; kill -9 {pid}")])
                     .spawn()
                     .unwrap();
+                std::mem::forget(killer);
                 // SAFETY: stops this process.
                 unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
             }
