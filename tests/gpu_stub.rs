@@ -575,6 +575,15 @@ fn worker_process() {
             unsafe { sub.run_on(call, Stream(stream)) }.unwrap();
             device::sync(stream);
             assert_eq!(both.read(), encode_all(DType::Int64, [9, 8]));
+            // Shrink: the survivors (here, this rank alone) get NCCL's
+            // communicator made anew, and device work goes on on it.
+            let shrunk = comm.shrink(&[], false, None).unwrap();
+            assert_eq!(shrunk.backend(), Backend::Nccl);
+            // SAFETY: as above.
+            unsafe { shrunk.run_on(call, Stream(stream)) }.unwrap();
+            device::sync(stream);
+            assert_eq!(both.read(), encode_all(DType::Int64, [9, 8]));
+            drop(shrunk);
             // One group over two NCCL communicators (enqueued in group
             // order on this thread).
             let a = device::Buffer::new(&encode_all(DType::Float32, [1, 2]));
@@ -1037,7 +1046,7 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
     // Device buffers went to NCCL, on non-blocking communicators (the
     // Rust API's and the C ABI's).
     let inits = nccl_lines(&log, "init");
-    assert_eq!(inits.len(), 2, "{log}");
+    assert_eq!(inits.len(), 3, "{log}");
     assert!(inits.iter().all(|l| l.contains("blocking=0")), "{log}");
     for op in [
         "ncclAllReduce",
@@ -1069,9 +1078,10 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
         );
     }
     // Split, and every communicator finalized and destroyed at the end,
-    // none aborted: the main one, the C ABI's and the split's.
+    // none aborted: the main one, the C ABI's, the split's and the
+    // shrink's (made anew: an init of its own).
     assert_eq!(nccl_lines(&log, "split").len(), 1, "{log}");
-    assert_eq!(nccl_lines(&log, "destroy").len(), 3, "{log}");
+    assert_eq!(nccl_lines(&log, "destroy").len(), 4, "{log}");
     assert!(nccl_lines(&log, "abort").is_empty(), "{log}");
 }
 
