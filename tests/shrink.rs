@@ -137,19 +137,38 @@ fn shrink_worker() {
             killed_at = now_us();
             std::thread::sleep(Duration::from_millis(200));
         }
-        "stopped" => {
+        "stopped" | "resumed" => {
             if doomed {
                 // Stopped (not dead: its kernel still takes connections),
-                // as a debugger or ^Z would; killed after the test.
+                // as a debugger or ^Z would; killed after the test, or
+                // resumed once the others have shrunk without it.
                 let pid = std::process::id();
-                // The killer outlives this process (nobody waits for it).
-                let killer = Command::new("sh")
-                    .args(["-c", &format!("sleep 10; kill -9 {pid}")])
-                    .spawn()
-                    .unwrap();
-                std::mem::forget(killer);
+                let then = match mode {
+                    "stopped" => format!("sleep 10; kill -9 {pid}"),
+                    _ => format!("sleep 6; kill -CONT {pid}"),
+                };
+                // It outlives this process (nobody waits for it).
+                let later = Command::new("sh").args(["-c", &then]).spawn().unwrap();
+                std::mem::forget(later);
                 // SAFETY: stops this process.
                 unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                if mode == "resumed" {
+                    // Back: its shrink must not make a communicator of its
+                    // own; the others' decision left it out. (Its thread
+                    // takes the ballots that waited for it first: their
+                    // senders have hung up since.)
+                    // (The stop takes hold within this first sleep; the
+                    // second runs after it.)
+                    std::thread::sleep(Duration::from_millis(200));
+                    std::thread::sleep(Duration::from_millis(500));
+                    let r = comm.shrink(&[], false, None);
+                    let kind = r.as_ref().err().map(|e| e.kind());
+                    println!(
+                        "RESULT old={me} resumed={kind:?} msg={}",
+                        r.err().map(|e| e.to_string()).unwrap_or_default()
+                    );
+                    return;
+                }
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -200,6 +219,10 @@ fn shrink_worker() {
         stepped - shrunk,
         stepped.max(killed_at)
     );
+    if mode == "resumed" {
+        // The parent stays until the stopped rank is back and has asked.
+        std::thread::sleep(Duration::from_secs(8));
+    }
     drop(child);
     drop(comm);
 }
@@ -273,6 +296,19 @@ fn a_stopped_rank_is_left_out_within_seconds_even_the_first() {
     let results = survivors_shrink("stopped", 4, &[0]);
     for f in &results {
         eprintln!("stopped rank 0: shrink took {} us", f["shrink_us"]);
+    }
+}
+
+#[test]
+fn a_stopped_rank_that_comes_back_is_told_it_was_left_out() {
+    let lines = run_job("resumed:0", 4, Duration::from_secs(60));
+    let back = lines[0].as_deref().expect("rank 0 printed no result");
+    assert!(back.contains("resumed=Some(PeerLost)"), "{back}");
+    assert!(back.contains("decided without rank 0"), "{back}");
+    for (rank, line) in lines.iter().enumerate().skip(1) {
+        let f = fields(line.as_deref().expect("a survivor printed no result"));
+        assert_eq!(f["size"], "3", "rank {rank}: {f:?}");
+        assert_eq!(f["sum"], "9", "rank {rank}: {f:?}"); // 2 + 3 + 4
     }
 }
 

@@ -1,7 +1,7 @@
 //! Under a real Slurm: slurmctld and slurmd started here (Debian's
 //! slurm-wlm; no munge: auth/none, on loopback), then `srun -n 4` of a C
 //! program that meets through env:// with nothing set by hand, and the
-//! same job with one task killed. Prints a `skipped:` line where Slurm is
+//! same job with one task killed (the survivors shrink and go on). Prints a `skipped:` line where Slurm is
 //! not installed or cannot start (scripts/setup.sh installs it).
 
 mod common;
@@ -208,6 +208,12 @@ fn srun_starts_a_c_program_that_meets_with_nothing_set_by_hand() {
             text.contains(&format!(
                 "rank {r}: after the kill: peer lost; failed ranks: 1 ("
             )),
+            "rank {r}:\n{text}"
+        );
+        // ... and the survivors shrank and went on: 0, 2, 3 -> 0, 1, 2.
+        let new_rank = [0, 0, 1, 2][r];
+        assert!(
+            text.contains(&format!("rank {r}: shrunk: rank {new_rank} of 3, sum 8")),
             "rank {r}:\n{text}"
         );
     }

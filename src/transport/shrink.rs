@@ -15,7 +15,14 @@
 //! dies its ballots' senders see the connection end and ask the next
 //! lowest, which coordinates in turn. Every rank that has the decision
 //! keeps it in its `Inbox`, and its endpoint's thread answers late ballots
-//! with it, whether or not the rank is still in its shrink call.
+//! (and probes) with it, whether or not the rank is still in its shrink
+//! call: a coordinator whose probe finds a decision already taken (its
+//! predecessor died after answering some ranks) adopts it.
+//!
+//! Suspicions are checked, not trusted, where a wrong one would split the
+//! survivors: a rank about to coordinate first probes the lower ranks it
+//! believes failed, and a coordinator whose probe finds a lower rank alive
+//! steps down to it.
 
 use super::greeting::{self, Refusal, HELLO_AUTH_FLAG, HELLO_BYTES};
 use super::membership::survivors::{Answer, Ballot, Decision, Tally};
@@ -63,6 +70,8 @@ struct Caller {
 struct State {
     /// The number of this rank's latest shrink of the communicator.
     epoch: u16,
+    /// Whether that shrink is under way (its ballots are read).
+    active: bool,
     waiting: Vec<Caller>,
     /// The latest shrink's answer, once known: late ballots get it.
     settled: Option<(u16, Vec<u8>)>,
@@ -80,6 +89,7 @@ impl Inbox {
         Ok(Inbox {
             state: Mutex::new(State {
                 epoch: 0,
+                active: false,
                 waiting: Vec::new(),
                 settled: None,
             }),
@@ -87,10 +97,29 @@ impl Inbox {
         })
     }
 
-    fn next_epoch(&self) -> u16 {
+    /// Starts this rank's next shrink: its number.
+    fn begin(&self) -> u16 {
         let mut st = lock(&self.state);
         st.epoch = st.epoch.wrapping_add(1);
+        st.active = true;
         st.epoch
+    }
+
+    /// Ends it (ballots of it that come later get the settled answer, or
+    /// a refusal).
+    fn end(&self, me: usize) {
+        let waiting = {
+            let mut st = lock(&self.state);
+            st.active = false;
+            std::mem::take(&mut st.waiting)
+        };
+        let settled = lock(&self.state).settled.clone();
+        for mut c in waiting {
+            match &settled {
+                Some((epoch, bytes)) => reply(&mut c, *epoch, bytes, me),
+                None => refuse(&mut c, "its rdist_comm_shrink ended without a decision", me),
+            }
+        }
     }
 
     fn take(&self) -> Vec<Caller> {
@@ -111,21 +140,40 @@ impl Inbox {
             reply(&mut c, epoch, &bytes, me);
         }
     }
+
+    /// The settled answer of shrink `epoch`, if any.
+    fn settled(&self, epoch: u16) -> Option<Vec<u8>> {
+        match &lock(&self.state).settled {
+            Some((e, bytes)) if *e == epoch => Some(bytes.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// Answers a waiting ballot with `bytes` if it is of shrink `epoch`, else
 /// says the two ranks are at different shrinks.
 fn reply(c: &mut Caller, epoch: u16, bytes: &[u8], me: usize) {
-    let _ = c.stream.set_write_timeout(Some(Duration::from_secs(1)));
     if c.epoch == epoch {
-        let _ = write_frame(&mut c.stream, bytes);
+        send_answer(c, bytes);
         return;
     }
-    let why = Answer::Refused(format!(
+    let why = format!(
         "rank {} is at shrink #{} of this communicator and rank {me} at #{epoch}: every remaining rank must call rdist_comm_shrink as often",
         c.rank, c.epoch
-    ));
-    let _ = write_frame(&mut c.stream, &why.encode());
+    );
+    send_answer(c, &Answer::Refused(why).encode());
+}
+
+fn refuse(c: &mut Caller, why: &str, me: usize) {
+    let why = Answer::Refused(format!("rank {me}: {why}"));
+    send_answer(c, &why.encode());
+}
+
+/// Writes an answer without blocking the writer long (the endpoint's
+/// thread among them): a caller that stopped reading loses it.
+fn send_answer(c: &mut Caller, bytes: &[u8]) {
+    let _ = c.stream.set_write_timeout(Some(Duration::from_millis(200)));
+    let _ = write_frame(&mut c.stream, bytes);
 }
 
 /// Whether a greeted hello is a shrink's rather than a pair's.
@@ -147,8 +195,9 @@ fn hello(spec: &MeshSpec, purpose: u8, epoch: u16) -> [u8; HELLO_BYTES] {
 }
 
 /// The endpoint thread's part, for a greeted shrink hello: a probe is
-/// answered at once, a ballot waits in the inbox (or gets the settled
-/// answer). Never blocks long.
+/// answered at once (with the settled answer of its shrink, if any), a
+/// ballot waits in the inbox (or gets the settled answer, or a refusal
+/// when it is of a shrink this rank has finished). Never blocks long.
 pub fn admit(inbox: &Inbox, spec: &MeshSpec, b: &[u8; HELLO_BYTES], mut s: TcpStream) {
     let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
     let rank = u32_at(28);
@@ -163,8 +212,12 @@ pub fn admit(inbox: &Inbox, spec: &MeshSpec, b: &[u8; HELLO_BYTES], mut s: TcpSt
     let epoch = u16::from_le_bytes([b[EPOCH], b[EPOCH + 1]]);
     match b[PURPOSE] {
         PROBE => {
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = s.write_all(&[ALIVE]);
+            let settled = inbox.settled(epoch).unwrap_or_default();
+            let mut answer = vec![ALIVE];
+            answer.extend_from_slice(&(settled.len() as u32).to_le_bytes());
+            answer.extend_from_slice(&settled);
+            let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+            let _ = s.write_all(&answer);
         }
         BALLOT => {
             let mut c = Caller {
@@ -177,9 +230,18 @@ pub fn admit(inbox: &Inbox, spec: &MeshSpec, b: &[u8; HELLO_BYTES], mut s: TcpSt
                 if *settled == epoch {
                     let bytes = bytes.clone();
                     drop(st);
-                    reply(&mut c, epoch, &bytes, spec.rank);
+                    send_answer(&mut c, &bytes);
                     return;
                 }
+            }
+            // A shrink this rank has finished (or is past): no answer will
+            // come for it.
+            let over = epoch < st.epoch || (epoch == st.epoch && !st.active);
+            if over && st.epoch > 0 {
+                let mine = st.epoch;
+                drop(st);
+                reply(&mut c, mine, &[], spec.rank);
+                return;
             }
             st.waiting.push(c);
             inbox.bell.ring();
@@ -219,71 +281,131 @@ fn frame_limit(size: usize) -> usize {
 
 /// Why a dial to another rank got nowhere.
 enum Unreached {
-    /// Its process is gone (refused, reset, closed) or never answered.
+    /// Its process is gone (refused, reset, unreachable) or it did not
+    /// answer in time (stopped, or its host vanished).
     Gone,
-    /// It refused this rank's token.
-    Auth(Error),
+    /// Something of this rank's own failed (descriptors, addresses), or
+    /// the peer refused this rank's token: not the peer's death.
+    Here(Error),
 }
 
-/// Dials `peer`'s listener with a shrink hello, bounded by `deadline`.
+/// Whether an error of a dial says the other side is gone (rather than
+/// something of this side's own).
+fn peer_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::TimedOut
+            | io::ErrorKind::WouldBlock
+            | io::ErrorKind::NotConnected
+    ) || matches!(
+        e.raw_os_error(),
+        Some(libc::EHOSTUNREACH | libc::ENETUNREACH | libc::EHOSTDOWN | libc::ENETDOWN)
+    )
+}
+
+/// Dials `peer`'s listener with a shrink hello; the connection and its
+/// greeting are bounded by `limit` (a peer that takes longer, stopped or
+/// on a vanished host, counts as gone).
 fn dial(
     spec: &MeshSpec,
     peer: usize,
     purpose: u8,
     epoch: u16,
-    deadline: Instant,
+    limit: Instant,
 ) -> std::result::Result<TcpStream, Unreached> {
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = limit.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(Unreached::Gone);
     }
-    let mut s = mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left)
-        .map_err(|_| Unreached::Gone)?;
+    let why = |e: io::Error| match peer_gone(&e) {
+        true => Unreached::Gone,
+        false => Unreached::Here(Error::system(
+            format!("rdist_comm_shrink dialing rank {peer}"),
+            &e,
+        )),
+    };
+    let mut s =
+        mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left).map_err(why)?;
     let _ = s.set_nodelay(true);
     let hello = hello(spec, purpose, epoch);
-    greeting::introduce(&mut s, &hello, spec.token.as_ref(), deadline).map_err(|e| match e {
-        Refusal::Auth(why) => Unreached::Auth(Error::new(
+    greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit).map_err(|e| match e {
+        Refusal::Auth(text) => Unreached::Here(Error::new(
             ErrorKind::Auth,
             format!(
-                "rank {} cannot reach rank {peer} for rdist_comm_shrink: {why}",
+                "rank {} cannot reach rank {peer} for rdist_comm_shrink: {text}",
                 spec.rank
             ),
         )),
-        Refusal::Io(_) => Unreached::Gone,
+        Refusal::Io(e) => why(e),
     })?;
     Ok(s)
 }
 
-/// Whether `peer`'s process answers a probe.
-fn alive(spec: &MeshSpec, peer: usize, epoch: u16, deadline: Instant) -> bool {
-    let deadline = deadline.min(Instant::now() + PROBE_LIMIT);
-    let Ok(mut s) = dial(spec, peer, PROBE, epoch, deadline) else {
-        return false;
+/// What a probe found.
+enum Probed {
+    /// No answer (refused, closed, or none within `PROBE_LIMIT`).
+    Dead,
+    /// Its process answers; with the answer it settled for this shrink.
+    Alive(Option<Answer>),
+}
+
+/// Probes `peer`'s process.
+fn probe(spec: &MeshSpec, peer: usize, epoch: u16, deadline: Instant) -> Result<Probed> {
+    let limit = deadline.min(Instant::now() + PROBE_LIMIT);
+    let mut s = match dial(spec, peer, PROBE, epoch, limit) {
+        Ok(s) => s,
+        Err(Unreached::Gone) => return Ok(Probed::Dead),
+        Err(Unreached::Here(e)) => return Err(e),
     };
-    let left = deadline
+    let left = limit
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
     let mut b = [0u8; 1];
-    s.set_read_timeout(Some(left)).is_ok() && s.read_exact(&mut b).is_ok() && b[0] == ALIVE
+    if s.set_read_timeout(Some(left)).is_err() || s.read_exact(&mut b).is_err() || b[0] != ALIVE {
+        return Ok(Probed::Dead);
+    }
+    let settled = read_frame(&mut s, frame_limit(spec.size)).ok();
+    Ok(Probed::Alive(settled.and_then(|b| {
+        (!b.is_empty())
+            .then(|| Answer::decode(&b, spec.size))
+            .flatten()
+    })))
 }
 
-/// The ranks of `ranks` that do not answer a probe.
-fn unanswered(spec: &MeshSpec, ranks: &[usize], epoch: u16, deadline: Instant) -> Vec<usize> {
-    let mut out = Vec::new();
+/// Probes `ranks`, `PROBES_AT_ONCE` at a time; each one's result.
+fn probe_all(
+    spec: &MeshSpec,
+    ranks: &[usize],
+    epoch: u16,
+    deadline: Instant,
+) -> Result<Vec<(usize, Probed)>> {
+    let mut out = Vec::with_capacity(ranks.len());
     for chunk in ranks.chunks(PROBES_AT_ONCE) {
-        std::thread::scope(|scope| {
+        let results: Vec<(usize, Result<Probed>)> = std::thread::scope(|scope| {
             let probes: Vec<_> = chunk
                 .iter()
-                .map(|&r| (r, scope.spawn(move || alive(spec, r, epoch, deadline))))
+                .map(|&r| (r, scope.spawn(move || probe(spec, r, epoch, deadline))))
                 .collect();
-            for (r, p) in probes {
-                if !p.join().unwrap_or(false) {
-                    out.push(r);
-                }
-            }
+            probes
+                .into_iter()
+                .map(|(r, p)| {
+                    let result = p
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::internal("a shrink's probe panicked")));
+                    (r, result)
+                })
+                .collect()
         });
+        for (r, p) in results {
+            out.push((r, p?));
+        }
     }
-    out
+    Ok(out)
 }
 
 /// Polls `fds` for input (or their end) up to `wait`.
@@ -344,10 +466,21 @@ pub fn agree(
     want: Want<'_>,
     timeout: Duration,
 ) -> Result<Decision> {
-    let started = Instant::now();
-    let deadline = started + timeout;
+    let epoch = inbox.begin();
+    let result = run(inbox, spec, want, timeout, epoch);
+    inbox.end(spec.rank);
+    result
+}
+
+fn run(
+    inbox: &Inbox,
+    spec: &MeshSpec,
+    want: Want<'_>,
+    timeout: Duration,
+    epoch: u16,
+) -> Result<Decision> {
+    let deadline = Instant::now() + timeout;
     let me = spec.rank;
-    let epoch = inbox.next_epoch();
     let mut exclude = want.exclude.to_vec();
     exclude.sort_unstable();
     exclude.dedup();
@@ -361,6 +494,8 @@ pub fn agree(
     let mut out: BTreeSet<usize> = exclude.iter().chain(&want.failed).copied().collect();
     out.remove(&me);
     let mut ask: Option<usize> = None;
+    // Ranks this rank itself found gone in this shrink (no need to check).
+    let mut found_gone: BTreeSet<usize> = BTreeSet::new();
     loop {
         if Instant::now() >= deadline {
             return Err(Error::new(
@@ -376,43 +511,99 @@ pub fn agree(
             .find(|r| !out.contains(r))
             .expect("this rank is never out");
         let c = ask.take().unwrap_or(lowest);
-        if c == me {
-            return coordinate(inbox, spec, &ballot, deadline, timeout);
-        }
-        match ask_rank(inbox, spec, c, &ballot, deadline)? {
-            Some(Answer::Decided(d)) => {
-                inbox.settle(epoch, &Answer::Decided(d.clone()), me);
-                if d.members.iter().all(|(r, _)| *r != me) {
-                    return Err(left_out(me, c));
+        let step = if c == me {
+            // The lower ranks believed failed are checked first: a live
+            // one coordinates instead (a wrong suspicion must not make
+            // two coordinators).
+            let suspects: Vec<usize> = (0..me)
+                .filter(|r| {
+                    out.contains(r) && exclude.binary_search(r).is_err() && !found_gone.contains(r)
+                })
+                .collect();
+            match check_lower(spec, &suspects, epoch, deadline)? {
+                Some(step) => step,
+                None => {
+                    found_gone.extend(suspects);
+                    coordinate(inbox, spec, &ballot, deadline, timeout)?
                 }
-                return Ok(d);
             }
-            Some(Answer::Refused(why)) => {
-                return Err(Error::new(
-                    ErrorKind::Mismatch,
-                    format!("rdist_comm_shrink on rank {me}: {why}"),
-                ))
-            }
-            Some(Answer::AskRank(x)) => {
+        } else {
+            ask_rank(inbox, spec, c, &ballot, deadline)?
+        };
+        match step {
+            Step::Answered(answer) => return finish(inbox, epoch, answer, me, c),
+            Step::Ask(x) => {
                 // A rank this one believes out, or a loop: the rank that
                 // said so will see it soon; meanwhile, not too often.
-                if out.contains(&x) || x == c || x == me {
+                if out.contains(&x) || x == c {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 if x != me {
                     ask = Some(x);
                 }
             }
-            None => {
-                // Gone, or stopped: what this rank found out goes in its
-                // ballot, so that the next coordinator need not probe it.
-                out.insert(c);
-                if !ballot.failed.contains(&c) {
-                    ballot.failed.push(c);
+            Step::Alive(x) => {
+                out.remove(&x);
+                ballot.failed.retain(|r| *r != x);
+                ask = Some(x);
+            }
+            Step::Gone(x) => {
+                // What this rank found out goes in its ballot, so that the
+                // next coordinator need not probe it.
+                out.insert(x);
+                found_gone.insert(x);
+                if !ballot.failed.contains(&x) {
+                    ballot.failed.push(x);
                 }
             }
         }
     }
+}
+
+/// Where one attempt left this rank.
+enum Step {
+    /// The shrink's answer.
+    Answered(Answer),
+    /// Ask this rank (it is coordinating, or closer to the one who is).
+    Ask(usize),
+    /// This rank, believed failed, is alive: ask it.
+    Alive(usize),
+    /// This rank is gone.
+    Gone(usize),
+}
+
+/// Keeps the answer and turns it into this rank's result.
+fn finish(inbox: &Inbox, epoch: u16, answer: Answer, me: usize, from: usize) -> Result<Decision> {
+    inbox.settle(epoch, &answer, me);
+    match answer {
+        Answer::Decided(d) if d.members.iter().any(|(r, _)| *r == me) => Ok(d),
+        Answer::Decided(_) => Err(left_out(me, from)),
+        Answer::Refused(why) => Err(Error::new(
+            ErrorKind::Mismatch,
+            format!("rdist_comm_shrink on rank {me}: {why}"),
+        )),
+        Answer::AskRank(_) => Err(Error::internal("a shrink ended on a redirection")),
+    }
+}
+
+/// Probes the lower ranks this rank believes failed, lowest first: the
+/// first that is alive (or has the answer already) decides the next step.
+fn check_lower(
+    spec: &MeshSpec,
+    suspects: &[usize],
+    epoch: u16,
+    deadline: Instant,
+) -> Result<Option<Step>> {
+    for (r, found) in probe_all(spec, suspects, epoch, deadline)? {
+        match found {
+            Probed::Dead => {}
+            Probed::Alive(Some(answer @ (Answer::Decided(_) | Answer::Refused(_)))) => {
+                return Ok(Some(Step::Answered(answer)))
+            }
+            Probed::Alive(_) => return Ok(Some(Step::Alive(r))),
+        }
+    }
+    Ok(None)
 }
 
 fn left_out(me: usize, by: usize) -> Error {
@@ -425,22 +616,23 @@ fn left_out(me: usize, by: usize) -> Error {
 }
 
 /// Sends the ballot to rank `c` and waits for its answer, answering the
-/// ballots that reach this rank meanwhile with "ask rank c". None: `c` is
-/// gone.
+/// ballots that reach this rank meanwhile with "ask rank c".
 fn ask_rank(
     inbox: &Inbox,
     spec: &MeshSpec,
     c: usize,
     ballot: &Ballot,
     deadline: Instant,
-) -> Result<Option<Answer>> {
-    let mut s = match dial(spec, c, BALLOT, ballot.epoch, deadline) {
+) -> Result<Step> {
+    let limit = deadline.min(Instant::now() + PROBE_LIMIT);
+    let mut s = match dial(spec, c, BALLOT, ballot.epoch, limit) {
         Ok(s) => s,
-        Err(Unreached::Gone) => return Ok(None),
-        Err(Unreached::Auth(e)) => return Err(e),
+        Err(Unreached::Gone) => return Ok(Step::Gone(c)),
+        Err(Unreached::Here(e)) => return Err(e),
     };
+    let _ = s.set_write_timeout(Some(PROBE_LIMIT));
     if write_frame(&mut s, &ballot.encode()).is_err() {
-        return Ok(None);
+        return Ok(Step::Gone(c));
     }
     let redirect = Answer::AskRank(c).encode();
     let mut next_look = Instant::now() + LOOK_AFTER;
@@ -453,16 +645,21 @@ fn ask_rank(
             return Err(Error::new(
                 ErrorKind::Timeout,
                 format!(
-                    "rank {}'s rdist_comm_shrink timed out waiting for rank {c}'s decision (is rank {c} stopped, or did it not call rdist_comm_shrink?)",
+                    "rank {}'s rdist_comm_shrink timed out waiting for rank {c}'s decision (rank {c} answers, but has not called rdist_comm_shrink)",
                     spec.rank
                 ),
             ));
         }
         // A stopped rank's kernel took the connection, but nobody answers:
-        // now and then the rank is probed; no answer is a failed rank.
+        // now and then the rank is probed; no answer is a failed rank, an
+        // answer it settled is the answer.
         if Instant::now() >= next_look {
-            if !alive(spec, c, ballot.epoch, deadline) {
-                return Ok(None);
+            match probe(spec, c, ballot.epoch, deadline)? {
+                Probed::Dead => return Ok(Step::Gone(c)),
+                Probed::Alive(Some(a @ (Answer::Decided(_) | Answer::Refused(_)))) => {
+                    return Ok(Step::Answered(a))
+                }
+                Probed::Alive(_) => {}
             }
             next_look = Instant::now() + LOOK_AFTER;
         }
@@ -479,31 +676,42 @@ fn ask_rank(
         }
         // An answer is written whole: it arrives at once once it starts.
         let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        return Ok(read_frame(&mut s, frame_limit(spec.size))
-            .ok()
-            .and_then(|b| Answer::decode(&b, spec.size)));
+        return Ok(
+            match read_frame(&mut s, frame_limit(spec.size))
+                .ok()
+                .and_then(|b| Answer::decode(&b, spec.size))
+            {
+                Some(Answer::AskRank(x)) => Step::Ask(x),
+                Some(answer) => Step::Answered(answer),
+                None => Step::Gone(c),
+            },
+        );
     }
 }
 
 /// This rank is the lowest it believes alive: it counts the ballots until
-/// every rank is counted, failed or excluded, then answers them all.
+/// every rank is counted, failed or excluded, then answers them all. It
+/// steps down when a probe finds a lower rank alive, and adopts an answer
+/// a probe finds already settled.
 fn coordinate(
     inbox: &Inbox,
     spec: &MeshSpec,
     ballot: &Ballot,
     deadline: Instant,
     timeout: Duration,
-) -> Result<Decision> {
+) -> Result<Step> {
     let me = spec.rank;
     let epoch = ballot.epoch;
     let mut tally = Tally::new(spec.size, me, ballot);
     let mut held: Vec<(usize, TcpStream)> = Vec::new();
-    // Ballots still under way when the reporters give up are left out a
+    // Ballots still under way when the askers give up are left out a
     // little before their deadline, so that they hear the decision.
     let give_up = deadline - (timeout / 10).min(Duration::from_secs(2));
     let mut next_probe = Instant::now();
     let mut probe_every = Duration::from_millis(20);
-    loop {
+    // Lower ranks others believe failed are probed once, by this rank.
+    let mut verified: BTreeSet<usize> = ballot.failed.iter().copied().collect();
+    let answer = loop {
         for mut caller in inbox.take() {
             if caller.epoch != epoch {
                 reply(&mut caller, epoch, &[], me);
@@ -519,20 +727,26 @@ fn coordinate(
                     held.retain(|(r, _)| *r != caller.rank);
                     held.push((caller.rank, caller.stream));
                 }
-                _ => tally.lost(caller.rank),
+                _ => {}
             }
         }
-        // A member that died after its ballot is out again.
+        // A ballot's sender that hung up: dead, or gone to ask another
+        // rank; its probe tells.
         held.retain(|(r, s)| {
             let gone = ended(s);
             if gone {
-                tally.lost(*r);
+                tally.forget(*r);
+                next_probe = Instant::now();
             }
             !gone
         });
         let undecided = tally.undecided();
-        if undecided.is_empty() {
-            break;
+        let unverified: Vec<usize> = tally
+            .failed()
+            .filter(|r| *r < me && !verified.contains(r))
+            .collect();
+        if undecided.is_empty() && unverified.is_empty() {
+            break tally.decide(spec.comm_id);
         }
         let now = Instant::now();
         if now >= give_up {
@@ -544,11 +758,44 @@ fn coordinate(
             for r in undecided {
                 tally.lost(r);
             }
+            verified.extend(unverified);
             continue;
         }
-        if now >= next_probe {
-            for r in unanswered(spec, &undecided, epoch, give_up) {
-                tally.lost(r);
+        if now >= next_probe || !unverified.is_empty() {
+            let mut ranks = unverified.clone();
+            ranks.extend(&undecided);
+            let mut stepped: Option<Step> = None;
+            for (r, found) in probe_all(spec, &ranks, epoch, give_up)? {
+                verified.insert(r);
+                match found {
+                    Probed::Dead => tally.lost(r),
+                    Probed::Alive(Some(a @ (Answer::Decided(_) | Answer::Refused(_)))) => {
+                        stepped.get_or_insert(Step::Answered(a));
+                    }
+                    Probed::Alive(_) if r < me => {
+                        stepped.get_or_insert(Step::Alive(r));
+                    }
+                    Probed::Alive(_) => tally.revive(r),
+                }
+            }
+            if let Some(step) = stepped {
+                // Not this rank's to decide: its askers ask the one who is.
+                let to = match &step {
+                    Step::Alive(r) => Answer::AskRank(*r).encode(),
+                    Step::Answered(a) => a.encode(),
+                    _ => unreachable!("a probe steps down or answers"),
+                };
+                for (r, stream) in held {
+                    send_answer(
+                        &mut Caller {
+                            rank: r,
+                            epoch,
+                            stream,
+                        },
+                        &to,
+                    );
+                }
+                return Ok(step);
             }
             next_probe = Instant::now() + probe_every;
             probe_every = (probe_every * 2).min(Duration::from_millis(500));
@@ -557,22 +804,20 @@ fn coordinate(
         let mut fds: Vec<i32> = held.iter().map(|(_, s)| s.as_raw_fd()).collect();
         fds.push(inbox.bell.fd());
         wait_for(&fds, next_probe.min(give_up).saturating_duration_since(now));
-    }
-    let answer = tally.decide(spec.comm_id);
+    };
     inbox.settle(epoch, &answer, me);
     let bytes = answer.encode();
-    for (_, s) in &mut held {
-        let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-        let _ = write_frame(s, &bytes);
+    for (r, stream) in held {
+        send_answer(
+            &mut Caller {
+                rank: r,
+                epoch,
+                stream,
+            },
+            &bytes,
+        );
     }
-    match answer {
-        Answer::Decided(d) => Ok(d),
-        Answer::Refused(why) => Err(Error::new(
-            ErrorKind::Mismatch,
-            format!("rdist_comm_shrink on rank {me}: {why}"),
-        )),
-        Answer::AskRank(_) => Err(Error::internal("a coordinator asked another rank")),
-    }
+    Ok(Step::Answered(answer))
 }
 
 #[cfg(test)]

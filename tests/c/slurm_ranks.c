@@ -5,7 +5,8 @@
  *   slurm_ranks run    allreduce and broadcast, checked; prints "ok"
  *   slurm_ranks kill   after one allreduce, task 1 kills itself (SIGKILL);
  *                      the others' next call must fail with PEER_LOST, and
- *                      rdist_comm_failed_ranks must name rank 1 */
+ *                      rdist_comm_failed_ranks must name rank 1; they then
+ *                      shrink the communicator and all-reduce on it */
 #define _POSIX_C_SOURCE 200809L
 #include "rdist.h"
 
@@ -60,6 +61,18 @@ int main(int argc, char** argv) {
     printf("rank %d: after the kill: %s; failed ranks:", rank, rdist_result_string(rc));
     for (int i = 0; i < count && i < 8; i++) printf(" %d", failed[i]);
     printf(" (%s)\n", why);
+    /* The survivors go on without it. */
+    rdist_comm_t* survivors = NULL;
+    rdist_result_t shrunk = rdist_comm_shrink(comm, NULL, 0, &survivors, NULL, RDIST_SHRINK_DEFAULT);
+    if (shrunk != RDIST_SUCCESS) return fail(rank, "rdist_comm_shrink", shrunk);
+    int new_rank = -1, new_size = -1;
+    rdist_comm_rank(survivors, &new_rank);
+    rdist_comm_size(survivors, &new_size);
+    double sum = rank + 1.0; /* the survivors' old ranks + 1: 1 + 3 + 4 */
+    shrunk = rdist_allreduce(&sum, &sum, 1, RDIST_FLOAT64, RDIST_SUM, survivors, NULL);
+    if (shrunk != RDIST_SUCCESS) return fail(rank, "allreduce after the shrink", shrunk);
+    printf("rank %d: shrunk: rank %d of %d, sum %g\n", rank, new_rank, new_size, sum);
+    rdist_comm_destroy(survivors);
     rdist_comm_destroy(comm);
     return rc == RDIST_ERR_PEER_LOST && count == 1 && failed[0] == 1 ? 0 : 1;
   }

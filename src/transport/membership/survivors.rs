@@ -172,11 +172,8 @@ pub struct Tally {
     /// Ranks whose ballot came, with their ports.
     members: BTreeMap<usize, u16>,
     failed: BTreeSet<usize>,
-    excluded: BTreeSet<usize>,
-    /// Ranks excluded by one ballot and not by another: (rank, who).
-    disagreement: Option<String>,
-    /// The first ballot's exclude list, which every other must equal.
-    first_exclude: Option<(usize, Vec<usize>)>,
+    /// Ranks a ballot asked to leave out, with the first rank that asked.
+    excluded: BTreeMap<usize, usize>,
 }
 
 impl Tally {
@@ -187,9 +184,7 @@ impl Tally {
             epoch: mine.epoch,
             members: BTreeMap::new(),
             failed: BTreeSet::new(),
-            excluded: BTreeSet::new(),
-            disagreement: None,
-            first_exclude: None,
+            excluded: BTreeMap::new(),
         };
         t.count(me, mine);
         t
@@ -197,23 +192,15 @@ impl Tally {
 
     /// Counts `rank`'s ballot. A rank that sent one is alive whatever
     /// another believed; what it believes failed is failed unless it
-    /// sent a ballot too.
+    /// sent a ballot too. The ranks to leave out add up: ballots may
+    /// differ by ranks that failed (each names what it knows), not by a
+    /// rank that calls rdist_comm_shrink (see `decide`).
     pub fn count(&mut self, rank: usize, ballot: &Ballot) {
         self.failed.remove(&rank);
         self.members.insert(rank, ballot.port);
-        let mut exclude = ballot.exclude.clone();
-        exclude.sort_unstable();
-        exclude.dedup();
-        match &self.first_exclude {
-            None => self.first_exclude = Some((rank, exclude.clone())),
-            Some((first, theirs)) if *theirs != exclude && self.disagreement.is_none() => {
-                self.disagreement = Some(format!(
-                    "rank {first} asked to leave out ranks {theirs:?} but rank {rank} ranks {exclude:?}: every rank must pass the same exclude_ranks to rdist_comm_shrink"
-                ));
-            }
-            Some(_) => {}
+        for x in &ballot.exclude {
+            self.excluded.entry(*x).or_insert(rank);
         }
-        self.excluded.extend(exclude);
         for f in &ballot.failed {
             if !self.members.contains_key(f) {
                 self.failed.insert(*f);
@@ -228,6 +215,23 @@ impl Tally {
         self.failed.insert(rank);
     }
 
+    /// Drops `rank`'s ballot (its sender hung up): undecided again, until
+    /// a probe or a new ballot tells.
+    pub fn forget(&mut self, rank: usize) {
+        self.members.remove(&rank);
+    }
+
+    /// `rank`, which a ballot named failed, answered a probe: undecided
+    /// again (the coordinator waits for its ballot).
+    pub fn revive(&mut self, rank: usize) {
+        self.failed.remove(&rank);
+    }
+
+    /// The ranks counted failed.
+    pub fn failed(&self) -> impl Iterator<Item = usize> + '_ {
+        self.failed.iter().copied()
+    }
+
     /// Ranks neither counted, failed nor excluded: the coordinator waits
     /// for their ballots (and probes them).
     pub fn undecided(&self) -> Vec<usize> {
@@ -235,7 +239,7 @@ impl Tally {
             .filter(|r| {
                 !self.members.contains_key(r)
                     && !self.failed.contains(r)
-                    && !self.excluded.contains(r)
+                    && !self.excluded.contains_key(r)
             })
             .collect()
     }
@@ -243,15 +247,16 @@ impl Tally {
     /// The decision once nobody is undecided (or the caller gives up on
     /// them: they are left out): the members, renumbered in the parent's
     /// order, and the new communicator's id, derived from the parent's
-    /// id, the shrink's number and the members; a refusal when the
-    /// ballots disagree.
+    /// id, the shrink's number and the members; a refusal when a ballot
+    /// asked to leave out a rank that called rdist_comm_shrink.
     pub fn decide(&self, parent_comm_id: u64) -> Answer {
-        if let Some(why) = &self.disagreement {
-            return Answer::Refused(why.clone());
-        }
-        if let Some(r) = self.members.keys().find(|r| self.excluded.contains(r)) {
+        if let Some((r, by)) = self
+            .excluded
+            .iter()
+            .find(|(r, _)| self.members.contains_key(r))
+        {
             return Answer::Refused(format!(
-                "rank {r} called rdist_comm_shrink although the others asked to leave it out: excluded ranks must not call it"
+                "rank {by} asked to leave out rank {r}, which called rdist_comm_shrink: every rank must pass the same exclude_ranks (ranks that leave do not call it)"
             ));
         }
         let members: Vec<(usize, u16)> = self.members.iter().map(|(r, p)| (*r, *p)).collect();
@@ -385,24 +390,36 @@ mod tests {
     }
 
     #[test]
-    fn exclude_lists_that_differ_or_name_a_caller_are_refused() {
+    fn exclude_lists_add_up_but_leaving_out_a_caller_is_refused() {
+        // Rank 2 also names rank 1, which calls: refused.
         let mut t = Tally::new(4, 0, &ballot(100, &[3], &[]));
         t.count(1, &ballot(101, &[3], &[]));
         assert_eq!(t.undecided(), [2]);
-        t.count(2, &ballot(102, &[2, 3], &[]));
+        t.count(2, &ballot(102, &[1, 3], &[]));
         let Answer::Refused(why) = t.decide(parent(4).comm_id) else {
-            panic!("disagreeing ballots were decided")
+            panic!("a caller was left out")
         };
-        assert!(why.contains("same exclude_ranks"), "{why}");
-        let mut t = Tally::new(3, 0, &ballot(100, &[], &[]));
+        assert!(why.contains("rank 2 asked to leave out rank 1"), "{why}");
+        // Lists that differ by a failed rank add up.
+        let mut t = Tally::new(4, 0, &ballot(100, &[3], &[]));
+        t.count(1, &ballot(101, &[2, 3], &[]));
+        assert!(t.undecided().is_empty());
+        let Answer::Decided(d) = t.decide(parent(4).comm_id) else {
+            panic!("no decision")
+        };
+        assert_eq!(d.members, [(0, 100), (1, 101)]);
+    }
+
+    #[test]
+    fn a_sender_that_hung_up_is_undecided_until_a_probe_tells() {
+        let mut t = Tally::new(3, 0, &ballot(100, &[], &[2]));
         t.count(1, &ballot(101, &[], &[]));
-        t.count(2, &ballot(102, &[], &[]));
-        let mut healthy = Tally::new(3, 0, &ballot(100, &[2], &[]));
-        healthy.count(1, &ballot(101, &[2], &[]));
-        assert!(healthy.undecided().is_empty());
-        assert!(
-            matches!(healthy.decide(parent(3).comm_id), Answer::Decided(d) if d.members.len() == 2)
-        );
-        assert!(matches!(t.decide(parent(3).comm_id), Answer::Decided(_)));
+        assert!(t.undecided().is_empty());
+        t.forget(1);
+        assert_eq!(t.undecided(), [1]);
+        // Rank 2, named failed, answers a probe: waited for.
+        t.revive(2);
+        assert_eq!(t.undecided(), [1, 2]);
+        assert_eq!(t.failed().count(), 0);
     }
 }
