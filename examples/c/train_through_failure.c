@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   int contributors[MAX_RANKS], ncontributors = size;
   for (int r = 0; r < size; r++) contributors[r] = r;
 
-  double params[PARAMS] = {0}, before[PARAMS], grad[PARAMS];
+  double params[PARAMS] = {0}, before[PARAMS] = {0}, grad[PARAMS];
   int step = 0, failed_step = -1;
   double last_good_ms = now_ms(), shrink_ms = 0, recovery_ms = 0;
   while (step < STEPS) {
@@ -96,10 +96,10 @@ int main(int argc, char** argv) {
       fflush(stdout);
       raise(SIGKILL); /* no goodbye, as an OOM kill or a lost host */
     }
-    memcpy(before, params, sizeof params);
     gradient(params, first, first + shard, grad);
     rdist_result_t rc = rdist_allreduce(grad, grad, PARAMS, RDIST_FLOAT64, RDIST_AVG, comm, NULL);
     if (rc == RDIST_SUCCESS) {
+      memcpy(before, params, sizeof params); /* to undo this step if the others did not finish it */
       for (int k = 0; k < PARAMS; k++) params[k] -= LEARNING_RATE * grad[k];
       step++;
       if (failed_step >= 0 && recovery_ms == 0) recovery_ms = now_ms() - last_good_ms;
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
     ncontributors = new_size;
     int agreed = step;
     CHECK(rdist_allreduce(&agreed, &agreed, 1, RDIST_INT32, RDIST_MIN, comm, NULL));
-    if (agreed < step) memcpy(params, before, sizeof params);
+    if (agreed < step) memcpy(params, before, sizeof params); /* one step ahead: undo it */
     step = agreed;
     failed_step = step;
   }

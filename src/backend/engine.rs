@@ -56,6 +56,9 @@ pub(crate) struct Engine {
     messages: Arc<Messages>,
     /// What it was made with (a shrink makes NCCL's side again with them).
     options: Options,
+    /// The local rank its device was chosen by at init (kept by splits
+    /// and shrinks: a rank's device does not change with its new rank).
+    device_rank: usize,
 }
 
 /// Ends a communicator's work without its engine's lock, which a call
@@ -137,6 +140,7 @@ impl Engine {
             ledger,
             messages,
             options: options.clone(),
+            device_rank: local_rank,
         })
     }
 
@@ -364,6 +368,7 @@ impl Engine {
                 ledger,
                 messages,
                 options: self.options.clone(),
+                device_rank: self.device_rank,
             },
         )))
     }
@@ -371,7 +376,7 @@ impl Engine {
     /// A communicator of the survivors (see `Comm::shrink`): every rank
     /// of this one but `exclude` and the failed, agreed among them. The
     /// NCCL side is made anew among the survivors (the parent's may be
-    /// broken), as at init.
+    /// broken), as at init, on the same device.
     pub(crate) fn shrink(
         &mut self,
         exclude: &[usize],
@@ -382,7 +387,6 @@ impl Engine {
             self.socket
                 .shrink(exclude, self.signal.lost_ranks(), signal.clone(), timeout)?;
         let size = socket.roster().addrs.len();
-        let local_rank = socket.roster().local_rank(rank);
         let ledger = Arc::new(Ledger::new(size, None));
         let mut options = self.options.clone();
         options.timeout = timeout;
@@ -396,7 +400,7 @@ impl Engine {
                 &options,
                 rank,
                 size,
-                local_rank,
+                self.device_rank,
                 false,
             )?,
             false => None,
@@ -415,6 +419,7 @@ impl Engine {
                 ledger,
                 messages,
                 options,
+                device_rank: self.device_rank,
             },
         ))
     }

@@ -416,15 +416,16 @@ impl Comm {
                 )));
             }
         }
+        // Checked before anything happens to this communicator.
+        let timeout = match opts {
+            Some(o) => o.with_env()?.timeout,
+            None => self.runner.timeout(),
+        };
         if abort_first {
             self.runner.abort();
         }
         // Queued calls end first (at once on a failed communicator).
         self.runner.drain("rdist_comm_shrink")?;
-        let timeout = match opts {
-            Some(o) => o.with_env()?.timeout,
-            None => self.runner.timeout(),
-        };
         let (rank, engine) = self.runner.engine().shrink(exclude, timeout)?;
         let size = engine.roster().addrs.len();
         let local_rank = engine.roster().local_rank(rank);

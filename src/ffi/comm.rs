@@ -196,6 +196,12 @@ pub extern "C" fn rdist_comm_shrink(
                 "exclude_count {exclude_count} is negative"
             )));
         }
+        if exclude_count as usize >= c.comm.size() {
+            return Err(Error::invalid_argument(format!(
+                "exclude_count {exclude_count} leaves none of the communicator's {} ranks",
+                c.comm.size()
+            )));
+        }
         if exclude_count > 0 && exclude_ranks.is_null() {
             return Err(Error::invalid_argument(format!(
                 "exclude_ranks is NULL but exclude_count is {exclude_count}"

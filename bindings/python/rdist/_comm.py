@@ -516,6 +516,11 @@ class Comm:
         communicator (default: this one's)."""
         handle = self._live_handle("shrink")
         ranks = [] if exclude is None else [operator.index(r) for r in exclude]
+        bad = [r for r in ranks if not 0 <= r < self._size]
+        if bad:
+            raise InvalidArgumentError(
+                f"Comm.shrink: exclude names {bad}, not ranks of 0..{self._size - 1}"
+            )
         array = (ctypes.c_int * len(ranks))(*ranks) if ranks else None
         child = CommHandle()
         if options:

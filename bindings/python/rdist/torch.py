@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from ._buffers import HAS_0_2, NEW_IN_0_2, DType, Op, torch_dtypes, torch_stream
 from ._default import init_from_store
-from ._errors import InvalidArgumentError, UnavailableError, error_for, last_error_text
+from ._errors import InvalidArgumentError, PeerLostError, UnavailableError, error_for, last_error_text
 from ._issue import available, issue
 from ._library import Status, lib
 
@@ -317,7 +317,19 @@ class RdistBackend(_C10dBackend):
         timeout = getattr(opts_override, "_timeout", None)
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             options["timeout_ms"] = int(timeout.total_seconds() * 1000)
-        child = self.comm.shrink(list(ranks_to_exclude), int(shrink_flags), **options)
+        excluded = list(ranks_to_exclude)
+        child = self.comm.shrink(excluded, int(shrink_flags), **options)
+        if child.size != self._size - len(excluded):
+            # torch numbers the new group from ranks_to_exclude alone: a
+            # rank that also failed would leave its numbering wrong.
+            lost = sorted(set(self.comm.failed_ranks()) - set(excluded))
+            child.destroy()
+            raise PeerLostError(
+                f"rdist: shrink_group left out more ranks than ranks_to_exclude {excluded} "
+                f"(the survivors found {self._size - child.size} failed; this rank knows of "
+                f"{lost or 'none beyond the list'}): pass every failed rank, e.g. the backend's "
+                "failed_ranks() after a barrier that failed"
+            )
         return RdistBackend(child, child.rank, child.size)
 
     def failed_ranks(self):
