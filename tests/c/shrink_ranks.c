@@ -53,6 +53,11 @@ int main(void) {
   EXPECT(strstr(rdist_last_error(), "excludes itself"), "%s", rdist_last_error());
   EXPECT(rdist_comm_shrink(comm, NULL, 0, NULL, NULL, 0) == RDIST_ERR_INVALID_ARGUMENT, "NULL out");
   EXPECT(rdist_comm_shrink(NULL, NULL, 0, &child, NULL, 0) == RDIST_ERR_INVALID_ARGUMENT, "NULL comm");
+  int all[4] = {0, 1, 2, 3};
+  EXPECT(rdist_comm_shrink(comm, all, 4, &child, NULL, 0) == RDIST_ERR_INVALID_ARGUMENT, "everyone");
+  EXPECT(strstr(rdist_last_error(), "leaves none"), "%s", rdist_last_error());
+  int beyond[2] = {(rank + 1) % 4, 9};
+  EXPECT(rdist_comm_shrink(comm, beyond, 2, &child, NULL, 0) == RDIST_ERR_INVALID_ARGUMENT, "rank 9");
   EXPECT(child == NULL, "out written on failure");
 
   float x[256];
