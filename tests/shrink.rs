@@ -390,3 +390,36 @@ fn ranks_that_pass_different_exclude_lists_fail_with_a_mismatch() {
         assert!(text.contains("same exclude_ranks"), "rank {rank}: {text}");
     }
 }
+
+#[test]
+fn abort_from_another_thread_does_not_wait_for_a_shrink_under_way() {
+    let results = common::world(2, common::opts(3_000), Duration::from_secs(30), |comm| {
+        if comm.rank() == 1 {
+            // Alive, but never shrinks: rank 0 waits for it to the timeout.
+            std::thread::sleep(Duration::from_secs(4));
+            return (0.0, 0.0, 0);
+        }
+        let aborter = comm.abort_handle();
+        let watchdog = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let t = std::time::Instant::now();
+            aborter.abort();
+            t.elapsed().as_secs_f64()
+        });
+        let t = std::time::Instant::now();
+        let child = comm.shrink(&[], false, None).unwrap();
+        let took = t.elapsed().as_secs_f64();
+        (watchdog.join().unwrap(), took, child.size())
+    });
+    let (abort_took, shrink_took, size) = results[0];
+    assert!(
+        abort_took < 0.5,
+        "rdist_comm_abort waited {abort_took} s for the shrink"
+    );
+    // Rank 1 answered its probes but never called: left out near the timeout.
+    assert!(
+        (2.0..3.5).contains(&shrink_took),
+        "shrink took {shrink_took} s"
+    );
+    assert_eq!(size, 1);
+}

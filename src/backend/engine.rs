@@ -11,7 +11,7 @@ use super::ledger::Ledger;
 use super::messages::Messages;
 use super::nccl::communicator::{NcclComm, Raw};
 use super::route::{self, Route};
-use super::socket::{Settings, SocketBackend};
+use super::socket::{Settings, SocketBackend, Survivors};
 use super::staging::StagingPool;
 use crate::algorithms::Algo;
 use crate::call::Call;
@@ -80,6 +80,67 @@ impl Aborter {
         if let Some(raw) = &self.nccl {
             raw.abort();
         }
+    }
+}
+
+/// A shrink of a communicator (see `Comm::shrink`): every rank but those
+/// excluded and the failed, agreed among them, without the parent's
+/// engine lock (a concurrent rdist_comm_abort takes it). The NCCL side is
+/// made anew among the survivors (the parent's may be broken), as at
+/// init, on the same device.
+pub(crate) struct Shrinker {
+    survivors: Survivors,
+    /// The ranks the parent lost, as this rank knows.
+    lost: Vec<usize>,
+    options: Options,
+    device_rank: usize,
+    cuda: Option<&'static Cuda>,
+    /// Whether the parent has NCCL.
+    nccl: bool,
+}
+
+impl Shrinker {
+    pub(crate) fn shrink(self, exclude: &[usize], timeout: Duration) -> Result<(usize, Engine)> {
+        let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
+        let (rank, mut socket) =
+            self.survivors
+                .shrink(exclude, self.lost, signal.clone(), timeout)?;
+        let size = socket.roster().addrs.len();
+        let ledger = Arc::new(Ledger::new(size, None));
+        let mut options = self.options;
+        options.timeout = timeout;
+        let nccl = match self.nccl {
+            true => super::nccl::establish(
+                &mut |call: &Call| {
+                    let seq = ledger.number(call);
+                    // SAFETY: establish passes calls on its own live buffers.
+                    unsafe { socket.run(call, seq) }
+                },
+                &options,
+                rank,
+                size,
+                self.device_rank,
+                false,
+            )?,
+            false => None,
+        };
+        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
+        Ok((
+            rank,
+            Engine {
+                rank,
+                timeout,
+                signal,
+                socket,
+                nccl,
+                cuda: self.cuda,
+                staging: StagingPool::default(),
+                ledger,
+                messages,
+                options,
+                device_rank: self.device_rank,
+            },
+        ))
     }
 }
 
@@ -373,55 +434,17 @@ impl Engine {
         )))
     }
 
-    /// A communicator of the survivors (see `Comm::shrink`): every rank
-    /// of this one but `exclude` and the failed, agreed among them. The
-    /// NCCL side is made anew among the survivors (the parent's may be
-    /// broken), as at init, on the same device.
-    pub(crate) fn shrink(
-        &mut self,
-        exclude: &[usize],
-        timeout: Duration,
-    ) -> Result<(usize, Engine)> {
-        let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
-        let (rank, mut socket) =
-            self.socket
-                .shrink(exclude, self.signal.lost_ranks(), signal.clone(), timeout)?;
-        let size = socket.roster().addrs.len();
-        let ledger = Arc::new(Ledger::new(size, None));
-        let mut options = self.options.clone();
-        options.timeout = timeout;
-        let nccl = match self.nccl.is_some() {
-            true => super::nccl::establish(
-                &mut |call: &Call| {
-                    let seq = ledger.number(call);
-                    // SAFETY: establish passes calls on its own live buffers.
-                    unsafe { socket.run(call, seq) }
-                },
-                &options,
-                rank,
-                size,
-                self.device_rank,
-                false,
-            )?,
-            false => None,
-        };
-        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
-        Ok((
-            rank,
-            Engine {
-                rank,
-                timeout,
-                signal,
-                socket,
-                nccl,
-                cuda: self.cuda,
-                staging: StagingPool::default(),
-                ledger,
-                messages,
-                options,
-                device_rank: self.device_rank,
-            },
-        ))
+    /// What a shrink of this communicator needs (see `Shrinker`), taken
+    /// under the engine's lock, which the shrink then does not hold.
+    pub(crate) fn shrinker(&self) -> Shrinker {
+        Shrinker {
+            survivors: self.socket.survivors(),
+            lost: self.signal.lost_ranks(),
+            options: self.options.clone(),
+            device_rank: self.device_rank,
+            cuda: self.cuda,
+            nccl: self.nccl.is_some(),
+        }
     }
 
     /// Tells the peers this rank aborted and makes the running call end.

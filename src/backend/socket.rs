@@ -401,12 +401,33 @@ impl SocketBackend {
         Ok(Some((new_rank, child)))
     }
 
-    /// A communicator of this one's ranks but `exclude` and those that
-    /// failed, agreed among the survivors over fresh connections (see
-    /// `transport::shrink`), whatever state this one is in. `failed`: the
-    /// ranks this rank knows failed. Returns the new rank and backend.
+    /// What a shrink of this communicator needs, apart from its backend
+    /// (so that the shrink holds no lock a concurrent abort needs).
+    pub fn survivors(&self) -> Survivors {
+        Survivors {
+            endpoint: self.endpoint.clone(),
+            roster: self.roster.clone(),
+            rank: self.rank,
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+/// A shrink of a socket communicator (see `SocketBackend::survivors`).
+pub struct Survivors {
+    endpoint: Arc<Endpoint>,
+    roster: Roster,
+    rank: usize,
+    settings: Settings,
+}
+
+impl Survivors {
+    /// A communicator of the ranks but `exclude` and those that failed,
+    /// agreed among the survivors over fresh connections (see
+    /// `transport::shrink`), whatever state the parent is in. `failed`:
+    /// the ranks this rank knows failed. Returns the new rank and backend.
     pub fn shrink(
-        &self,
+        self,
         exclude: &[usize],
         failed: Vec<usize>,
         signal: Arc<AbortSignal>,
@@ -416,7 +437,7 @@ impl SocketBackend {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| {
             Error::system(format!("binding a listener on {ip} for comm_shrink"), &e)
         })?;
-        crate::transport::mesh::widen_backlog(&listener, self.size);
+        crate::transport::mesh::widen_backlog(&listener, self.roster.addrs.len());
         let port = listener
             .local_addr()
             .map_err(|e| Error::system("local_addr", &e))?
@@ -433,7 +454,7 @@ impl SocketBackend {
             .ok_or_else(|| Error::internal("a shrink's decision left its own rank out"))?;
         let settings = Settings {
             timeout,
-            ..self.settings.clone()
+            ..self.settings
         };
         let child = SocketBackend::connect(new_rank, roster, &listener, signal, settings)?;
         Ok((new_rank, child))

@@ -426,7 +426,10 @@ impl Comm {
         }
         // Queued calls end first (at once on a failed communicator).
         self.runner.drain("rdist_comm_shrink")?;
-        let (rank, engine) = self.runner.engine().shrink(exclude, timeout)?;
+        // The agreement runs without the engine's lock: another thread may
+        // abort this communicator meanwhile.
+        let shrinker = self.runner.engine().shrinker();
+        let (rank, engine) = shrinker.shrink(exclude, timeout)?;
         let size = engine.roster().addrs.len();
         let local_rank = engine.roster().local_rank(rank);
         Ok(Comm::with_engine(
