@@ -1046,7 +1046,7 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
     // Device buffers went to NCCL, on non-blocking communicators (the
     // Rust API's and the C ABI's).
     let inits = nccl_lines(&log, "init");
-    assert_eq!(inits.len(), 3, "{log}");
+    assert_eq!(inits.len(), 2, "{log}");
     assert!(inits.iter().all(|l| l.contains("blocking=0")), "{log}");
     for op in [
         "ncclAllReduce",
@@ -1077,12 +1077,29 @@ fn world_of_one_runs_every_collective_and_dtype_on_nccl() {
             "NCCL failed a call: {l}"
         );
     }
-    // Split, and every communicator finalized and destroyed at the end,
-    // none aborted: the main one, the C ABI's, the split's and the
-    // shrink's (made anew: an init of its own).
+    // Split, and a healthy shrink by NCCL's own ncclCommShrink; every
+    // communicator finalized and destroyed at the end, none aborted: the
+    // main one, the C ABI's, the split's and the shrink's.
     assert_eq!(nccl_lines(&log, "split").len(), 1, "{log}");
+    let shrinks = nccl_lines(&log, "shrink");
+    assert_eq!(shrinks.len(), 1, "{log}");
+    assert!(shrinks[0].contains("result=7"), "{log}");
     assert_eq!(nccl_lines(&log, "destroy").len(), 4, "{log}");
     assert!(nccl_lines(&log, "abort").is_empty(), "{log}");
+}
+
+#[test]
+fn a_shrink_whose_ncclcommshrink_fails_makes_a_new_nccl_communicator() {
+    let (_, log) = run_role(
+        "nccl_world1",
+        &[("RDIST_STUB_NCCL_SHRINK_FAILS", "1")],
+        true,
+    );
+    let shrinks = nccl_lines(&log, "shrink");
+    assert_eq!(shrinks.len(), 1, "{log}");
+    assert!(shrinks[0].contains("result=3"), "{log}");
+    // The survivors' communicator made anew: a third init, device work on it.
+    assert_eq!(nccl_lines(&log, "init").len(), 3, "{log}");
 }
 
 #[test]

@@ -490,6 +490,7 @@ fn the_hand_written_abi_matches_the_installed_nccl_header() {
          SAME(ncclCommFinalize, R (*)(ncclComm_t));\n\
          SAME(ncclCommGetAsyncError, R (*)(ncclComm_t, ncclResult_t *));\n\
          SAME(ncclCommSplit, R (*)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *));\n\
+         SAME(ncclCommShrink, R (*)(ncclComm_t, int *, int, ncclComm_t *, ncclConfig_t *, int));\n\
          SAME(ncclAllReduce, R (*)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t));\n\
          SAME(ncclBroadcast, R (*)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t));\n\
          SAME(ncclReduce, R (*)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, int, ncclComm_t, cudaStream_t));\n\

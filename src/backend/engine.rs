@@ -14,7 +14,8 @@ use super::route::{self, Route};
 use super::socket::{Settings, SocketBackend, Survivors};
 use super::staging::StagingPool;
 use crate::algorithms::Algo;
-use crate::call::Call;
+use crate::call::{Call, Data, RawBuf};
+use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{Backend, LogLevel, Options};
@@ -85,63 +86,62 @@ impl Aborter {
 
 /// A shrink of a communicator (see `Comm::shrink`): every rank but those
 /// excluded and the failed, agreed among them, without the parent's
-/// engine lock (a concurrent rdist_comm_abort takes it). The NCCL side is
-/// made anew among the survivors (the parent's may be broken), as at
-/// init, on the same device.
+/// engine lock (a concurrent rdist_comm_abort takes it); then
+/// `Engine::shrunk` makes the NCCL side.
 pub(crate) struct Shrinker {
     survivors: Survivors,
     /// The ranks the parent lost, as this rank knows.
     lost: Vec<usize>,
-    options: Options,
-    device_rank: usize,
-    cuda: Option<&'static Cuda>,
-    /// Whether the parent has NCCL.
-    nccl: bool,
+}
+
+/// A shrink's socket side, done: what `Engine::shrunk` completes.
+pub(crate) struct Shrunk {
+    rank: usize,
+    socket: SocketBackend,
+    signal: Arc<AbortSignal>,
+    /// Parent ranks left out.
+    left_out: Vec<usize>,
+    timeout: Duration,
+    /// Whether this rank knew the parent lost a rank.
+    lost_any: bool,
 }
 
 impl Shrinker {
-    pub(crate) fn shrink(self, exclude: &[usize], timeout: Duration) -> Result<(usize, Engine)> {
+    pub(crate) fn agree(self, exclude: &[usize], timeout: Duration) -> Result<Shrunk> {
         let signal = Arc::new(AbortSignal::new().map_err(|e| Error::system("eventfd", &e))?);
-        let (rank, mut socket) =
+        let lost_any = !self.lost.is_empty();
+        let (rank, socket, left_out) =
             self.survivors
                 .shrink(exclude, self.lost, signal.clone(), timeout)?;
-        let size = socket.roster().addrs.len();
-        let ledger = Arc::new(Ledger::new(size, None));
-        let mut options = self.options;
-        options.timeout = timeout;
-        let nccl = match self.nccl {
-            true => super::nccl::establish(
-                &mut |call: &Call| {
-                    let seq = ledger.number(call);
-                    // SAFETY: establish passes calls on its own live buffers.
-                    unsafe { socket.run(call, seq) }
-                },
-                &options,
-                rank,
-                size,
-                self.device_rank,
-                false,
-            )?,
-            false => None,
-        };
-        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
-        Ok((
+        Ok(Shrunk {
             rank,
-            Engine {
-                rank,
-                timeout,
-                signal,
-                socket,
-                nccl,
-                cuda: self.cuda,
-                staging: StagingPool::default(),
-                ledger,
-                messages,
-                options,
-                device_rank: self.device_rank,
-            },
-        ))
+            socket,
+            signal,
+            left_out,
+            timeout,
+            lost_any,
+        })
     }
+}
+
+/// Whether every rank of `socket`'s communicator says `yes` (an
+/// allgather of one byte each).
+fn all_say(socket: &mut SocketBackend, ledger: &Ledger, yes: bool) -> Result<bool> {
+    let size = socket.roster().addrs.len();
+    let mine = [yes as u8];
+    let mut all = vec![0u8; size];
+    let call = Call::AllGather {
+        send: RawBuf::of(&mine),
+        recv: RawBuf::new(all.as_mut_ptr(), size),
+        data: Data {
+            count: 1,
+            dtype: DType::Uint8,
+        },
+    };
+    let seq = ledger.number(&call);
+    // SAFETY: both buffers live until the call returns.
+    unsafe { socket.run(&call, seq) }?;
+    Ok(all.iter().all(|b| *b == 1))
 }
 
 impl Engine {
@@ -435,16 +435,87 @@ impl Engine {
     }
 
     /// What a shrink of this communicator needs (see `Shrinker`), taken
-    /// under the engine's lock, which the shrink then does not hold.
+    /// under the engine's lock, which the agreement then does not hold.
     pub(crate) fn shrinker(&self) -> Shrinker {
         Shrinker {
             survivors: self.socket.survivors(),
             lost: self.signal.lost_ranks(),
-            options: self.options.clone(),
-            device_rank: self.device_rank,
-            cuda: self.cuda,
-            nccl: self.nccl.is_some(),
         }
+    }
+
+    /// Completes a shrink of this communicator into an engine. Its NCCL
+    /// side: a healthy shrink (no rank lost, this one not aborted, every
+    /// survivor's NCCL able to) is NCCL's own ncclCommShrink (2.27 and
+    /// newer), a call on this communicator's NCCL; otherwise a fresh NCCL
+    /// communicator of the survivors, as at init (this one's may be
+    /// broken), on the same device. Every survivor makes the same choice.
+    pub(crate) fn shrunk(&self, shrunk: Shrunk) -> Result<(usize, Engine)> {
+        let Shrunk {
+            rank,
+            mut socket,
+            signal,
+            left_out,
+            timeout,
+            lost_any,
+        } = shrunk;
+        let size = socket.roster().addrs.len();
+        let ledger = Arc::new(Ledger::new(size, None));
+        let mut options = self.options.clone();
+        options.timeout = timeout;
+        let nccl = match &self.nccl {
+            None => None,
+            Some(parent) => {
+                let healthy = !lost_any && !self.signal.is_aborted() && parent.can_shrink();
+                let mut shrunk = None;
+                if all_say(&mut socket, &ledger, healthy)? {
+                    match parent.shrink(&left_out, (rank, size)) {
+                        Ok(c) => shrunk = Some(c),
+                        Err(e) => log::emit(
+                            LogLevel::Warn,
+                            Some(self.rank),
+                            &format!("ncclCommShrink failed ({e}); making a new NCCL communicator of the survivors instead"),
+                        ),
+                    }
+                    if !all_say(&mut socket, &ledger, shrunk.is_some())? {
+                        if let Some(c) = shrunk.take() {
+                            c.abort();
+                        }
+                    }
+                }
+                match shrunk {
+                    Some(c) => Some(c),
+                    None => super::nccl::establish(
+                        &mut |call: &Call| {
+                            let seq = ledger.number(call);
+                            // SAFETY: establish passes calls on its own live buffers.
+                            unsafe { socket.run(call, seq) }
+                        },
+                        &options,
+                        rank,
+                        size,
+                        self.device_rank,
+                        false,
+                    )?,
+                }
+            }
+        };
+        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
+        Ok((
+            rank,
+            Engine {
+                rank,
+                timeout,
+                signal,
+                socket,
+                nccl,
+                cuda: self.cuda,
+                staging: StagingPool::default(),
+                ledger,
+                messages,
+                options,
+                device_rank: self.device_rank,
+            },
+        ))
     }
 
     /// Tells the peers this rank aborted and makes the running call end.

@@ -425,14 +425,15 @@ impl Survivors {
     /// A communicator of the ranks but `exclude` and those that failed,
     /// agreed among the survivors over fresh connections (see
     /// `transport::shrink`), whatever state the parent is in. `failed`:
-    /// the ranks this rank knows failed. Returns the new rank and backend.
+    /// the ranks this rank knows failed. Returns the new rank and
+    /// backend, and the ranks left out (in the parent's numbering).
     pub fn shrink(
         self,
         exclude: &[usize],
         failed: Vec<usize>,
         signal: Arc<AbortSignal>,
         timeout: Duration,
-    ) -> Result<(usize, SocketBackend)> {
+    ) -> Result<(usize, SocketBackend, Vec<usize>)> {
         let ip = self.roster.addrs[self.rank].ip();
         let listener = TcpListener::bind((ip, 0)).map_err(|e| {
             Error::system(format!("binding a listener on {ip} for comm_shrink"), &e)
@@ -456,7 +457,10 @@ impl Survivors {
             timeout,
             ..self.settings
         };
+        let left_out = (0..self.roster.addrs.len())
+            .filter(|r| decision.members.iter().all(|(m, _)| m != r))
+            .collect();
         let child = SocketBackend::connect(new_rank, roster, &listener, signal, settings)?;
-        Ok((new_rank, child))
+        Ok((new_rank, child, left_out))
     }
 }

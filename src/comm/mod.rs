@@ -429,7 +429,9 @@ impl Comm {
         // The agreement runs without the engine's lock: another thread may
         // abort this communicator meanwhile.
         let shrinker = self.runner.engine().shrinker();
-        let (rank, engine) = shrinker.shrink(exclude, timeout)?;
+        let shrunk = shrinker.agree(exclude, timeout)?;
+        // NCCL's side may be a call on this communicator's NCCL.
+        let (rank, engine) = self.runner.engine().shrunk(shrunk)?;
         let size = engine.roster().addrs.len();
         let local_rank = engine.roster().local_rank(rank);
         Ok(Comm::with_engine(

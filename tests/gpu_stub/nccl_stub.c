@@ -655,6 +655,32 @@ EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
     return r;
 }
 
+/* Multi-rank shrinking is not simulated either: with no rank to leave
+ * out, the new comm has 1 rank, made as a split's child is. Faults:
+ * RDIST_STUB_NCCL_SHRINK_FAILS=1 makes it fail (ncclInternalError). */
+EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                                   ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags)
+{
+    struct nccl_comm *p = NULL;
+    ncclResult_t r;
+    lock();
+    if (excludeRanksCount < 0 || (excludeRanksCount > 0 && !excludeRanksList))
+        r = fail(ncclInvalidArgument, "ncclCommShrink: %d ranks to exclude at %p", excludeRanksCount,
+                 (void *)excludeRanksList);
+    else if (excludeRanksCount > 0)
+        r = fail(ncclInvalidArgument, "ncclCommShrink: a world of one cannot leave a rank out");
+    else if (shrinkFlags != 0 && shrinkFlags != 1)
+        r = fail(ncclInvalidArgument, "ncclCommShrink: flags %d", shrinkFlags);
+    else if (getenv("RDIST_STUB_NCCL_SHRINK_FAILS"))
+        r = fail(ncclInternalError, "ncclCommShrink: failing as RDIST_STUB_NCCL_SHRINK_FAILS asks");
+    else
+        r = split_locked(comm, 0, newcomm, config, &p);
+    unlock();
+    stub_log("shrink rank=%d nranks=%d exclude=%d flags=%d comm=%p result=%d", p ? p->rank : -1, p ? p->nranks : -1,
+             excludeRanksCount, shrinkFlags, (void *)comm, r);
+    return r;
+}
+
 /* ------------------------------------------------------------------ */
 /* Operations                                                          */
 /* ------------------------------------------------------------------ */

@@ -111,6 +111,17 @@ pub struct Api {
             *mut ncclConfig_t,
         ) -> RawResult,
     >,
+    /// NCCL 2.27 and newer.
+    pub ncclCommShrink: Option<
+        unsafe extern "C" fn(
+            ncclComm_t,
+            *mut c_int,
+            c_int,
+            *mut ncclComm_t,
+            *mut ncclConfig_t,
+            c_int,
+        ) -> RawResult,
+    >,
     pub ncclAllReduce: Option<
         unsafe extern "C" fn(
             *const c_void,
@@ -191,7 +202,7 @@ pub struct Api {
 }
 
 /// The names of the optional entry points of [`Api`], in declaration order.
-pub const OPTIONAL_SYMBOLS: [&str; 16] = [
+pub const OPTIONAL_SYMBOLS: [&str; 17] = [
     "ncclGetLastError",
     "ncclCommInitRankConfig",
     "ncclCommAbort",
@@ -199,6 +210,7 @@ pub const OPTIONAL_SYMBOLS: [&str; 16] = [
     "ncclCommFinalize",
     "ncclCommGetAsyncError",
     "ncclCommSplit",
+    "ncclCommShrink",
     "ncclAllReduce",
     "ncclBroadcast",
     "ncclReduce",
@@ -234,6 +246,7 @@ impl NcclLibrary {
             a.ncclCommFinalize.is_some(),
             a.ncclCommGetAsyncError.is_some(),
             a.ncclCommSplit.is_some(),
+            a.ncclCommShrink.is_some(),
             a.ncclAllReduce.is_some(),
             a.ncclBroadcast.is_some(),
             a.ncclReduce.is_some(),
@@ -497,6 +510,7 @@ fn resolve_api(lib: &libloading::Library) -> Result<Api, String> {
         ncclCommFinalize: optional!(ncclCommFinalize),
         ncclCommGetAsyncError: optional!(ncclCommGetAsyncError),
         ncclCommSplit: optional!(ncclCommSplit),
+        ncclCommShrink: optional!(ncclCommShrink),
         ncclAllReduce: optional!(ncclAllReduce),
         ncclBroadcast: optional!(ncclBroadcast),
         ncclReduce: optional!(ncclReduce),

@@ -491,7 +491,7 @@ pub(super) mod tests {
     /// early still reaches its call.
     #[test]
     fn stalled_collectives_read_ahead() {
-        let n = read_ahead_rounds(2, Duration::from_millis(60), Duration::from_millis(1));
+        let n = read_ahead_rounds(2, Duration::from_millis(200), Duration::from_millis(1));
         assert_eq!(n, 2, "read ahead in {n} of 2 stalled rounds");
     }
 

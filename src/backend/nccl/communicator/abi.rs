@@ -17,6 +17,9 @@ pub(super) const NCCL_REMOTE_ERROR: RawResult = 6;
 pub(super) const NCCL_IN_PROGRESS: RawResult = 7;
 /// `NCCL_SPLIT_NOCOLOR`.
 pub(super) const NCCL_SPLIT_NOCOLOR: i32 = -1;
+/// `NCCL_SHRINK_DEFAULT` and `NCCL_SHRINK_ABORT`.
+pub(super) const NCCL_SHRINK_DEFAULT: i32 = 0;
+pub(super) const NCCL_SHRINK_ABORT: i32 = 1;
 /// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` puts in `magic`.
 const NCCL_API_MAGIC: u32 = 0xcafe_beef;
 /// `NCCL_CONFIG_UNDEF_INT`: "NCCL's default" for an int field.
@@ -26,7 +29,7 @@ const NCCL_CONFIG_UNDEF_INT: i32 = i32::MIN;
 const CONFIG_VERSION: u32 = 21_700;
 
 /// The entry points the backend cannot run without (the others are
-/// optional: split, finalize, last error).
+/// optional: split, shrink, finalize, last error).
 pub const REQUIRED: [&str; 13] = [
     "ncclCommInitRankConfig",
     "ncclCommAbort",
@@ -110,6 +113,8 @@ pub fn abi_constants() -> Vec<(&'static str, i64)> {
         ("ncclRemoteError", NCCL_REMOTE_ERROR as i64),
         ("ncclInProgress", NCCL_IN_PROGRESS as i64),
         ("NCCL_SPLIT_NOCOLOR", NCCL_SPLIT_NOCOLOR as i64),
+        ("NCCL_SHRINK_DEFAULT", NCCL_SHRINK_DEFAULT as i64),
+        ("NCCL_SHRINK_ABORT", NCCL_SHRINK_ABORT as i64),
         ("NCCL_API_MAGIC", NCCL_API_MAGIC as i64),
         ("NCCL_CONFIG_UNDEF_INT", NCCL_CONFIG_UNDEF_INT as i64),
         (

@@ -15,10 +15,10 @@ use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::ReduceOp;
-use abi::{dtype, op, Config, NCCL_SPLIT_NOCOLOR};
+use abi::{dtype, op, Config, NCCL_SHRINK_DEFAULT, NCCL_SPLIT_NOCOLOR};
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclUniqueId};
 use handle::Held;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use watchdog::{Watchdog, Watched};
@@ -471,36 +471,93 @@ impl NcclComm {
                 ),
             ));
         };
+        let color = if color < 0 { NCCL_SPLIT_NOCOLOR } else { color };
+        // SAFETY: a live communicator, the slot and a config NCCL copies
+        // before returning (see `child`).
+        let start = |parent, slot, config| unsafe { split(parent, color, key, slot, config) };
+        self.child("ncclCommSplit", &start, color != NCCL_SPLIT_NOCOLOR, shape)
+    }
+
+    /// Whether the loaded NCCL has ncclCommShrink (2.27 and newer) and this
+    /// communicator can still take part in one.
+    pub fn can_shrink(&self) -> bool {
+        self.raw.lib.api.ncclCommShrink.is_some()
+            && !self.raw.is_aborted()
+            && self.failure().is_none()
+    }
+
+    /// `ncclCommShrink`, collective over the ranks that stay (`exclude`:
+    /// the others, in this communicator's numbering); `shape` is this
+    /// rank's (rank, size) in the new one, as the socket side's agreement
+    /// decided it (the same order: NCCL keeps the old one).
+    pub fn shrink(&self, exclude: &[usize], shape: (usize, usize)) -> Result<NcclComm> {
+        let lib = self.raw.lib;
+        let Some(shrink) = lib.api.ncclCommShrink else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "NCCL {} has no ncclCommShrink (it came in NCCL 2.27)",
+                    lib.version
+                ),
+            ));
+        };
+        let mut list: Vec<c_int> = exclude.iter().map(|r| *r as c_int).collect();
+        let count = list.len() as c_int;
+        let list_ptr = if list.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            list.as_mut_ptr()
+        };
+        // SAFETY: as for split; the list outlives the call, which reads
+        // it before returning.
+        let start = |parent, slot, config| unsafe {
+            shrink(parent, list_ptr, count, slot, config, NCCL_SHRINK_DEFAULT)
+        };
+        self.child("ncclCommShrink", &start, true, Some(shape))?
+            .ok_or_else(|| Error::internal("ncclCommShrink made no communicator"))
+    }
+
+    /// Runs `start` (a split or a shrink: NCCL makes a child communicator
+    /// of this one) and waits, bounded, for the child. `joins`: this rank
+    /// is in the child (NCCL makes none otherwise).
+    fn child(
+        &self,
+        what: &'static str,
+        start: &dyn Fn(ncclComm_t, *mut ncclComm_t, *mut ncclConfig_t) -> RawResult,
+        joins: bool,
+        shape: Option<(usize, usize)>,
+    ) -> Result<Option<NcclComm>> {
+        let lib = self.raw.lib;
         let deadline = Instant::now() + self.timeout;
         let _ctx = ContextGuard::push(self.context)?;
         let mut config = Config::non_blocking();
-        let color = if color < 0 { NCCL_SPLIT_NOCOLOR } else { color };
-        // A non-blocking split finishes in NCCL's own thread, which stores
+        // A non-blocking child finishes in NCCL's own thread, which stores
         // the new communicator through this pointer when it is done (it
         // stays NULL until then): the slot must outlive that thread's
         // work, so it lives on the heap and is leaked if the wait fails.
         let slot_ptr: *mut ncclComm_t = Box::into_raw(Box::new(std::ptr::null_mut()));
         let settled = self.raw.hold().and_then(|held| {
-            // SAFETY: a live communicator, the slot above and a config
-            // NCCL copies before returning.
-            let rc = held.call(|parent| unsafe {
-                split(
+            let rc = held.call(|parent| {
+                start(
                     parent,
-                    color,
-                    key,
                     slot_ptr,
                     (&mut config as *mut Config).cast::<ncclConfig_t>(),
                 )
             });
-            // NCCL reports the split's progress on the parent.
-            held.settle("ncclCommSplit", rc, deadline)
+            // NCCL reports the child's progress on the parent.
+            held.settle(what, rc, deadline)
         });
         if let Err(e) = settled {
-            // The ranks are out of step now: the parent cannot go on.
-            self.watchdog.fail(e.clone());
+            // After a split the ranks are out of step: the parent cannot
+            // go on. A shrink that failed is replaced by a new
+            // communicator, and the parent stays as it was (NCCL reports
+            // on it if it is broken).
+            if what == "ncclCommSplit" {
+                self.watchdog.fail(e.clone());
+            }
             return Err(e);
         }
-        if color == NCCL_SPLIT_NOCOLOR {
+        if !joins {
             // NCCL's init thread may still store NULL through the slot
             // after the parent is idle: it is left to it (8 bytes).
             return match shape {
@@ -514,7 +571,7 @@ impl NcclComm {
             // NCCL stores the child only when its own init thread ends,
             // which may be after the parent is idle again (NCCL 2.28 does
             // this): wait for the store (then for the child, below).
-            match self.await_split_child(slot_ptr, deadline) {
+            match self.await_split_child(slot_ptr, deadline, what) {
                 Ok(comm) => {
                     // SAFETY: the store was NCCL's last touch of the slot.
                     drop(unsafe { Box::from_raw(slot_ptr) });
@@ -537,7 +594,7 @@ impl NcclComm {
         // The child's own state reads ncclInProgress until its init is done.
         let settled = raw
             .hold()
-            .and_then(|h| h.settle("ncclCommSplit", abi::NCCL_IN_PROGRESS, deadline));
+            .and_then(|h| h.settle(what, abi::NCCL_IN_PROGRESS, deadline));
         if let Err(e) = settled {
             raw.abort();
             self.watchdog.fail(e.clone());
@@ -560,7 +617,12 @@ impl NcclComm {
     /// Waits (until `deadline`) for NCCL to store a split's child in
     /// `slot`; returns the child (whose init may still be running). An
     /// error on the parent, or an abort, ends the wait.
-    fn await_split_child(&self, slot: *mut ncclComm_t, deadline: Instant) -> Result<ncclComm_t> {
+    fn await_split_child(
+        &self,
+        slot: *mut ncclComm_t,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<ncclComm_t> {
         // SAFETY: the slot is a live, aligned heap word that NCCL's init
         // thread writes with an atomic store.
         let cell = unsafe { std::sync::atomic::AtomicPtr::from_ptr(slot) };
@@ -572,13 +634,13 @@ impl NcclComm {
             }
             // A failed split may never store: NCCL reports it on the parent.
             if let Some(Err(e)) = self.raw.try_async_state() {
-                return Err(e.context("ncclCommSplit"));
+                return Err(e.context(what));
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::new(
                     ErrorKind::Timeout,
-                    "ncclCommSplit had made no communicator by the timeout",
+                    format!("{what} had made no communicator by the timeout"),
                 ));
             }
             std::thread::sleep(pause.min(deadline - now));
