@@ -415,23 +415,36 @@ impl Engine {
         };
         let size = socket.roster().addrs.len();
         let ledger = Arc::new(Ledger::new(size, None));
+        let options = self.options.clone();
+        let child = self.child(rank, signal, socket, nccl, ledger, options);
+        Ok(Some((rank, child)))
+    }
+
+    /// A child communicator's engine (a split's, a shrink's): its own
+    /// connections, NCCL, ledger and messages; this one's CUDA and device.
+    fn child(
+        &self,
+        rank: usize,
+        signal: Arc<AbortSignal>,
+        socket: SocketBackend,
+        nccl: Option<NcclComm>,
+        ledger: Arc<Ledger>,
+        options: Options,
+    ) -> Engine {
         let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
-        Ok(Some((
+        Engine {
             rank,
-            Engine {
-                rank,
-                timeout: self.timeout,
-                signal,
-                socket,
-                nccl,
-                cuda: self.cuda,
-                staging: StagingPool::default(),
-                ledger,
-                messages,
-                options: self.options.clone(),
-                device_rank: self.device_rank,
-            },
-        )))
+            timeout: options.timeout,
+            signal,
+            socket,
+            nccl,
+            cuda: self.cuda,
+            staging: StagingPool::default(),
+            ledger,
+            messages,
+            options,
+            device_rank: self.device_rank,
+        }
     }
 
     /// What a shrink of this communicator needs (see `Shrinker`), taken
@@ -499,22 +512,9 @@ impl Engine {
                 }
             }
         };
-        let messages = Arc::new(Messages::new(socket.endpoint(), ledger.clone()));
         Ok((
             rank,
-            Engine {
-                rank,
-                timeout,
-                signal,
-                socket,
-                nccl,
-                cuda: self.cuda,
-                staging: StagingPool::default(),
-                ledger,
-                messages,
-                options,
-                device_rank: self.device_rank,
-            },
+            self.child(rank, signal, socket, nccl, ledger, options),
         ))
     }
 

@@ -154,26 +154,33 @@ impl Inbox {
 /// says the two ranks are at different shrinks.
 fn reply(c: &mut Caller, epoch: u16, bytes: &[u8], me: usize) {
     if c.epoch == epoch {
-        send_answer(c, bytes);
+        send_answer(&mut c.stream, bytes);
         return;
     }
     let why = format!(
         "rank {} is at shrink #{} of this communicator and rank {me} at #{epoch}: every remaining rank must call rdist_comm_shrink as often",
         c.rank, c.epoch
     );
-    send_answer(c, &Answer::Refused(why).encode());
+    send_answer(&mut c.stream, &Answer::Refused(why).encode());
 }
 
 fn refuse(c: &mut Caller, why: &str, me: usize) {
     let why = Answer::Refused(format!("rank {me}: {why}"));
-    send_answer(c, &why.encode());
+    send_answer(&mut c.stream, &why.encode());
 }
 
 /// Writes an answer without blocking the writer long (the endpoint's
 /// thread among them): a caller that stopped reading loses it.
-fn send_answer(c: &mut Caller, bytes: &[u8]) {
-    let _ = c.stream.set_write_timeout(Some(Duration::from_millis(200)));
-    let _ = write_frame(&mut c.stream, bytes);
+fn send_answer(stream: &mut TcpStream, bytes: &[u8]) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(200)));
+    let _ = write_frame(stream, bytes);
+}
+
+/// Gives every held ballot's sender `bytes`.
+fn answer_all(held: Vec<(usize, TcpStream)>, bytes: &[u8]) {
+    for (_, mut stream) in held {
+        send_answer(&mut stream, bytes);
+    }
 }
 
 /// Whether a greeted hello is a shrink's rather than a pair's.
@@ -230,7 +237,7 @@ pub fn admit(inbox: &Inbox, spec: &MeshSpec, b: &[u8; HELLO_BYTES], mut s: TcpSt
                 if *settled == epoch {
                     let bytes = bytes.clone();
                     drop(st);
-                    send_answer(&mut c, &bytes);
+                    send_answer(&mut c.stream, &bytes);
                     return;
                 }
             }
@@ -785,16 +792,7 @@ fn coordinate(
                     Step::Answered(a) => a.encode(),
                     _ => unreachable!("a probe steps down or answers"),
                 };
-                for (r, stream) in held {
-                    send_answer(
-                        &mut Caller {
-                            rank: r,
-                            epoch,
-                            stream,
-                        },
-                        &to,
-                    );
-                }
+                answer_all(held, &to);
                 return Ok(step);
             }
             next_probe = Instant::now() + probe_every;
@@ -806,17 +804,7 @@ fn coordinate(
         wait_for(&fds, next_probe.min(give_up).saturating_duration_since(now));
     };
     inbox.settle(epoch, &answer, me);
-    let bytes = answer.encode();
-    for (r, stream) in held {
-        send_answer(
-            &mut Caller {
-                rank: r,
-                epoch,
-                stream,
-            },
-            &bytes,
-        );
-    }
+    answer_all(held, &answer.encode());
     Ok(Step::Answered(answer))
 }
 

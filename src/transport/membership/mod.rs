@@ -7,6 +7,7 @@
 
 pub mod hosts;
 pub mod packed;
+mod reader;
 pub mod roster;
 pub mod split;
 pub mod survivors;

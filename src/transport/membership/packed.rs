@@ -6,6 +6,7 @@
 //! were 60 KiB a rank, and parsing them was most of a rank's init.
 
 use super::hosts::HostId;
+use super::reader::Reader;
 use crate::error::{Error, ErrorKind, Result};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::Arc;
@@ -178,7 +179,7 @@ fn index_of<T: PartialEq>(list: &mut Vec<T>, item: T) -> u32 {
 
 /// The roster from its value; None when the value is not one.
 pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
-    let mut r = Reader(bytes);
+    let mut r = Reader::new(bytes);
     if r.take(2)? != MAGIC {
         return None;
     }
@@ -187,7 +188,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
     let mut hosts = Vec::with_capacity(host_count.min(bytes.len()));
     let mut boards = Vec::with_capacity(host_count.min(bytes.len()));
     for _ in 0..host_count {
-        let len = u16::from_le_bytes(r.take(2)?.try_into().ok()?) as usize;
+        let len = r.u16()? as usize;
         let host = HostId::from(String::from_utf8_lossy(r.take(len)?));
         let (pid, fd) = (r.u32()?, r.u32()? as i32);
         boards.push((host.clone(), (fd >= 0).then_some(BoardAt { pid, fd })));
@@ -208,10 +209,10 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
             _ => return None,
         });
     }
-    if r.0.len() != size.checked_mul(11)? {
+    if r.rest().len() != size.checked_mul(11)? {
         return None;
     }
-    let records = r.0.chunks_exact(11);
+    let records = r.rest().chunks_exact(11);
     let index = |rank: &[u8], at: usize| {
         u32::from_le_bytes([rank[at], rank[at + 1], rank[at + 2], rank[at + 3]]) as usize
     };
@@ -238,23 +239,6 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
         boards,
     };
     Some(listing)
-}
-
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Some(head)
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
 }
 
 #[cfg(test)]

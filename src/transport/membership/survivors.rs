@@ -4,6 +4,7 @@
 //! one decision, and the decision every survivor builds the same roster
 //! from. The agreement that carries them is `transport::shrink`.
 
+use super::reader::Reader;
 use super::roster::{fnv1a, Roster};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -46,40 +47,6 @@ fn put_ranks(b: &mut Vec<u8>, ranks: &[usize]) {
     }
 }
 
-/// Reads little-endian fields from a message, failing on a short one.
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Some(head)
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
-    /// A count of entries of `each` bytes, checked against what is left.
-    fn count(&mut self, each: usize) -> Option<usize> {
-        let n = self.u32()? as usize;
-        (n.checked_mul(each)? <= self.0.len()).then_some(n)
-    }
-    fn ranks(&mut self, size: usize) -> Option<Vec<usize>> {
-        let n = self.count(4)?;
-        (0..n)
-            .map(|_| self.u32().map(|r| r as usize).filter(|r| *r < size))
-            .collect()
-    }
-}
-
 impl Ballot {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(12 + 4 * (self.exclude.len() + self.failed.len()));
@@ -92,14 +59,14 @@ impl Ballot {
 
     /// None when the bytes are not a ballot of a world of `size`.
     pub fn decode(bytes: &[u8], size: usize) -> Option<Ballot> {
-        let mut r = Reader(bytes);
+        let mut r = Reader::new(bytes);
         let ballot = Ballot {
             epoch: r.u16()?,
             port: r.u16()?,
             exclude: r.ranks(size)?,
             failed: r.ranks(size)?,
         };
-        r.0.is_empty().then_some(ballot)
+        r.is_done().then_some(ballot)
     }
 }
 
@@ -136,7 +103,7 @@ impl Answer {
     /// None when the bytes are no answer about a world of `size`.
     pub fn decode(bytes: &[u8], size: usize) -> Option<Answer> {
         let (&tag, rest) = bytes.split_first()?;
-        let mut r = Reader(rest);
+        let mut r = Reader::new(rest);
         let answer = match tag {
             DECIDED => {
                 let epoch = r.u16()?;
@@ -158,7 +125,7 @@ impl Answer {
             REFUSED => return Some(Answer::Refused(String::from_utf8_lossy(rest).into_owned())),
             _ => return None,
         };
-        r.0.is_empty().then_some(answer)
+        r.is_done().then_some(answer)
     }
 }
 
