@@ -375,7 +375,13 @@ fn bad_exclude_lists_are_refused_on_the_calling_rank() {
 fn ranks_that_pass_different_exclude_lists_fail_with_a_mismatch() {
     let results = common::world(4, common::opts(10_000), Duration::from_secs(30), |comm| {
         let exclude: &[usize] = match comm.rank() {
-            0 | 1 => &[3],
+            0 => &[3],
+            // Its ballot comes last: the others must wait for it all the
+            // same (rank 2 alone leaves it out).
+            1 => {
+                std::thread::sleep(Duration::from_millis(300));
+                &[3]
+            }
             2 => &[1, 3],
             _ => return None,
         };

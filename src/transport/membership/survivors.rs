@@ -131,16 +131,15 @@ impl Answer {
 
 /// The coordinator's count: every rank of the parent ends up a member
 /// (its ballot came), failed (a ballot named it, or it did not answer a
-/// probe) or excluded (a ballot asked to leave it out).
+/// probe) or excluded (every ballot asked to leave it out).
 #[derive(Debug)]
 pub struct Tally {
     size: usize,
     epoch: u16,
-    /// Ranks whose ballot came, with their ports.
-    members: BTreeMap<usize, u16>,
+    /// Ranks whose ballot came, with their ports and the ranks they ask to
+    /// leave out.
+    members: BTreeMap<usize, (u16, Vec<usize>)>,
     failed: BTreeSet<usize>,
-    /// Ranks a ballot asked to leave out, with the first rank that asked.
-    excluded: BTreeMap<usize, usize>,
 }
 
 impl Tally {
@@ -151,7 +150,6 @@ impl Tally {
             epoch: mine.epoch,
             members: BTreeMap::new(),
             failed: BTreeSet::new(),
-            excluded: BTreeMap::new(),
         };
         t.count(me, mine);
         t
@@ -159,20 +157,33 @@ impl Tally {
 
     /// Counts `rank`'s ballot. A rank that sent one is alive whatever
     /// another believed; what it believes failed is failed unless it
-    /// sent a ballot too. The ranks to leave out add up: ballots may
-    /// differ by ranks that failed (each names what it knows), not by a
-    /// rank that calls rdist_comm_shrink (see `decide`).
+    /// sent a ballot too.
     pub fn count(&mut self, rank: usize, ballot: &Ballot) {
         self.failed.remove(&rank);
-        self.members.insert(rank, ballot.port);
-        for x in &ballot.exclude {
-            self.excluded.entry(*x).or_insert(rank);
-        }
+        let mut exclude = ballot.exclude.clone();
+        exclude.sort_unstable();
+        exclude.dedup();
+        self.members.insert(rank, (ballot.port, exclude));
         for f in &ballot.failed {
             if !self.members.contains_key(f) {
                 self.failed.insert(*f);
             }
         }
+    }
+
+    /// Whether every ballot so far asks to leave `rank` out.
+    fn excluded_by_all(&self, rank: usize) -> bool {
+        self.members
+            .values()
+            .all(|(_, ex)| ex.binary_search(&rank).is_ok())
+    }
+
+    /// The first rank whose ballot asks to leave `rank` out, if any.
+    fn excluded_by(&self, rank: usize) -> Option<usize> {
+        self.members
+            .iter()
+            .find(|(_, (_, ex))| ex.binary_search(&rank).is_ok())
+            .map(|(r, _)| *r)
     }
 
     /// Notes that `rank` did not answer (its ballot, if it sent one, no
@@ -199,14 +210,16 @@ impl Tally {
         self.failed.iter().copied()
     }
 
-    /// Ranks neither counted, failed nor excluded: the coordinator waits
-    /// for their ballots (and probes them).
+    /// Ranks neither counted, failed nor excluded by every ballot: the
+    /// coordinator waits for their ballots (and probes them). A rank some
+    /// ballots leave out and others do not is among them: lists may
+    /// differ by a failed rank (a probe finds it dead), not by a live one.
     pub fn undecided(&self) -> Vec<usize> {
         (0..self.size)
             .filter(|r| {
                 !self.members.contains_key(r)
                     && !self.failed.contains(r)
-                    && !self.excluded.contains_key(r)
+                    && !self.excluded_by_all(*r)
             })
             .collect()
     }
@@ -217,16 +230,14 @@ impl Tally {
     /// id, the shrink's number and the members; a refusal when a ballot
     /// asked to leave out a rank that called rdist_comm_shrink.
     pub fn decide(&self, parent_comm_id: u64) -> Answer {
-        if let Some((r, by)) = self
-            .excluded
-            .iter()
-            .find(|(r, _)| self.members.contains_key(r))
-        {
-            return Answer::Refused(format!(
-                "rank {by} asked to leave out rank {r}, which called rdist_comm_shrink: every rank must pass the same exclude_ranks (ranks that leave do not call it)"
-            ));
+        for r in self.members.keys() {
+            if let Some(by) = self.excluded_by(*r) {
+                return Answer::Refused(format!(
+                    "rank {by} asked to leave out rank {r}, which called rdist_comm_shrink: every rank must pass the same exclude_ranks (ranks that leave do not call it)"
+                ));
+            }
         }
-        let members: Vec<(usize, u16)> = self.members.iter().map(|(r, p)| (*r, *p)).collect();
+        let members: Vec<(usize, u16)> = self.members.iter().map(|(r, (p, _))| (*r, *p)).collect();
         let mut id_bytes = Vec::with_capacity(8 * members.len());
         for (r, _) in &members {
             id_bytes.extend_from_slice(&(*r as u32).to_le_bytes());
@@ -358,18 +369,23 @@ mod tests {
 
     #[test]
     fn exclude_lists_add_up_but_leaving_out_a_caller_is_refused() {
-        // Rank 2 also names rank 1, which calls: refused.
+        // Rank 2 also names rank 1, which calls: refused, whichever
+        // ballot comes first (rank 1, named by one list and not by
+        // another, is waited for).
         let mut t = Tally::new(4, 0, &ballot(100, &[3], &[]));
-        t.count(1, &ballot(101, &[3], &[]));
-        assert_eq!(t.undecided(), [2]);
         t.count(2, &ballot(102, &[1, 3], &[]));
+        assert_eq!(t.undecided(), [1]);
+        t.count(1, &ballot(101, &[3], &[]));
         let Answer::Refused(why) = t.decide(parent(4).comm_id) else {
             panic!("a caller was left out")
         };
         assert!(why.contains("rank 2 asked to leave out rank 1"), "{why}");
-        // Lists that differ by a failed rank add up.
+        // Lists that differ by a failed rank add up (the coordinator's
+        // probe finds it dead).
         let mut t = Tally::new(4, 0, &ballot(100, &[3], &[]));
         t.count(1, &ballot(101, &[2, 3], &[]));
+        assert_eq!(t.undecided(), [2]);
+        t.lost(2);
         assert!(t.undecided().is_empty());
         let Answer::Decided(d) = t.decide(parent(4).comm_id) else {
             panic!("no decision")
