@@ -145,7 +145,7 @@ fn shrink_worker() {
                 let pid = std::process::id();
                 let then = match mode {
                     "stopped" => format!("sleep 10; kill -9 {pid}"),
-                    _ => format!("sleep 6; kill -CONT {pid}"),
+                    _ => format!("sleep 8; kill -CONT {pid}"),
                 };
                 // It outlives this process (nobody waits for it).
                 let later = Command::new("sh").args(["-c", &then]).spawn().unwrap();
