@@ -150,9 +150,10 @@ impl Inbox {
     }
 }
 
-/// Answers a waiting ballot with `bytes` if it is of shrink `epoch`, else
-/// says the two ranks are at different shrinks.
+/// Answers a waiting ballot (not read) with `bytes` if it is of shrink
+/// `epoch`, else says the two ranks are at different shrinks.
 fn reply(c: &mut Caller, epoch: u16, bytes: &[u8], me: usize) {
+    skip_unread(&c.stream);
     if c.epoch == epoch {
         send_answer(&mut c.stream, bytes);
         return;
@@ -165,8 +166,21 @@ fn reply(c: &mut Caller, epoch: u16, bytes: &[u8], me: usize) {
 }
 
 fn refuse(c: &mut Caller, why: &str, me: usize) {
+    skip_unread(&c.stream);
     let why = Answer::Refused(format!("rank {me}: {why}"));
     send_answer(&mut c.stream, &why.encode());
+}
+
+/// Reads, without waiting, what the sender of an unread ballot sent: a
+/// socket closed with bytes unread resets the connection, and the reset
+/// can take the answer with it.
+fn skip_unread(stream: &TcpStream) {
+    let mut scratch = [0u8; 4096];
+    if stream.set_nonblocking(true).is_err() {
+        return;
+    }
+    while matches!((&*stream).read(&mut scratch), Ok(n) if n > 0) {}
+    let _ = stream.set_nonblocking(false);
 }
 
 /// Writes an answer without blocking the writer long (the endpoint's
