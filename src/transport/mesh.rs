@@ -53,8 +53,14 @@ pub enum Verdict {
 }
 
 fn hello(spec: &MeshSpec) -> [u8; HELLO_BYTES] {
+    hello_with(spec, HELLO_MAGIC)
+}
+
+/// A hello of this rank with `magic` (the pairs' own, or a shrink's):
+/// job, communicator, rank and world size; bytes 36..40 are left to it.
+pub(super) fn hello_with(spec: &MeshSpec, magic: u32) -> [u8; HELLO_BYTES] {
     let mut b = [0u8; HELLO_BYTES];
-    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[0..4].copy_from_slice(&magic.to_le_bytes());
     b[4..20].copy_from_slice(&spec.job);
     b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
     b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());

@@ -203,12 +203,7 @@ pub fn is_shrink_hello(hello: &[u8; HELLO_BYTES]) -> bool {
 }
 
 fn hello(spec: &MeshSpec, purpose: u8, epoch: u16) -> [u8; HELLO_BYTES] {
-    let mut b = [0u8; HELLO_BYTES];
-    b[0..4].copy_from_slice(&SHRINK_MAGIC.to_le_bytes());
-    b[4..20].copy_from_slice(&spec.job);
-    b[20..28].copy_from_slice(&spec.comm_id.to_le_bytes());
-    b[28..32].copy_from_slice(&(spec.rank as u32).to_le_bytes());
-    b[32..36].copy_from_slice(&(spec.size as u32).to_le_bytes());
+    let mut b = mesh::hello_with(spec, SHRINK_MAGIC);
     b[PURPOSE] = purpose;
     debug_assert_eq!(HELLO_AUTH_FLAG, 37);
     b[EPOCH..EPOCH + 2].copy_from_slice(&epoch.to_le_bytes());
