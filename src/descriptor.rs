@@ -73,7 +73,8 @@ impl OpKind {
         )
     }
 
-    fn has_reduction(self) -> bool {
+    /// Whether its receivers combine what they receive.
+    pub fn has_reduction(self) -> bool {
         matches!(
             self,
             OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter

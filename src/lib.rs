@@ -68,6 +68,17 @@ pub mod internals {
     pub use crate::descriptor::OpKind;
     pub use crate::random::fill as random_bytes;
     pub use crate::rendezvous::method;
+    pub use crate::transport::machine::Machine;
+    /// This machine's profile (see `transport::machine`).
+    pub fn local_machine() -> Machine {
+        let host = crate::transport::membership::host_id();
+        crate::transport::machine::this_machine(crate::transport::membership::hosts::machine_of(
+            &host,
+        ))
+    }
+    pub mod tuner {
+        pub use crate::algorithms::tuner::allreduce_bound_s;
+    }
 }
 
 /// The rendezvous key-value store: a server and a client speaking

@@ -22,6 +22,28 @@ pub(crate) fn process_env_os(name: &str) -> Option<OsString> {
     std::env::var_os(name)
 }
 
+/// The machine profile given instead of measured (`RDIST_MACHINE`, in
+/// the cache's one-line format: see `transport::machine`).
+pub(crate) fn machine_profile() -> Option<String> {
+    process_env("RDIST_MACHINE").filter(|v| !v.trim().is_empty())
+}
+
+/// Where measurements of the machine are cached: `$RDIST_CACHE_DIR`,
+/// else `$XDG_CACHE_HOME/rdist`, else `~/.cache/rdist`, else the
+/// temporary directory.
+pub(crate) fn cache_dir() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    let env = |k: &str| {
+        process_env_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("RDIST_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("rdist")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache").join("rdist")))
+        .unwrap_or_else(|| std::env::temp_dir().join("rdist-cache"))
+}
+
 /// Which backend runs the collectives (values equal `rdist_backend_t`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(i32)]
@@ -52,26 +74,24 @@ pub enum SingleCopy {
     From(usize),
 }
 
-/// Auto's threshold when ranks outnumber cores. Below a few MiB the data
-/// stays in cache and the rings' second copy is cheap, while a single
-/// copy pays its system call and page pinning (measured, 4 ranks on 2
-/// cores: 4 MiB allreduce 2.9 ms through the rings, 4.2 ms single copy).
-pub const AUTO_SINGLE_COPY_MIN: usize = 4 << 20;
-
 impl SingleCopy {
-    /// The payload size from which to go single-copy (usize::MAX: never).
-    /// Auto goes single-copy only when the ranks on this host outnumber
-    /// its cores: then the total copying work is what counts, and a single
-    /// copy halves it (measured, 4 ranks on 2 cores: 64 MiB allreduce
-    /// 62 ms against 105 ms, 64 MiB broadcast 28 ms against 55 ms). With a
-    /// core per rank the rings' two copies run at once on the sender's and
-    /// the receiver's cores, and the rings won or tied (2 ranks on 2
-    /// cores: 16 MiB allreduce 3.9 ms against 5.6 ms single copy).
-    pub fn min_bytes(self, oversubscribed: bool) -> usize {
+    /// The payload size from which to go single-copy (usize::MAX: never);
+    /// `auto`: the tuning model's choice (see `algorithms::tuner`).
+    pub fn min_bytes(self, auto: usize) -> usize {
         match self {
-            SingleCopy::Auto if oversubscribed => AUTO_SINGLE_COPY_MIN,
-            SingleCopy::Auto | SingleCopy::Off => usize::MAX,
+            SingleCopy::Auto => auto,
+            SingleCopy::Off => usize::MAX,
             SingleCopy::From(n) => n,
+        }
+    }
+
+    /// The same for payloads that their receiver combines: rdist's own
+    /// choice leaves them to the rings (see `transport::stream::Tuning`),
+    /// a size given by option applies to them too.
+    pub fn reduced_min_bytes(self) -> usize {
+        match self {
+            SingleCopy::From(n) => n,
+            SingleCopy::Auto | SingleCopy::Off => usize::MAX,
         }
     }
 }
@@ -411,10 +431,10 @@ mod tests {
 
     #[test]
     fn single_copy_auto_goes_single_copy_only_when_ranks_outnumber_cores() {
-        assert_eq!(SingleCopy::Auto.min_bytes(true), AUTO_SINGLE_COPY_MIN);
-        assert_eq!(SingleCopy::Auto.min_bytes(false), usize::MAX);
-        assert_eq!(SingleCopy::Off.min_bytes(true), usize::MAX);
-        assert_eq!(SingleCopy::From(4096).min_bytes(false), 4096);
+        assert_eq!(SingleCopy::Auto.min_bytes(4 << 20), 4 << 20);
+        assert_eq!(SingleCopy::Auto.min_bytes(usize::MAX), usize::MAX);
+        assert_eq!(SingleCopy::Off.min_bytes(4 << 20), usize::MAX);
+        assert_eq!(SingleCopy::From(4096).min_bytes(usize::MAX), 4096);
         assert_eq!(Options::default().single_copy_min, SingleCopy::Auto);
     }
 

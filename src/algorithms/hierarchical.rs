@@ -104,7 +104,9 @@ pub fn allreduce(
     let across_op = summed(op);
     within(link, &layers.across, me, |l| {
         let part = &mut buf[mine.clone()];
-        if part.len() <= super::SMALL_ALLREDUCE_BYTES {
+        // Across hosts the link, not this machine, sets the crossover: the
+        // reference's stays.
+        if part.len() <= super::tuner::REFERENCE_CROSSOVERS.small_allreduce_tcp {
             recursive_doubling::allreduce(l, part, dtype, across_op)
         } else {
             ring::allreduce(l, part, dtype, across_op)

@@ -18,6 +18,7 @@ pub mod mock;
 pub mod recursive_doubling;
 pub mod ring;
 pub mod table;
+pub mod tuner;
 
 use crate::descriptor::{Desc, OpKind};
 use crate::dtype::DType;
@@ -25,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::transport::{Shape, Transport, Xfer};
 use std::ops::Range;
+pub use tuner::Crossovers;
 
 /// The algorithms rdist has (the wire value is the discriminant; ranks
 /// that picked different ones fail with a mismatch instead of corrupting).
@@ -96,22 +98,6 @@ impl Algo {
     }
 }
 
-/// Small allreduces are latency-bound (recursive doubling: log2(n) steps);
-/// large ones bandwidth-bound (ring: 2(n-1)/n of the data per rank).
-const SMALL_ALLREDUCE_BYTES: usize = 64 << 10;
-
-/// Allgathers up to this size (the whole result) take ceil(log2 n) rounds
-/// (Bruck) instead of the ring's n - 1: latency-bound, like small
-/// allreduces.
-const SMALL_ALLGATHER_BYTES: usize = 64 << 10;
-
-/// Broadcasts from this size go along a pipelined chain over TCP (3+
-/// ranks): every link carries the message once, where the binomial tree's
-/// root sends it log2(n) times (measured, 4 ranks, 64 MiB: 26-30 ms against
-/// 47-54 ms). On shared memory the tree stays: there the bound is memory
-/// bandwidth, which the chain's extra copies spend (10-14 ms against 7-12).
-const CHAIN_BROADCAST_BYTES: usize = 16 << 20;
-
 /// Between hosts the links, not the cores, are the bound, and the chain
 /// wins from far smaller messages: 3 hosts on 1 Gbit/s links (tbf),
 /// busbw 0.116-0.118 GB/s from 64 KiB to 16 MiB, the tree 0.060 at every
@@ -123,20 +109,12 @@ const CHAIN_ACROSS_HOSTS_BYTES: usize = 64 << 10;
 /// then carry 1/(ranks per host) of the data each, all of them at once.
 const HIERARCHICAL_BYTES: usize = 256 << 10;
 
-/// Large allreduces over TCP with a power-of-two world of 4 or more go by
-/// halving-doubling: the ring's bytes in fewer steps, each within a pair
-/// (measured, 4 ranks over loopback TCP: 16 MiB 41.7-47.7 ms against
-/// 45.7-52.4 ms for the ring, 4 MiB 10.5 against 10.8 ms, 64 MiB 182-190
-/// against 190-193 ms; at 1 MiB the ring won, 2.0 against 2.4 ms). Other
-/// world sizes would first fold the extra ranks, which costs the whole
-/// buffer twice more, so they stay on the ring.
-const HALVING_DOUBLING_TCP_BYTES: usize = 4 << 20;
-
 /// Picks the algorithm for an operation; `forced` wins where it applies.
 /// `shape`: what the media can do (through kernel sockets or shared
 /// memory; some ranks on other hosts, so the network, not the cores, is
 /// the bound); `layered`: several ranks on each of several hosts, as many
-/// on every host (see `hierarchical`).
+/// on every host (see `hierarchical`); `crossovers`: the sizes at which
+/// algorithms hand over, from the tuning model (`tuner`).
 pub fn choose(
     kind: OpKind,
     bytes: usize,
@@ -144,8 +122,14 @@ pub fn choose(
     forced: Option<Algo>,
     shape: &Shape,
     layered: bool,
+    crossovers: &Crossovers,
 ) -> Algo {
     let over_tcp = shape.through_kernel();
+    let c = crossovers;
+    let (small_allreduce, small_allgather) = match over_tcp {
+        true => (c.small_allreduce_tcp, c.small_allgather_tcp),
+        false => (c.small_allreduce_shm, c.small_allgather_shm),
+    };
     let across_hosts = shape.across_hosts;
     let options = table::entry(kind).map_or(&[Algo::Direct][..], |e| e.algorithms);
     if let Some(f) = forced.filter(|f| options.contains(f)) {
@@ -173,10 +157,11 @@ pub fn choose(
         OpKind::Broadcast | OpKind::Reduce if layered && bytes >= hierarchical::CHAIN_BYTES => {
             Algo::Hierarchical
         }
-        OpKind::AllGather if bytes <= SMALL_ALLGATHER_BYTES && size > 2 => Algo::Bruck,
+        OpKind::AllGather if bytes <= small_allgather && size > 2 => Algo::Bruck,
+        // Two ranks: the ring halves each rank's reductions, which pays
+        // only from larger messages.
         OpKind::AllReduce
-            if bytes <= SMALL_ALLREDUCE_BYTES
-                || size <= 2 && bytes <= 4 * SMALL_ALLREDUCE_BYTES =>
+            if bytes <= small_allreduce || size <= 2 && bytes <= 4 * small_allreduce =>
         {
             Algo::RecursiveDoubling
         }
@@ -184,13 +169,11 @@ pub fn choose(
             if over_tcp
                 && size >= 4
                 && size.is_power_of_two()
-                && bytes >= HALVING_DOUBLING_TCP_BYTES =>
+                && bytes >= c.halving_doubling_tcp =>
         {
             Algo::HalvingDoubling
         }
-        OpKind::Broadcast | OpKind::Reduce
-            if over_tcp && size >= 3 && bytes >= CHAIN_BROADCAST_BYTES =>
-        {
+        OpKind::Broadcast | OpKind::Reduce if over_tcp && size >= 3 && bytes >= c.chain_tcp => {
             Algo::Chain
         }
         OpKind::Broadcast | OpKind::Reduce
@@ -403,6 +386,26 @@ pub fn split_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `super::choose` with the reference machine's crossovers.
+    fn choose(
+        kind: OpKind,
+        bytes: usize,
+        size: usize,
+        forced: Option<Algo>,
+        shape: &Shape,
+        layered: bool,
+    ) -> Algo {
+        super::choose(
+            kind,
+            bytes,
+            size,
+            forced,
+            shape,
+            layered,
+            &tuner::REFERENCE_CROSSOVERS,
+        )
+    }
 
     /// A shape over TCP or shared memory, across hosts or not.
     fn shape(over_tcp: bool, across_hosts: bool) -> Shape {

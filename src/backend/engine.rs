@@ -178,6 +178,11 @@ impl Engine {
                 socket.transport_detail(),
             ),
         );
+        log::emit(
+            LogLevel::Info,
+            Some(rank),
+            &format!("tuning: {}", socket.tuning_detail()),
+        );
         let nccl = super::nccl::establish(
             &mut |call: &Call| {
                 let seq = ledger.number(call);

@@ -3,7 +3,8 @@
 
 use crate::algorithms::layers::Layers;
 use crate::algorithms::table::{self, Context};
-use crate::algorithms::{self, bruck, Algo, Link};
+use crate::algorithms::tuner;
+use crate::algorithms::{self, bruck, Algo, Crossovers, Link};
 use crate::auth::Token;
 use crate::call::{Call, Data, RawBuf};
 use crate::descriptor::{Desc, OpKind};
@@ -89,6 +90,10 @@ pub struct SocketBackend {
     endpoint: Arc<Endpoint>,
     /// For the log: the transport and what was decided for it.
     transport_detail: String,
+    /// The sizes at which algorithms hand over (the tuning model's).
+    crossovers: Crossovers,
+    /// For the log: the tuning model's inputs and choices.
+    tuning_detail: String,
     /// This rank's host and cross-host groups, when the job has the
     /// shape for hierarchical collectives.
     layers: Option<Layers>,
@@ -133,9 +138,18 @@ impl SocketBackend {
         // share its cores: 4 "hosts" of 2 ranks on a 2-core machine, each
         // seeing 2 cores for its 2 ranks, spun a barrier to 2.9 ms (0.37
         // ms yielding).
-        let machine_ranks = place.machine_ranks;
-        let oversubscribed = local_ranks > cores || machine_ranks > machine_cores();
-        let single_copy_min = settings.single_copy.min_bytes(oversubscribed);
+        // The tuning model: crossovers from rank 0's host's profile (alike
+        // on every rank), the rest from this host's.
+        let plan = tuner::plan(&tuner::Inputs {
+            agreed: roster.machine_of(0),
+            here: roster.machine_of(rank),
+            host_ranks: local_ranks,
+            machine_ranks: place.machine_ranks,
+            cores,
+            machine_cores: machine_cores(),
+        });
+        let oversubscribed = plan.oversubscribed;
+        let single_copy_min = settings.single_copy.min_bytes(plan.single_copy_min);
         // Shared memory with the ranks of this host, TCP with the others,
         // each pair agreeing when it connects (on first use).
         let wanted = Wanted {
@@ -152,6 +166,7 @@ impl SocketBackend {
                 spin: settings.spin,
                 yield_when_idle: oversubscribed,
                 single_copy_min,
+                reduced_single_copy_min: settings.single_copy.reduced_min_bytes(),
                 mixed: false,
                 // Tagged messages go single copy where the collectives do:
                 // the rings' two copies run on both ranks' cores at once,
@@ -188,12 +203,20 @@ impl SocketBackend {
             transport_detail += &match (settings.shm.single_copy, single_copy_min) {
                 (false, _) => ", single copy unavailable (RDIST_NO_SINGLE_COPY)".to_string(),
                 (true, usize::MAX) => ", single copy off".to_string(),
-                (true, n) => format!(", single copy from {n} B where a pair can read each other"),
+                (true, n) => format!(
+                    ", single copy from {n} B where a pair can read each other{}",
+                    match settings.single_copy.reduced_min_bytes() {
+                        usize::MAX => " (reductions through the rings)",
+                        _ => "",
+                    }
+                ),
             };
         }
         Ok(SocketBackend {
             layers: Layers::of(&roster.hosts, rank),
             transport_detail,
+            crossovers: plan.crossovers,
+            tuning_detail: plan.why,
             endpoint: Arc::new(endpoint),
             rank,
             size,
@@ -212,6 +235,11 @@ impl SocketBackend {
     /// The transport with its cores and single-copy choice, for the log.
     pub fn transport_detail(&self) -> &str {
         &self.transport_detail
+    }
+
+    /// The tuning model's inputs and choices, for the log.
+    pub fn tuning_detail(&self) -> &str {
+        &self.tuning_detail
     }
 
     pub fn roster(&self) -> &Roster {
@@ -261,6 +289,7 @@ impl SocketBackend {
             self.settings.forced,
             &transport.shape(),
             self.layers.is_some(),
+            &self.crossovers,
         );
         desc.algo = algo as u8;
         (desc, algo)

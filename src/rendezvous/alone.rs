@@ -6,7 +6,7 @@ use super::Joined;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{LogLevel, Options};
-use crate::transport::membership::{host_id, Roster};
+use crate::transport::membership::{host_id, hosts, Roster};
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::{Arc, Mutex};
@@ -29,6 +29,8 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
         .map_err(|e| Error::system("local_addr", &e))?;
     let mut job = [0u8; 16];
     crate::random::fill(&mut job);
+    let host: crate::transport::membership::HostId =
+        opts.host_id.clone().unwrap_or_else(host_id).into();
     Ok(Joined {
         size: 1,
         local_rank: opts.local_rank.map_or(0, |l| l as usize),
@@ -36,7 +38,12 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
             job,
             comm_id: 0,
             addrs: vec![addr].into(),
-            hosts: vec![opts.host_id.clone().unwrap_or_else(host_id).into()].into(),
+            hosts: vec![host.clone()].into(),
+            machines: vec![(
+                host.clone(),
+                crate::transport::machine::this_machine(hosts::machine_of(&host)),
+            )]
+            .into(),
         },
         // A world of one asks nobody else: establishing NCCL just looks
         // at this process.

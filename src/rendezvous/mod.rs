@@ -12,7 +12,7 @@ use crate::auth::Token;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
-use crate::transport::membership::{host_id, packed, Placement, Roster};
+use crate::transport::membership::{host_id, hosts, packed, Placement, Roster};
 use host_board::{HostBoard, OwnBoard};
 use method::Method;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
@@ -453,6 +453,7 @@ fn join_hosting(
         comm_id: 0,
         addrs: listing.addrs,
         hosts: listing.hosts,
+        machines: listing.machines.into(),
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,
@@ -726,6 +727,7 @@ fn publish(
         std::process::id(),
         offers_nccl,
         board.as_ref().map(OwnBoard::fd),
+        &crate::transport::machine::this_machine(hosts::machine_of(&host)),
     );
     // The world size (the last to set it stays: see `wait_for_ranks`).
     let size_text = size.to_string();

@@ -15,6 +15,7 @@ pub(crate) mod futex;
 pub mod greeting;
 pub mod iface;
 pub mod link;
+pub mod machine;
 pub mod media;
 pub mod medium;
 pub mod membership;

@@ -479,11 +479,45 @@ fn report_usage(
     Ok(())
 }
 
+/// The largest allreduce against the tuning model's memory-bandwidth
+/// bound, when every rank shares this host's memory (rdistrun's
+/// LOCAL_WORLD_SIZE is the world) and the transport is left to rdist.
+fn memory_model(
+    a: &Args,
+    n: usize,
+    transport: &str,
+    largest: &Option<(usize, f64)>,
+) -> Option<String> {
+    use rdist::internals::tuner;
+    let (bytes, t) = (*largest)?;
+    let local: usize = std::env::var("LOCAL_WORLD_SIZE").ok()?.parse().ok()?;
+    if transport != "auto" || local != n || n < 2 || bytes < 1 << 20 || a.device {
+        return None;
+    }
+    let m = rdist::internals::local_machine();
+    // Allreduces go through the rings (a reducing receiver never takes
+    // single copy).
+    let bound = tuner::allreduce_bound_s(bytes, n, &m, false);
+    (bound > 0.0).then(|| {
+        format!(
+            "# memory model: allreduce of {bytes} B on {n} ranks through the rings (one core copies {:.1} GB/s, \
+             all {} together {:.1}) takes at least {:.2} us; this run {:.2} us, {:.0}% of the model",
+            f64::from(m.copy_one_mbs) / 1000.0,
+            m.cores,
+            f64::from(m.copy_all_mbs) / 1000.0,
+            bound * 1e6,
+            t * 1e6,
+            100.0 * bound / t
+        )
+    })
+}
+
 fn bench(a: &Args, comm: &Comm) -> rdist::Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
     let transport = std::env::var("RDIST_TRANSPORT").unwrap_or_else(|_| "auto".into());
     let mut json = String::from("[");
     let mut wrong_total = 0u64;
+    let mut largest_allreduce = None;
     if rank == 0 {
         println!("# rdist-bench: {n} ranks, socket backend, transport {transport}, float32, redop {}, root {}", a.redop, a.root);
         println!(
@@ -523,6 +557,9 @@ fn bench(a: &Args, comm: &Comm) -> rdist::Result<()> {
             comm.allreduce(&mut w, ReduceOp::Sum)?;
             wrong_total += w[0];
             let t = measure(c, count, a, comm)?;
+            if c == Coll::AllReduce {
+                largest_allreduce = Some((bytes, t));
+            }
             let algbw = bytes as f64 / t / 1e9;
             let busbw = algbw * c.bus_factor(n);
             if rank == 0 {
@@ -556,6 +593,9 @@ fn bench(a: &Args, comm: &Comm) -> rdist::Result<()> {
         }
     }
     if rank == 0 {
+        if let Some(line) = memory_model(a, n, &transport, &largest_allreduce) {
+            println!("{line}");
+        }
         println!(
             "# out of bounds values : {wrong_total} {}",
             if wrong_total == 0 { "OK" } else { "FAILED" }

@@ -8,10 +8,11 @@
 use super::hosts::HostId;
 use super::reader::Reader;
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::machine::{self, Machine, UNKNOWN};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::Arc;
 
-/// What one rank published: "SIZE ADDR HOST PID NCCL BOARD".
+/// What one rank published: "SIZE ADDR HOST PID NCCL BOARD MACHINE".
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Entry {
     /// The world size the rank was started with.
@@ -23,6 +24,8 @@ pub(crate) struct Entry {
     pub offers_nccl: bool,
     /// The descriptor of its host board (see `host_board`), if it made one.
     pub board: Option<i32>,
+    /// Its machine's profile (see `transport::machine`).
+    pub machine: Machine,
 }
 
 /// Where the ranks of a host find its board: the process of the host's
@@ -42,10 +45,13 @@ pub(crate) struct Listing {
     pub some_offer_nccl: bool,
     /// Each host's board, as its first rank published it.
     pub boards: Vec<(HostId, Option<BoardAt>)>,
+    /// Each host's machine profile, as its first rank published it.
+    pub machines: Vec<(HostId, Machine)>,
 }
 
-/// The line a rank publishes as its key: "SIZE ADDR HOST PID NCCL BOARD"
-/// (the host id has no spaces: see `host_id`; an option's is checked).
+/// The line a rank publishes as its key: "SIZE ADDR HOST PID NCCL BOARD
+/// MACHINE" (the host id has no spaces: see `host_id`; an option's is
+/// checked).
 pub(crate) fn published(
     size: usize,
     addr: SocketAddr,
@@ -53,11 +59,13 @@ pub(crate) fn published(
     pid: u32,
     offers_nccl: bool,
     board: Option<i32>,
+    machine: &Machine,
 ) -> String {
     format!(
-        "{size} {addr} {host} {pid} {} {}",
+        "{size} {addr} {host} {pid} {} {} {}",
         u8::from(offers_nccl),
-        board.unwrap_or(-1)
+        board.unwrap_or(-1),
+        machine.to_token()
     )
 }
 
@@ -95,6 +103,7 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
         .next()
         .and_then(|b| b.parse().ok())
         .filter(|b| *b >= 0);
+    let machine = parts.next().map_or(UNKNOWN, Machine::from_token);
     let addr = addr
         .and_then(|a| a.parse().ok())
         .ok_or_else(|| Error::internal(format!("rank {rank} published a bad address '{text}'")))?;
@@ -105,24 +114,29 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
         pid,
         offers_nccl,
         board,
+        machine,
     })
 }
 
-const MAGIC: &[u8; 2] = b"R2";
+const MAGIC: &[u8; 2] = b"R3";
 const V4: u8 = 4;
 const V6: u8 = 6;
 
 /// The roster of `entries` (rank by rank) as one value.
 pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut hosts: Vec<&str> = Vec::new();
-    // Each host's first rank's board (ranks come in order).
-    let mut boards: Vec<(u32, i32)> = Vec::new();
+    // Each host's first rank's board and machine (ranks come in order).
+    let mut boards: Vec<(u32, i32, Machine)> = Vec::new();
     let mut ips: Vec<(IpAddr, u32)> = Vec::new();
     let mut ranks = Vec::with_capacity(entries.len() * 11);
     for e in entries {
         let host = index_of(&mut hosts, e.host.as_str());
         if boards.len() < hosts.len() {
-            boards.push((e.pid, e.board.filter(|_| e.pid != 0).unwrap_or(-1)));
+            boards.push((
+                e.pid,
+                e.board.filter(|_| e.pid != 0).unwrap_or(-1),
+                e.machine,
+            ));
         }
         let scope = match e.addr {
             SocketAddr::V6(a) => a.scope_id(),
@@ -138,7 +152,7 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     out.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
-    for (h, (pid, board)) in hosts.iter().zip(&boards) {
+    for (h, (pid, board, machine)) in hosts.iter().zip(&boards) {
         // Host ids are short: a hostname and two numbers, or an option's
         // id of at most 1024 bytes (options.rs); the cut never happens.
         let h = &h.as_bytes()[..h.len().min(u16::MAX as usize)];
@@ -146,6 +160,7 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
         out.extend_from_slice(h);
         out.extend_from_slice(&pid.to_le_bytes());
         out.extend_from_slice(&board.to_le_bytes());
+        out.extend_from_slice(&machine.to_bytes());
     }
     out.extend_from_slice(&(ips.len() as u32).to_le_bytes());
     for (ip, scope) in &ips {
@@ -187,11 +202,14 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
     let host_count = r.u32()? as usize;
     let mut hosts = Vec::with_capacity(host_count.min(bytes.len()));
     let mut boards = Vec::with_capacity(host_count.min(bytes.len()));
+    let mut machines = Vec::with_capacity(host_count.min(bytes.len()));
     for _ in 0..host_count {
         let len = r.u16()? as usize;
         let host = HostId::from(String::from_utf8_lossy(r.take(len)?));
         let (pid, fd) = (r.u32()?, r.u32()? as i32);
+        let machine = Machine::from_bytes(r.take(machine::BYTES)?.try_into().ok()?);
         boards.push((host.clone(), (fd >= 0).then_some(BoardAt { pid, fd })));
+        machines.push((host.clone(), machine));
         hosts.push(host);
     }
     let ip_count = r.u32()? as usize;
@@ -237,6 +255,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
             .collect(),
         some_offer_nccl: records.clone().any(|rank| rank[10] != 0),
         boards,
+        machines,
     };
     Some(listing)
 }
@@ -245,20 +264,50 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
 mod tests {
     use super::*;
 
+    const MACHINE: Machine = Machine {
+        cores: 16,
+        copy_one_mbs: 6300,
+        copy_all_mbs: 40_000,
+        handoff_ns: 80,
+        tcp_latency_ns: 9000,
+        tcp_mbs: 3000,
+        cache_kib: 32768,
+    };
+
     fn published_key(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {
         format!("{size} {addr} {host} 4242 {nccl} 7").into_bytes()
     }
 
     #[test]
+    fn each_hosts_machine_is_its_first_ranks() {
+        let addr: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let other = Machine {
+            cores: 2,
+            ..MACHINE
+        };
+        let lines = [
+            published(3, addr, "a", 1, false, None, &MACHINE),
+            published(3, addr, "b", 2, false, None, &UNKNOWN),
+            published(3, addr, "a", 3, false, None, &other),
+        ];
+        let values: Vec<Vec<u8>> = lines.iter().map(|l| l.clone().into_bytes()).collect();
+        let listing = decode(&gather(&values, 0, 3).unwrap()).unwrap();
+        assert_eq!(
+            listing.machines,
+            vec![("a".into(), MACHINE), ("b".into(), UNKNOWN)]
+        );
+    }
+
+    #[test]
     fn a_published_line_reads_back_and_gathers_only_one_world_size() {
         let addr: SocketAddr = "10.0.0.1:5000".parse().unwrap();
-        let line = published(2, addr, "h/0a1b2c3d/1", 77, true, None);
+        let line = published(2, addr, "h/0a1b2c3d/1", 77, true, None, &MACHINE);
         let e = entry(0, line.as_bytes()).unwrap();
         assert_eq!(
-            (e.addr, e.pid, e.offers_nccl, e.board),
-            (addr, 77, true, None)
+            (e.addr, e.pid, e.offers_nccl, e.board, e.machine),
+            (addr, 77, true, None, MACHINE)
         );
-        let other = published(3, addr, "h", 78, false, Some(4));
+        let other = published(3, addr, "h", 78, false, Some(4), &UNKNOWN);
         let values = vec![line.clone().into_bytes(), line.into_bytes()];
         assert_eq!(
             decode(&gather(&values, 0, 2).unwrap()).unwrap().addrs.len(),
@@ -290,7 +339,7 @@ mod tests {
         let bytes = encode(&entries);
         // Hosts and addresses once each: 3 hosts, 3 addresses, 4 ranks.
         assert!(
-            bytes.len() < 2 + 4 + 4 + 3 * (24 + 8) + 4 + 5 + 5 + 21 + 4 * 11,
+            bytes.len() < 2 + 4 + 4 + 3 * (24 + 8 + machine::BYTES) + 4 + 5 + 5 + 21 + 4 * 11,
             "{}",
             bytes.len()
         );

@@ -3,6 +3,7 @@
 //! the survivors of a failure).
 
 use super::hosts::HostId;
+use crate::transport::machine::{Machine, UNKNOWN};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -18,6 +19,10 @@ pub(crate) struct Roster {
     /// 1024 ranks, a page fault each 4 KiB).
     pub addrs: Arc<[SocketAddr]>,
     pub hosts: Arc<[HostId]>,
+    /// Each host's machine profile as its first rank published it (see
+    /// `transport::machine`): the tuning model's inputs, alike on every
+    /// rank.
+    pub machines: Arc<[(HostId, Machine)]>,
 }
 
 impl Roster {
@@ -27,6 +32,15 @@ impl Roster {
             .iter()
             .filter(|h| **h == self.hosts[rank])
             .count()
+    }
+
+    /// The machine profile of `rank`'s host (UNKNOWN if none came).
+    pub fn machine_of(&self, rank: usize) -> Machine {
+        let host = &self.hosts[rank];
+        self.machines
+            .iter()
+            .find(|(h, _)| h == host)
+            .map_or(UNKNOWN, |(_, m)| *m)
     }
 
     /// The roster of a communicator of `members` (ranks of this one, in
@@ -47,6 +61,7 @@ impl Roster {
                 .map(|r| SocketAddr::new(self.addrs[*r].ip(), port_of(*r)))
                 .collect(),
             hosts: members.iter().map(|r| self.hosts[*r].clone()).collect(),
+            machines: self.machines.clone(),
         }
     }
 }
@@ -77,6 +92,7 @@ mod tests {
                 .map(|a| a.parse().unwrap())
                 .collect(),
             hosts: ["a", "b", "a"].iter().map(|h| HostId::from(*h)).collect(),
+            machines: Vec::new().into(),
         };
         let child = parent.subset(&[2, 0], |r| 1000 + r as u16, 42);
         assert_eq!(child.job, [7; 16]);

@@ -61,6 +61,7 @@ mod tests {
                 .map(|r| format!("10.0.0.{r}:9").parse().unwrap())
                 .collect(),
             hosts: (0..4).map(|r| HostId::from(format!("h{r}"))).collect(),
+            machines: Vec::new().into(),
         };
         // Colours 1, 2, 1, 1; keys 3, 0, 1, 3.
         let records: Vec<u8> = [(1, 3, 100), (2, 0, 101), (1, 1, 102), (1, 3, 103)]

@@ -285,6 +285,7 @@ mod tests {
                 .map(|r| format!("10.0.0.{r}:9").parse().unwrap())
                 .collect(),
             hosts: (0..size).map(|r| HostId::from(format!("h{r}"))).collect(),
+            machines: Vec::new().into(),
         }
     }
 

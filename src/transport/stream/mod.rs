@@ -63,6 +63,8 @@ pub struct StreamTransport {
     /// Payloads at least this large travel single-copy where the channel
     /// allows (the receiver reads the sender's memory); usize::MAX: never.
     single_copy_min: usize,
+    /// The same for payloads their receiver combines (see `Tuning`).
+    reduced_single_copy_min: usize,
     /// How long a collective's exchange stalls before it reads ahead
     /// (`READ_AHEAD_AFTER`; tests change it).
     read_ahead_after: Duration,
@@ -246,6 +248,11 @@ pub struct Tuning {
     /// Payloads from this size travel single-copy where the channel allows;
     /// usize::MAX: never.
     pub single_copy_min: usize,
+    /// The same for payloads of reductions: a receiver that combines
+    /// stages the single copy and reduces it on its own core, where the
+    /// rings split the two passes between both ranks' cores, so rdist's
+    /// own choice leaves them to the rings.
+    pub reduced_single_copy_min: usize,
     /// Shared memory to some peers and TCP to others (see `doze`).
     pub mixed: bool,
     /// Tagged messages from this size go single-copy where a pair can;
@@ -268,6 +275,7 @@ impl StreamTransport {
             spin,
             yield_when_idle,
             single_copy_min,
+            reduced_single_copy_min,
             mixed,
             tagged_single_copy_min,
         } = tuning;
@@ -286,6 +294,7 @@ impl StreamTransport {
             doorbell,
             yield_when_idle,
             single_copy_min,
+            reduced_single_copy_min,
             mixed,
             read_ahead_after: READ_AHEAD_AFTER,
             moved: 0,
@@ -383,7 +392,11 @@ impl StreamTransport {
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
-                    let single_copy = data.len() >= self.single_copy_min
+                    let min = match x.desc.kind.has_reduction() {
+                        true => self.reduced_single_copy_min,
+                        false => self.single_copy_min,
+                    };
+                    let single_copy = data.len() >= min
                         && self.conns[x.peer]
                             .as_ref()
                             .is_some_and(|c| c.chan.caps().single_copy);

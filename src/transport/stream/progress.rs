@@ -419,6 +419,7 @@ pub(super) mod tests {
                     spin: Duration::from_micros(50),
                     yield_when_idle: true,
                     single_copy_min: usize::MAX,
+                    reduced_single_copy_min: usize::MAX,
                     mixed: false,
                     tagged_single_copy_min: usize::MAX,
                 };

@@ -1,0 +1,385 @@
+//! The tuning model: what a communicator chooses from what the machine
+//! is (`transport::machine`, measured once per machine) and how its ranks
+//! sit on it, with the reason for each choice (`RDIST_DEBUG=INFO` prints
+//! it at init). Options and `algo` still override it.
+//!
+//! Two kinds of choice, kept apart because of who must agree:
+//! - **Crossovers** (at which size an algorithm gives way to another)
+//!   must be the same on every rank, or they would run different
+//!   algorithms: they come from one profile every rank has, the one of
+//!   rank 0's host as the roster carries it.
+//! - **Local choices** (single copy, yielding while idle) are this rank's
+//!   own: they come from its host's profile and its neighbours.
+//!
+//! A crossover between a latency-bound algorithm (fewer steps) and a
+//! bandwidth-bound one (fewer bytes) lies where the steps saved cost as
+//! much as the bytes added, so it scales with the medium's
+//! latency-bandwidth product: the bytes it moves in the time of one step.
+//! The crossovers were measured on a reference machine (`REFERENCE`);
+//! another machine's are the reference's, scaled by the ratio of its
+//! product to the reference's, rounded to a power of two and held within
+//! a factor of four (a noisy measurement moves a choice by at most that).
+
+use crate::transport::machine::Machine;
+
+/// The machine the reference crossovers were measured on (2 cores; see
+/// docs/performance.md, "The tuning model").
+pub const REFERENCE: Machine = Machine {
+    cores: 2,
+    copy_one_mbs: 8000,
+    copy_all_mbs: 13000,
+    handoff_ns: 60,
+    tcp_latency_ns: 9000,
+    tcp_mbs: 2000,
+    cache_kib: 32 << 10,
+};
+
+/// A step on shared memory costs the cache lines' trip plus rdist's own
+/// work around it (publishing, the doorbell, matching the label): about
+/// this much on the reference machine, measured as 2-rank 8-byte
+/// allreduces.
+const SHM_STEP_WORK_NS: u64 = 700;
+
+/// The sizes at which the algorithms hand over (bytes), per medium.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Crossovers {
+    /// Allreduces up to this size take recursive doubling (log2 n
+    /// steps), larger ones the ring (2(n-1)/n of the data a rank).
+    pub small_allreduce_shm: usize,
+    pub small_allreduce_tcp: usize,
+    /// Allgathers up to this size (the result) take Bruck (ceil(log2 n)
+    /// rounds) instead of the ring's n - 1.
+    pub small_allgather_shm: usize,
+    pub small_allgather_tcp: usize,
+    /// Over TCP, allreduces from this size with a power-of-two world of 4
+    /// or more take halving-doubling (the ring's bytes in fewer steps).
+    pub halving_doubling_tcp: usize,
+    /// Over TCP, broadcasts and reduces from this size (3+ ranks) go
+    /// along a pipelined chain: every link carries the data once, where
+    /// the tree's root sends it log2 n times.
+    pub chain_tcp: usize,
+}
+
+/// The crossovers as measured on the reference machine.
+pub const REFERENCE_CROSSOVERS: Crossovers = Crossovers {
+    small_allreduce_shm: 64 << 10,
+    small_allreduce_tcp: 64 << 10,
+    small_allgather_shm: 64 << 10,
+    small_allgather_tcp: 64 << 10,
+    halving_doubling_tcp: 4 << 20,
+    chain_tcp: 16 << 20,
+};
+
+/// Single copy, when chosen, from this size at least, and from twice the
+/// last-level cache: below, the rings' second copy stays in cache and is
+/// cheap, while a single copy pays its system call and page pinning
+/// (measured on the reference machine, 32 MiB of cache, 4 ranks on 2
+/// cores: broadcast of 32 MiB 14.0 ms single copy against 11.3 through
+/// the rings, of 64 MiB 24.4 against 28.8). Payloads their receiver
+/// combines stay on the rings (see `transport::stream::Tuning`).
+pub const SINGLE_COPY_MIN: usize = 4 << 20;
+
+/// From which size single copy pays on a machine whose copies are the
+/// bound (see `SINGLE_COPY_MIN`).
+fn single_copy_from(m: &Machine) -> usize {
+    SINGLE_COPY_MIN.max((m.cache_kib as usize) << 11)
+}
+
+/// The ranks' demand on the memory system (each rank's core copying at
+/// full speed) must exceed what all cores together copy by this factor
+/// before halving the copies pays for single copy's system calls.
+const MEMORY_BOUND_FACTOR: u64 = 2;
+
+/// How one communicator's ranks sit on the machine.
+#[derive(Clone, Copy, Debug)]
+pub struct Inputs {
+    /// The profile every rank chooses its crossovers from.
+    pub agreed: Machine,
+    /// This rank's host's profile.
+    pub here: Machine,
+    /// Ranks of the communicator on this rank's host.
+    pub host_ranks: usize,
+    /// Ranks on this machine (network namespaces of one machine share it).
+    pub machine_ranks: usize,
+    /// Cores this process may use, and the machine's.
+    pub cores: usize,
+    pub machine_cores: usize,
+}
+
+/// What the model chose, and why.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub crossovers: Crossovers,
+    /// Ranks outnumber cores: waiting ranks yield their core, and the
+    /// total copying work is what counts.
+    pub oversubscribed: bool,
+    /// From which size shared-memory payloads go single copy when the
+    /// option leaves it to rdist (usize::MAX: never).
+    pub single_copy_min: usize,
+    /// The inputs and choices, one clause each, for the log.
+    pub why: String,
+}
+
+/// A profile's latency-bandwidth product on shared memory and on TCP, in
+/// bytes (ns x MB/s / 1000).
+fn products(m: &Machine) -> (u64, u64) {
+    let shm = (SHM_STEP_WORK_NS + u64::from(m.handoff_ns)) * u64::from(m.copy_one_mbs) / 1000;
+    let tcp = u64::from(m.tcp_latency_ns) * u64::from(m.tcp_mbs) / 1000;
+    (shm.max(1), tcp.max(1))
+}
+
+/// `reference` scaled by `ratio` in powers of two, held within 4x either
+/// way; a ratio within 2^0.75 (1.7x) either way moves nothing, so that a
+/// measurement on a busy machine does not.
+fn scaled(reference: usize, ratio: f64) -> usize {
+    let l = ratio.log2();
+    let steps = (l.signum() * (l.abs() + 0.25).floor()).clamp(-2.0, 2.0) as i32;
+    if steps >= 0 {
+        reference << steps
+    } else {
+        reference >> -steps
+    }
+}
+
+/// The crossovers for a machine profile (the reference's when unknown).
+pub fn crossovers(m: &Machine) -> Crossovers {
+    if !m.is_known() {
+        return REFERENCE_CROSSOVERS;
+    }
+    let (shm, tcp) = products(m);
+    let (ref_shm, ref_tcp) = products(&REFERENCE);
+    let s = shm as f64 / ref_shm as f64;
+    let t = tcp as f64 / ref_tcp as f64;
+    let r = REFERENCE_CROSSOVERS;
+    Crossovers {
+        small_allreduce_shm: scaled(r.small_allreduce_shm, s),
+        small_allreduce_tcp: scaled(r.small_allreduce_tcp, t),
+        small_allgather_shm: scaled(r.small_allgather_shm, s),
+        small_allgather_tcp: scaled(r.small_allgather_tcp, t),
+        halving_doubling_tcp: scaled(r.halving_doubling_tcp, t),
+        chain_tcp: scaled(r.chain_tcp, t),
+    }
+}
+
+/// Runs the model.
+pub fn plan(i: &Inputs) -> Plan {
+    let crossovers = crossovers(&i.agreed);
+    let mut why = Vec::new();
+    let m = i.agreed;
+    if m.is_known() {
+        let (shm, tcp) = products(&m);
+        why.push(format!(
+            "crossovers from rank 0's host ({} cores, one core copies {:.1} GB/s, a step {} ns on shared memory \
+             and {:.1} us over TCP at {:.2} GB/s: {} B and {} B move in one step's time)",
+            m.cores,
+            f64::from(m.copy_one_mbs) / 1000.0,
+            SHM_STEP_WORK_NS + u64::from(m.handoff_ns),
+            f64::from(m.tcp_latency_ns) / 1000.0,
+            f64::from(m.tcp_mbs) / 1000.0,
+            shm,
+            tcp,
+        ));
+    } else {
+        why.push("crossovers of the reference machine (no measured profile)".into());
+    }
+    let c = crossovers;
+    why.push(format!(
+        "allreduce by recursive doubling up to {} on shared memory and {} over TCP, then ring \
+         (halving-doubling over TCP from {} at 4, 8, 16.. ranks); allgather by Bruck up to {} / {}; \
+         broadcast and reduce along a chain over TCP from {}",
+        bytes(c.small_allreduce_shm),
+        bytes(c.small_allreduce_tcp),
+        bytes(c.halving_doubling_tcp),
+        bytes(c.small_allgather_shm),
+        bytes(c.small_allgather_tcp),
+        bytes(c.chain_tcp),
+    ));
+    let oversubscribed = i.host_ranks > i.cores || i.machine_ranks > i.machine_cores;
+    let here = i.here;
+    // Each rank copying at one core's speed, all at once: more than the
+    // memory system gives them halves the rings' speed-up over one copy.
+    let demand = i.host_ranks as u64 * u64::from(here.copy_one_mbs);
+    let memory_bound =
+        here.is_known() && demand > MEMORY_BOUND_FACTOR * u64::from(here.copy_all_mbs);
+    let from = single_copy_from(&here);
+    let single_copy_min = if oversubscribed || memory_bound {
+        from
+    } else {
+        usize::MAX
+    };
+    why.push(if oversubscribed {
+        format!(
+            "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield \
+             and shared-memory payloads from {} (twice the {} cache) that are not reduced go single copy \
+             (one copy instead of the rings' two)",
+            i.host_ranks,
+            i.cores,
+            i.machine_ranks,
+            i.machine_cores,
+            bytes(from),
+            bytes((here.cache_kib as usize) << 10),
+        )
+    } else if memory_bound {
+        format!(
+            "{} ranks here copying {:.1} GB/s each would ask {:.1} GB/s of a memory system that gives \
+             {:.1} GB/s: memory-bound, so shared-memory payloads from {} that are not reduced go single copy",
+            i.host_ranks,
+            f64::from(here.copy_one_mbs) / 1000.0,
+            demand as f64 / 1000.0,
+            f64::from(here.copy_all_mbs) / 1000.0,
+            bytes(from)
+        )
+    } else {
+        format!(
+            "{} ranks here on {} cores, memory not the bound: waiting ranks spin before sleeping, \
+             and payloads go through the rings (their two copies run on both ranks' cores at once)",
+            i.host_ranks, i.cores
+        )
+    });
+    Plan {
+        crossovers,
+        oversubscribed,
+        single_copy_min,
+        why: why.join("; "),
+    }
+}
+
+/// The memory-bandwidth model of a large allreduce on shared memory (the
+/// ring), in seconds: each rank copies 2(n-1)/n of the data into the
+/// rings and as much out of them (reducing as it goes, counted as a
+/// copy), half that when the receiver reads the sender's memory itself
+/// (single copy); the time is the longer of one core doing its rank's
+/// copies and all cores together doing every rank's.
+pub fn allreduce_bound_s(bytes: usize, ranks: usize, m: &Machine, single_copy: bool) -> f64 {
+    if ranks < 2 || !m.is_known() {
+        return 0.0;
+    }
+    let n = ranks as f64;
+    let copies = if single_copy { 2.0 } else { 4.0 };
+    let per_rank = copies * (n - 1.0) / n * bytes as f64;
+    let one = per_rank / (f64::from(m.copy_one_mbs) * 1e6);
+    let all = n * per_rank / (f64::from(m.copy_all_mbs) * 1e6);
+    one.max(all)
+}
+
+fn bytes(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::machine::UNKNOWN;
+
+    fn inputs(m: Machine, host_ranks: usize, cores: usize) -> Inputs {
+        Inputs {
+            agreed: m,
+            here: m,
+            host_ranks,
+            machine_ranks: host_ranks,
+            cores,
+            machine_cores: cores,
+        }
+    }
+
+    #[test]
+    fn the_reference_machine_and_an_unknown_one_keep_the_reference_crossovers() {
+        assert_eq!(crossovers(&REFERENCE), REFERENCE_CROSSOVERS);
+        assert_eq!(crossovers(&UNKNOWN), REFERENCE_CROSSOVERS);
+        // Measurement noise within a factor of 1.6 changes nothing.
+        let noisy = Machine {
+            copy_one_mbs: 12_500,
+            tcp_latency_ns: 14_000,
+            ..REFERENCE
+        };
+        assert_eq!(crossovers(&noisy), REFERENCE_CROSSOVERS);
+        let noisy = Machine {
+            copy_one_mbs: 5_000,
+            tcp_latency_ns: 6_000,
+            ..REFERENCE
+        };
+        assert_eq!(crossovers(&noisy), REFERENCE_CROSSOVERS);
+    }
+
+    #[test]
+    fn crossovers_follow_the_latency_bandwidth_product_within_bounds() {
+        // A network four times faster at the same latency: the latency-
+        // bound algorithms keep larger messages.
+        let fast_tcp = Machine {
+            tcp_mbs: 4 * REFERENCE.tcp_mbs,
+            ..REFERENCE
+        };
+        let c = crossovers(&fast_tcp);
+        assert_eq!(c.small_allreduce_tcp, 256 << 10);
+        assert_eq!(c.chain_tcp, 64 << 20);
+        assert_eq!(c.small_allreduce_shm, 64 << 10, "shared memory unchanged");
+        // A wildly slow measurement moves a choice at most 4x.
+        let slow = Machine {
+            copy_one_mbs: 1,
+            tcp_mbs: 1,
+            ..REFERENCE
+        };
+        let c = crossovers(&slow);
+        assert_eq!(c.small_allreduce_shm, 16 << 10);
+        assert_eq!(c.halving_doubling_tcp, 1 << 20);
+    }
+
+    #[test]
+    fn the_allreduce_bound_is_the_slower_of_one_core_and_all_cores() {
+        let m = Machine {
+            copy_one_mbs: 8000,
+            copy_all_mbs: 16000,
+            ..REFERENCE
+        };
+        // 2 ranks, 64 MB through the rings: 128 MB a rank at 8 GB/s is
+        // 16 ms; 256 MB at 16 GB/s is 16 ms too.
+        let t = allreduce_bound_s(64_000_000, 2, &m, false);
+        assert!((t - 0.016).abs() < 1e-9, "{t}");
+        // 4 ranks single copy: 96 MB a rank (12 ms), 384 MB together
+        // (24 ms): the memory system bounds it.
+        let t = allreduce_bound_s(64_000_000, 4, &m, true);
+        assert!((t - 0.024).abs() < 1e-9, "{t}");
+        assert_eq!(allreduce_bound_s(64, 1, &m, false), 0.0);
+    }
+
+    #[test]
+    fn single_copy_when_ranks_outnumber_cores_or_memory_is_the_bound() {
+        let p = plan(&inputs(REFERENCE, 4, 2));
+        assert!(p.oversubscribed);
+        assert_eq!(p.single_copy_min, 64 << 20, "twice the cache");
+        let small_cache = Machine {
+            cache_kib: 1024,
+            ..REFERENCE
+        };
+        assert_eq!(
+            plan(&inputs(small_cache, 4, 2)).single_copy_min,
+            SINGLE_COPY_MIN
+        );
+        assert!(p.why.contains("oversubscribed"), "{}", p.why);
+        let p = plan(&inputs(REFERENCE, 2, 2));
+        assert!(!p.oversubscribed);
+        assert_eq!(p.single_copy_min, usize::MAX);
+        // 16 ranks of a host whose cores copy 6 GB/s each and 40 GB/s
+        // together ask 96 GB/s: memory-bound.
+        let big = Machine {
+            cores: 16,
+            copy_one_mbs: 6000,
+            copy_all_mbs: 40_000,
+            ..REFERENCE
+        };
+        let p = plan(&inputs(big, 16, 16));
+        assert!(!p.oversubscribed);
+        assert_eq!(p.single_copy_min, 64 << 20);
+        assert!(p.why.contains("memory-bound"), "{}", p.why);
+        // 4 of them ask 24 GB/s: not.
+        assert_eq!(plan(&inputs(big, 4, 16)).single_copy_min, usize::MAX);
+        // Another machine's ranks on it count too.
+        let mut shared = inputs(REFERENCE, 2, 2);
+        shared.machine_ranks = 4;
+        assert!(plan(&shared).oversubscribed);
+    }
+}

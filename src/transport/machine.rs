@@ -1,0 +1,539 @@
+//! What this machine can move, measured once per machine and cached: its
+//! cores, how fast one core and all cores copy memory, how long a cache
+//! line takes to go from one core to another, and what loopback TCP
+//! does. The tuning model (`algorithms::tuner`) chooses from these; the
+//! ranks publish them at init, so that every rank of a job chooses from
+//! the same numbers (see `membership::packed`).
+//!
+//! The cache is a small text file per machine (its boot id, so a reboot
+//! measures again) under `$RDIST_CACHE_DIR`, else `$XDG_CACHE_HOME/rdist`,
+//! else `~/.cache/rdist`, else the temporary directory. The first process to need it measures under a file lock;
+//! the other ranks of the machine wait and read what it wrote, so ranks
+//! do not measure against each other. `RDIST_MACHINE` gives the numbers
+//! instead (the cache's one-line format), for tests and for hosts where
+//! measuring is unwelcome.
+
+use crate::error::{Error, Result};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The measured inputs of the tuning model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Machine {
+    /// Cores this process may use.
+    pub cores: u32,
+    /// One core's memcpy bandwidth over buffers larger than its caches,
+    /// in MB/s (bytes copied, 10^6 per second).
+    pub copy_one_mbs: u32,
+    /// All cores copying at once, together, in MB/s: the memory system's
+    /// bound for collectives on shared memory.
+    pub copy_all_mbs: u32,
+    /// Half a round trip of a cache line between two cores, in ns: the
+    /// floor of a step on shared memory.
+    pub handoff_ns: u32,
+    /// Half a round trip of 8 bytes over loopback TCP, in ns.
+    pub tcp_latency_ns: u32,
+    /// One loopback TCP stream's bandwidth, in MB/s.
+    pub tcp_mbs: u32,
+    /// The last-level cache of the first core, in KiB (sysfs).
+    pub cache_kib: u32,
+}
+
+/// The cache's format (a new field makes a new one, so old files are
+/// measured again, not misread).
+const FORMAT: &str = "machine2";
+
+/// A profile's size in the packed roster.
+pub const BYTES: usize = 28;
+
+/// A profile that says nothing measured: the model then keeps its
+/// reference choices (see `tuner::REFERENCE`).
+pub const UNKNOWN: Machine = Machine {
+    cores: 0,
+    copy_one_mbs: 0,
+    copy_all_mbs: 0,
+    handoff_ns: 0,
+    tcp_latency_ns: 0,
+    tcp_mbs: 0,
+    cache_kib: 0,
+};
+
+impl Machine {
+    /// Whether every number was measured (or given).
+    pub fn is_known(self) -> bool {
+        self.fields().iter().all(|(_, v)| *v > 0)
+    }
+
+    fn fields(self) -> [(&'static str, u32); 7] {
+        [
+            ("cores", self.cores),
+            ("copy_one_mbs", self.copy_one_mbs),
+            ("copy_all_mbs", self.copy_all_mbs),
+            ("handoff_ns", self.handoff_ns),
+            ("tcp_latency_ns", self.tcp_latency_ns),
+            ("tcp_mbs", self.tcp_mbs),
+            ("cache_kib", self.cache_kib),
+        ]
+    }
+
+    /// One line: "machine1 cores=16 copy_one_mbs=6300 ...".
+    pub fn to_line(self) -> String {
+        let mut s = FORMAT.to_string();
+        for (k, v) in self.fields() {
+            s += &format!(" {k}={v}");
+        }
+        s
+    }
+
+    /// The line `to_line` wrote; None when it is not one.
+    pub fn from_line(line: &str) -> Option<Machine> {
+        let mut words = line.split_whitespace();
+        if words.next()? != FORMAT {
+            return None;
+        }
+        let mut m = UNKNOWN;
+        for w in words {
+            let (k, v) = w.split_once('=')?;
+            let v: u32 = v.parse().ok()?;
+            match k {
+                "cores" => m.cores = v,
+                "copy_one_mbs" => m.copy_one_mbs = v,
+                "copy_all_mbs" => m.copy_all_mbs = v,
+                "handoff_ns" => m.handoff_ns = v,
+                "tcp_latency_ns" => m.tcp_latency_ns = v,
+                "tcp_mbs" => m.tcp_mbs = v,
+                "cache_kib" => m.cache_kib = v,
+                _ => return None,
+            }
+        }
+        m.is_known().then_some(m)
+    }
+
+    /// A compact token for the roster's published line (no spaces):
+    /// the numbers joined by commas; `-` when unknown.
+    pub fn to_token(self) -> String {
+        if !self.is_known() {
+            return "-".into();
+        }
+        let v: Vec<String> = self.fields().iter().map(|(_, v)| v.to_string()).collect();
+        v.join(",")
+    }
+
+    /// The token `to_token` wrote; UNKNOWN for anything else.
+    pub fn from_token(token: &str) -> Machine {
+        let v: Vec<u32> = token.split(',').filter_map(|x| x.parse().ok()).collect();
+        match v[..] {
+            [cores, copy_one_mbs, copy_all_mbs, handoff_ns, tcp_latency_ns, tcp_mbs, cache_kib] => {
+                Machine {
+                    cores,
+                    copy_one_mbs,
+                    copy_all_mbs,
+                    handoff_ns,
+                    tcp_latency_ns,
+                    tcp_mbs,
+                    cache_kib,
+                }
+            }
+            _ => UNKNOWN,
+        }
+    }
+
+    /// The numbers, little-endian (the packed roster's form).
+    pub fn to_bytes(self) -> [u8; BYTES] {
+        let mut out = [0u8; BYTES];
+        for (i, (_, v)) in self.fields().iter().enumerate() {
+            out[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    pub fn from_bytes(b: &[u8; BYTES]) -> Machine {
+        let at =
+            |i: usize| u32::from_le_bytes([b[i * 4], b[i * 4 + 1], b[i * 4 + 2], b[i * 4 + 3]]);
+        Machine {
+            cores: at(0),
+            copy_one_mbs: at(1),
+            copy_all_mbs: at(2),
+            handoff_ns: at(3),
+            tcp_latency_ns: at(4),
+            tcp_mbs: at(5),
+            cache_kib: at(6),
+        }
+    }
+}
+
+/// This machine's profile: given by `RDIST_MACHINE`, else cached, else
+/// measured now (and cached). `machine` names the machine in the cache
+/// (its boot id, which its network namespaces share: see
+/// `membership::hosts::machine_of`). Looked up once per process; UNKNOWN
+/// if it cannot be had (the model then keeps its reference choices).
+pub fn this_machine(machine: &str) -> Machine {
+    static THIS: OnceLock<Machine> = OnceLock::new();
+    *THIS.get_or_init(|| {
+        if let Some(line) = crate::options::machine_profile() {
+            return Machine::from_line(&line).unwrap_or(UNKNOWN);
+        }
+        cached_or_measured(machine).unwrap_or(UNKNOWN)
+    })
+}
+
+/// The cache file's name: the machine and the cores this process may use.
+fn cache_name(machine: &str, cores: usize) -> String {
+    let clean: String = machine
+        .chars()
+        .map(|c| match c.is_ascii_alphanumeric() || c == '-' {
+            true => c,
+            false => '_',
+        })
+        .take(64)
+        .collect();
+    format!("{FORMAT}-{clean}-{cores}cores")
+}
+
+fn cached_or_measured(machine: &str) -> Option<Machine> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = crate::options::cache_dir();
+    std::fs::create_dir_all(&dir).ok()?;
+    let name = cache_name(machine, cores);
+    let path = dir.join(format!("{name}.txt"));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(dir.join(format!("{name}.lock")))
+        .ok()?;
+    // One measurer per machine: the others wait here (bounded by the
+    // measurement, well under a second), then read its file.
+    let locked = Locked::take(&lock)?;
+    if let Some(m) = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| Machine::from_line(s.trim()))
+    {
+        return Some(m);
+    }
+    let m = measure(cores);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, m.to_line() + "\n").is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+    drop(locked);
+    Some(m)
+}
+
+/// An exclusive flock, released on drop.
+struct Locked<'a>(&'a std::fs::File);
+
+impl<'a> Locked<'a> {
+    fn take(f: &'a std::fs::File) -> Option<Locked<'a>> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor this function's caller keeps open.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        (rc == 0).then_some(Locked(f))
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: as in take.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Measures this machine (about a quarter of a second).
+pub fn measure(cores: usize) -> Machine {
+    Machine {
+        cores: cores as u32,
+        copy_one_mbs: copy_mbs(1, 32 << 20),
+        // Each thread's buffers together outgrow the caches.
+        copy_all_mbs: copy_mbs(cores.min(64), (64 << 20) / cores.clamp(1, 64)),
+        handoff_ns: handoff_ns(),
+        tcp_latency_ns: tcp_latency_ns().unwrap_or(0),
+        tcp_mbs: tcp_mbs().unwrap_or(0),
+        cache_kib: last_level_cache_kib(),
+    }
+    .clamped()
+}
+
+impl Machine {
+    /// No zero where something was measured, whatever the clock said.
+    fn clamped(mut self) -> Machine {
+        for v in [
+            &mut self.copy_one_mbs,
+            &mut self.copy_all_mbs,
+            &mut self.handoff_ns,
+            &mut self.tcp_latency_ns,
+            &mut self.tcp_mbs,
+            &mut self.cache_kib,
+        ] {
+            *v = (*v).max(1);
+        }
+        self
+    }
+}
+
+/// `threads` threads each copying `bytes` between two buffers of their
+/// own at once; the best of five rounds, all threads' bytes together.
+fn copy_mbs(threads: usize, bytes: usize) -> u32 {
+    let bytes = bytes.max(8 << 20);
+    let start = Arc::new(std::sync::Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let src = vec![1u8; bytes];
+                let mut dst = vec![0u8; bytes];
+                let mut best = Duration::MAX;
+                for _ in 0..5 {
+                    start.wait();
+                    let t = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                    best = best.min(t.elapsed());
+                }
+                best
+            })
+        })
+        .collect();
+    let slowest = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or(Duration::MAX))
+        .max()
+        .unwrap_or(Duration::MAX);
+    mbs(bytes * threads, slowest)
+}
+
+/// The largest cache sysfs lists for cpu0, in KiB (0 if none).
+fn last_level_cache_kib() -> u32 {
+    let mut best = 0;
+    for i in 0..8 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+        let Ok(size) = std::fs::read_to_string(format!("{dir}/size")) else {
+            break;
+        };
+        let size = size.trim();
+        let kib = match size.strip_suffix('K') {
+            Some(k) => k.parse().unwrap_or(0),
+            None => size
+                .strip_suffix('M')
+                .and_then(|m| m.parse::<u32>().ok())
+                .map_or(0, |m| m * 1024),
+        };
+        best = best.max(kib);
+    }
+    best
+}
+
+fn mbs(bytes: usize, took: Duration) -> u32 {
+    let us = took.as_micros().max(1);
+    (bytes as u128 / us).min(u32::MAX as u128) as u32
+}
+
+/// Two threads, each pinned to a core of its own, passing a counter back
+/// and forth in batches for 20 ms; the best batch counts (a preempted
+/// partner says nothing about the cores). Bounded by time, so a machine
+/// of one core (where each pass is a context switch) is done as soon.
+fn handoff_ns() -> u32 {
+    const BATCH: u64 = 64;
+    let cpus = Arc::new(allowed_cpus());
+    let pin = move |cpus: &[usize], i: usize| {
+        if cpus.len() >= 2 {
+            pin_to(cpus[i]);
+        }
+    };
+    let theirs = cpus.clone();
+    let ball = Arc::new(AtomicU64::new(0));
+    let other = ball.clone();
+    let partner = std::thread::spawn(move || {
+        pin(&theirs, 1);
+        let mut next = 1;
+        let mut idle = Instant::now();
+        loop {
+            let v = other.load(Ordering::Acquire);
+            if v == u64::MAX {
+                return;
+            }
+            if v == next {
+                other.store(v + 1, Ordering::Release);
+                next += 2;
+                idle = Instant::now();
+            } else {
+                std::hint::spin_loop();
+                if idle.elapsed() > Duration::from_millis(200) {
+                    return;
+                }
+            }
+        }
+    });
+    let measurer = std::thread::spawn(move || {
+        pin(&cpus, 0);
+        let stop = Instant::now() + Duration::from_millis(20);
+        let mut best = u128::MAX;
+        let mut v = 0;
+        'batches: while Instant::now() < stop {
+            let t = Instant::now();
+            for _ in 0..BATCH / 2 {
+                ball.store(v + 1, Ordering::Release);
+                while ball.load(Ordering::Acquire) != v + 2 {
+                    std::hint::spin_loop();
+                    if t.elapsed() > Duration::from_millis(100) {
+                        break 'batches;
+                    }
+                }
+                v += 2;
+            }
+            best = best.min(t.elapsed().as_nanos() / u128::from(BATCH));
+        }
+        ball.store(u64::MAX, Ordering::Release);
+        best.min(1_000_000) as u32
+    });
+    let ns = measurer.join().unwrap_or(1_000_000);
+    let _ = partner.join();
+    ns
+}
+
+/// The cores this process may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
+    // writes at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|c| libc::CPU_ISSET(*c, &set))
+            .collect()
+    }
+}
+
+/// Pins the calling thread (only it) to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: as in allowed_cpus; pid 0 is the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn loopback_pair() -> Result<(TcpStream, TcpStream)> {
+    let sys = |what: &str, e: std::io::Error| Error::system(what.to_string(), &e);
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| sys("bind", e))?;
+    let a = TcpStream::connect(l.local_addr().map_err(|e| sys("local_addr", e))?)
+        .map_err(|e| sys("connect", e))?;
+    let (b, _) = l.accept().map_err(|e| sys("accept", e))?;
+    for s in [&a, &b] {
+        s.set_nodelay(true).map_err(|e| sys("nodelay", e))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))
+            .map_err(|e| sys("timeout", e))?;
+    }
+    Ok((a, b))
+}
+
+/// 8-byte ping-pong over loopback TCP between two threads, in batches
+/// for 20 ms; the best batch counts, as in `handoff_ns`.
+fn tcp_latency_ns() -> Result<u32> {
+    const BATCH: u32 = 16;
+    let (mut a, mut b) = loopback_pair()?;
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        while b.read_exact(&mut buf).is_ok() && buf != [0xff; 8] {
+            if b.write_all(&buf).is_err() {
+                return;
+            }
+        }
+    });
+    let io = |e| Error::system("loopback ping-pong", &e);
+    let stop = Instant::now() + Duration::from_millis(20);
+    let mut best = Duration::MAX;
+    let mut buf = [0u8; 8];
+    while Instant::now() < stop {
+        let t = Instant::now();
+        for i in 0..BATCH {
+            a.write_all(&u64::from(i).to_le_bytes()).map_err(io)?;
+            a.read_exact(&mut buf).map_err(io)?;
+        }
+        best = best.min(t.elapsed());
+    }
+    let _ = a.write_all(&[0xff; 8]);
+    let _ = echo.join();
+    Ok((best.as_nanos() / u128::from(2 * BATCH)).min(u32::MAX as u128) as u32)
+}
+
+/// One loopback TCP stream carrying 16 MiB in 1 MiB writes, four times;
+/// the best time counts.
+fn tcp_mbs() -> Result<u32> {
+    const ROUND: usize = 16 << 20;
+    const ROUNDS: usize = 4;
+    let (mut a, mut b) = loopback_pair()?;
+    let sink = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 20];
+        for _ in 0..ROUNDS {
+            let mut got = 0;
+            while got < ROUND {
+                match b.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got += n,
+                }
+            }
+            if b.write_all(&[1]).is_err() {
+                return;
+            }
+        }
+    });
+    let io = |e| Error::system("loopback stream", &e);
+    let chunk = vec![7u8; 1 << 20];
+    let mut best = Duration::MAX;
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        for _ in 0..ROUND / chunk.len() {
+            a.write_all(&chunk).map_err(io)?;
+        }
+        let mut done = [0u8; 1];
+        a.read_exact(&mut done).map_err(io)?;
+        best = best.min(t.elapsed());
+    }
+    let _ = sink.join();
+    Ok(mbs(ROUND, best))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_and_the_token_and_the_bytes_say_the_same() {
+        let m = Machine {
+            cores: 16,
+            copy_one_mbs: 6300,
+            copy_all_mbs: 41000,
+            handoff_ns: 90,
+            tcp_latency_ns: 9000,
+            tcp_mbs: 3100,
+            cache_kib: 32768,
+        };
+        assert_eq!(Machine::from_line(&m.to_line()), Some(m));
+        assert_eq!(Machine::from_token(&m.to_token()), m);
+        assert_eq!(Machine::from_bytes(&m.to_bytes()), m);
+        assert_eq!(Machine::from_token(&UNKNOWN.to_token()), UNKNOWN);
+        assert_eq!(Machine::from_line("machine0 cores=1"), None);
+        assert_eq!(Machine::from_line("machine1 cores=1 bogus=2"), None);
+        assert_eq!(Machine::from_line("machine1 cores=1"), None, "partial");
+        assert_eq!(Machine::from_token("1,2,3"), UNKNOWN);
+    }
+
+    #[test]
+    fn measuring_gives_plausible_numbers() {
+        let m = measure(2);
+        eprintln!("{}", m.to_line());
+        assert!(m.is_known(), "{m:?}");
+        assert!(m.copy_one_mbs > 100, "{m:?}");
+        assert!(m.tcp_mbs > 10, "{m:?}");
+        assert!(m.tcp_latency_ns < 10_000_000, "{m:?}");
+    }
+}
