@@ -475,10 +475,19 @@ impl StreamTransport {
     ) -> Result<()> {
         let mine = &xfers[i].desc;
         if header.desc != *mine {
+            // The same call by different algorithms reads the same: say so.
+            let how = match (Desc { algo: mine.algo, ..header.desc }) == *mine {
+                true => format!(
+                    ", run by different algorithms ({} here, {} there: the ranks were given different \
+                     `algo` options or tuning inputs)",
+                    mine.algo, header.desc.algo
+                ),
+                false => String::new(),
+            };
             return Err(Error::new(
                 ErrorKind::Mismatch,
                 format!(
-                    "mismatched calls: rank {} called {} but rank {} called {}",
+                    "mismatched calls: rank {} called {} but rank {} called {}{how}",
                     self.rank, mine, peer, header.desc
                 ),
             ));

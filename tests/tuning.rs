@@ -1,0 +1,135 @@
+//! The tuning model in real processes started by `rdistrun`: every rank
+//! chooses its crossovers from rank 0's host's profile (published in the
+//! roster), whatever its own says, so the ranks run the same algorithm;
+//! a machine is measured once and cached; `RDIST_DEBUG=INFO` says why.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A profile four times faster over TCP than the reference machine
+/// (`tuner::REFERENCE`): the latency-bound algorithms keep 4x larger
+/// messages over TCP.
+const FAST_TCP: &str = "machine2 cores=2 copy_one_mbs=8000 copy_all_mbs=13000 handoff_ns=60 \
+                        tcp_latency_ns=9000 tcp_mbs=8000 cache_kib=32768";
+/// One four times slower: 4x smaller.
+const SLOW_TCP: &str = "machine2 cores=2 copy_one_mbs=8000 copy_all_mbs=13000 handoff_ns=60 \
+                        tcp_latency_ns=9000 tcp_mbs=500 cache_kib=32768";
+
+/// Runs `script` as each of `n` ranks under rdistrun, with `env`; the
+/// output (both streams) once it exits, within 60 s.
+fn launch(n: usize, script: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rdistrun"));
+    cmd.args([
+        "--nproc-per-node",
+        &n.to_string(),
+        "--no-tty",
+        "sh",
+        "-c",
+        script,
+    ])
+    .env("BENCH", env!("CARGO_BIN_EXE_rdist-bench"))
+    .env("RDIST_DEBUG", "INFO")
+    .env_remove("RDIST_MACHINE")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("rdistrun starts");
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        let mut e = String::new();
+        let _ = err.read_to_string(&mut e);
+        s + &e
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("rdistrun did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status.success(), reader.join().unwrap())
+}
+
+/// Each rank's "tuning:" line.
+fn tuning_lines(out: &str) -> Vec<&str> {
+    out.lines().filter(|l| l.contains("tuning: ")).collect()
+}
+
+#[test]
+fn every_rank_chooses_from_rank_0s_profile_whatever_its_own_says() {
+    // Rank 1 is a host of its own whose profile says TCP is slow
+    // (crossovers 4x smaller); rank 0's host's says fast (4x larger). An
+    // allreduce of 128 KiB over TCP lies between: recursive doubling by
+    // rank 0's profile, the ring by rank 1's, and ranks that disagreed
+    // would fail with a mismatch.
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then export RDIST_MACHINE='{SLOW_TCP}' RDIST_HOST_ID=rank1-host; fi; \
+         exec \"$BENCH\" --op allreduce --min-bytes 128K --max-bytes 128K --reps 2 --seconds 0.01"
+    );
+    let (ok, out) = launch(
+        3,
+        &script,
+        &[("RDIST_MACHINE", FAST_TCP), ("RDIST_TRANSPORT", "tcp")],
+    );
+    assert!(ok, "{out}");
+    let lines = tuning_lines(&out);
+    assert_eq!(lines.len(), 3, "{out}");
+    for line in lines {
+        assert!(
+            line.contains("on shared memory and 256 KiB over TCP"),
+            "every rank takes rank 0's crossovers: {line}"
+        );
+        assert!(line.contains("chain over TCP from 64 MiB"), "{line}");
+    }
+    assert!(out.contains("# out of bounds values : 0 OK"), "{out}");
+}
+
+#[test]
+fn a_machine_is_measured_once_and_its_profile_cached() {
+    let dir = std::env::temp_dir().join(format!("rdist-tuning-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = dir.to_str().unwrap();
+    let script =
+        "exec \"$BENCH\" --op allreduce --min-bytes 8 --max-bytes 8 --reps 1 --seconds 0.01";
+    let (ok, out) = launch(2, script, &[("RDIST_CACHE_DIR", cache)]);
+    assert!(ok, "{out}");
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    assert_eq!(files.len(), 1, "one profile per machine: {files:?}");
+    let line = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(line.starts_with("machine2 cores="), "{line}");
+    let cores = line
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .trim_start_matches("cores=");
+    for l in tuning_lines(&out) {
+        assert!(
+            l.contains(&format!("crossovers from rank 0's host ({cores} cores")),
+            "{l}"
+        );
+    }
+    // A second run reads it: the file stays as it was.
+    let modified = std::fs::metadata(&files[0]).unwrap().modified().unwrap();
+    let (ok, out) = launch(2, script, &[("RDIST_CACHE_DIR", cache)]);
+    assert!(ok, "{out}");
+    assert_eq!(
+        std::fs::metadata(&files[0]).unwrap().modified().unwrap(),
+        modified
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
