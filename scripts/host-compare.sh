@@ -53,6 +53,23 @@ if [ -n "${QUICK:-}" ]; then
 fi
 mkdir -p "$out"
 echo "== host-compare: $cores cores, worlds $worlds, rdist from $bundle, torch from $py"
+# The tuning model's inputs (this machine's measured profile, cached) and
+# its choices at each world size, as RDIST_DEBUG=INFO prints them: rank
+# 0's line of one tiny run per world, into tuning.txt.
+: > "$out/tuning.txt"
+for w in ${worlds//,/ }; do
+  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  pids=()
+  for ((r = 0; r < w; r++)); do
+    RANK=$r SIZE=$w PORT=$port OUT=/dev/null AR_SIZES=8 BATCH=0.01 REPS=1 RDIST_DEBUG=INFO \
+      timeout 60 "$worker" > "$out/tuning-$r.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}" || true
+  { echo "$w ranks:"; grep -h -m1 -o "tuning: .*" "$out/tuning-0.log" || echo "(no tuning line)"; } >> "$out/tuning.txt"
+  rm -f "$out"/tuning-*.log
+done
+cat "$out/tuning.txt"
 # Each launch is bounded; peer_bench names one that did not finish.
 PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
   "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
