@@ -8,9 +8,10 @@ torchrun), one run, same timing method.
 For each op and size the table gives busbw (nccl-tests definitions), its
 fraction of the link-bound busbw, and rdist / best peer. The link bound:
 with H hosts of P ranks (n = H*P) each behind one link of rate B, allreduce
-must move 2(H-1)/H of the data through every host's link and allgather
-(H-1)/H, broadcast all of it once, so the highest busbw the links allow is
-B*(n-1)/n*H/(H-1) for allreduce and allgather and B for broadcast. B is
+must move 2(H-1)/H of the data through every host's link, allgather and
+reduce_scatter (H-1)/H, broadcast all of it once, so the highest busbw the
+links allow is B*(n-1)/n*H/(H-1) for allreduce, allgather and
+reduce_scatter and B for broadcast. B is
 given two ways: the nominal rate (tbf) and the goodput of one bulk TCP
 stream between two hosts, measured in the same run (what TCP's headers
 leave of the link).
@@ -108,7 +109,7 @@ def run_on_hosts(name, command, timeout):
 
 
 def workers_env(a, out):
-    return (f"OUT={out} AR_SIZES={a.sizes} BC_SIZES={a.sizes} AG_SIZES={a.sizes} "
+    return (f"OUT={out} AR_SIZES={a.sizes} BC_SIZES={a.sizes} AG_SIZES={a.sizes} RS_SIZES={a.sizes} "
             f"PP_SIZES={a.p2p_sizes} EX_SIZES={a.p2p_sizes} "
             f"BATCH={a.batch} REPS={a.reps} OMP_NUM_THREADS=1")
 
@@ -165,7 +166,7 @@ def run_peer(peer, a, name, out):
         mpirun = (f"{env} mpirun --allow-run-as-root --oversubscribe --bind-to none -np {n} "
                   f"--host {hosts} --mca plm_rsh_agent {agent} --mca btl tcp,self,vader "
                   f"--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "
-                  f"-x OUT -x AR_SIZES -x BC_SIZES -x AG_SIZES -x PP_SIZES -x EX_SIZES -x BATCH -x REPS "
+                  f"-x OUT -x AR_SIZES -x BC_SIZES -x AG_SIZES -x RS_SIZES -x PP_SIZES -x EX_SIZES -x BATCH -x REPS "
                   f"-x OMP_NUM_THREADS {a.bin}/mpi_bench_openmpi")
         launch_from_host0(a, agent, addrs, mpirun)
         return "Open MPI native C (vader shared memory within a host, TCP between hosts)"
@@ -200,14 +201,14 @@ def busbw(op, nbytes, t, n):
     algbw = nbytes / t
     if op == "allreduce":
         return algbw * 2 * (n - 1) / n
-    if op == "allgather":
+    if op in ("allgather", "reduce_scatter"):
         return algbw * (n - 1) / n
     return algbw
 
 
 def link_bound(op, link, hosts, n):
     """The highest busbw links of `link` bytes/s allow (see the header)."""
-    if op in ("allreduce", "allgather"):
+    if op in ("allreduce", "allgather", "reduce_scatter"):
         return link * (n - 1) / n * hosts / (hosts - 1)
     return link
 
@@ -307,7 +308,7 @@ def table(records, meta, a, n):
         "| op | size | " + " | ".join(peers) + " | rdist / best peer |",
         "|---|---|" + "---|" * (len(peers) + 1),
     ]
-    order = ["allreduce", "allgather", "broadcast", "barrier", "pingpong", "exchange"]
+    order = ["allreduce", "allgather", "reduce_scatter", "broadcast", "barrier", "pingpong", "exchange"]
     keys = sorted({(r["op"], r["bytes"]) for r in records}, key=lambda k: (order.index(k[0]), k[1]))
     for op, nb in keys:
         cells, vals = [], {}
@@ -339,7 +340,8 @@ def chart(records, meta, a, n, path):
     except ImportError:
         print("cluster_compare: no matplotlib; no chart")
         return
-    ops = [op for op in ("allreduce", "allgather", "broadcast") if any(r["op"] == op for r in records)]
+    ops = [op for op in ("allreduce", "allgather", "reduce_scatter", "broadcast")
+           if any(r["op"] == op for r in records)]
     if not ops:
         return
     peers = [p for p in a.peers.split(",") if any(r["peer"] == p for r in records)]

@@ -3,7 +3,7 @@
 (same warm-up, batches, max over ranks, median batch), for the cluster
 comparison (scripts/cluster_compare.py runs one torchrun per host).
 
-Env as native_bench.c: OUT=file.jsonl AR_SIZES BC_SIZES AG_SIZES (allgather
+Env as native_bench.c: OUT=file.jsonl AR_SIZES BC_SIZES AG_SIZES RS_SIZES (allgather
 output sizes; each rank gives 1/world of it) BATCH REPS; torchrun sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT. GLOO_SOCKET_IFNAME picks the NIC.
 """
@@ -34,6 +34,11 @@ def main():
             out = torch.zeros(n)
             inp = torch.zeros(n // world)
             fn = lambda: dist.all_gather_into_tensor(out, inp)
+        elif op == "reduce_scatter":
+            n = max(1, n // world) * world
+            whole = torch.zeros(n)
+            mine = torch.zeros(n // world)
+            fn = lambda: dist.reduce_scatter_tensor(mine, whole)
         elif op == "allreduce":
             buf = torch.zeros(n)
             fn = lambda: dist.all_reduce(buf)
@@ -80,6 +85,7 @@ def main():
     recs = [measure("allreduce", b, batch, reps) for b in sizes("AR_SIZES")]
     recs += [measure("broadcast", b, batch, reps) for b in sizes("BC_SIZES")]
     recs += [measure("allgather", b, batch, reps) for b in sizes("AG_SIZES")]
+    recs += [measure("reduce_scatter", b, batch, reps) for b in sizes("RS_SIZES")]
     recs.append(measure("barrier", 0, batch, reps))
     dist.barrier()
     if rank == 0:
