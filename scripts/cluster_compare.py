@@ -358,7 +358,7 @@ def chart(records, meta, a, n, path):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [fmt_size(s) for s in sizes])
         ax.set_title(op)
         ax.set_ylabel("busbw GB/s")
-    handles, labels = axes[0].get_legend_handles_labels()
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=max(1, len(peers)), frameon=False)
     fig.suptitle(f"{a.hosts} hosts x {a.per_host} ranks, {a.rate} links "
                  "(line: link bound, dashed: TCP stream bound)", fontsize=9)

@@ -196,8 +196,9 @@ pub fn plan(i: &Inputs) -> Plan {
     ));
     let oversubscribed = i.host_ranks > i.cores || i.machine_ranks > i.machine_cores;
     let here = i.here;
-    // Each rank copying at one core's speed, all at once: more than the
-    // memory system gives them halves the rings' speed-up over one copy.
+    // The ranks' copies at one core's speed each, all at once, asking
+    // well more than the memory system gives: memory is the bound, the
+    // total copying work counts, and single copy halves it.
     let demand = i.host_ranks as u64 * u64::from(here.copy_one_mbs);
     let memory_bound =
         here.is_known() && demand > MEMORY_BOUND_FACTOR * u64::from(here.copy_all_mbs);
