@@ -121,10 +121,12 @@ pub struct Plan {
 }
 
 /// A profile's latency-bandwidth product on shared memory and on TCP, in
-/// bytes (ns x MB/s / 1000).
+/// bytes (ns x MB/s / 1000); the reference's where it was not measured.
 fn products(m: &Machine) -> (u64, u64) {
-    let shm = (SHM_STEP_WORK_NS + u64::from(m.handoff_ns)) * u64::from(m.copy_one_mbs) / 1000;
-    let tcp = u64::from(m.tcp_latency_ns) * u64::from(m.tcp_mbs) / 1000;
+    let r = if m.knows_memory() { m } else { &REFERENCE };
+    let shm = (SHM_STEP_WORK_NS + u64::from(r.handoff_ns)) * u64::from(r.copy_one_mbs) / 1000;
+    let r = if m.knows_tcp() { m } else { &REFERENCE };
+    let tcp = u64::from(r.tcp_latency_ns) * u64::from(r.tcp_mbs) / 1000;
     (shm.max(1), tcp.max(1))
 }
 
@@ -141,11 +143,9 @@ fn scaled(reference: usize, ratio: f64) -> usize {
     }
 }
 
-/// The crossovers for a machine profile (the reference's when unknown).
+/// The crossovers for a machine profile (the reference's for what was
+/// not measured).
 pub fn crossovers(m: &Machine) -> Crossovers {
-    if !m.is_known() {
-        return REFERENCE_CROSSOVERS;
-    }
     let (shm, tcp) = products(m);
     let (ref_shm, ref_tcp) = products(&REFERENCE);
     let s = shm as f64 / ref_shm as f64;
@@ -166,7 +166,7 @@ pub fn plan(i: &Inputs) -> Plan {
     let crossovers = crossovers(&i.agreed);
     let mut why = Vec::new();
     let m = i.agreed;
-    if m.is_known() {
+    if m.knows_memory() || m.knows_tcp() {
         let (shm, tcp) = products(&m);
         why.push(format!(
             "crossovers from rank 0's host ({} cores, one core copies {:.1} GB/s, a step {} ns on shared memory \
@@ -201,7 +201,7 @@ pub fn plan(i: &Inputs) -> Plan {
     // total copying work counts, and single copy halves it.
     let demand = i.host_ranks as u64 * u64::from(here.copy_one_mbs);
     let memory_bound =
-        here.is_known() && demand > MEMORY_BOUND_FACTOR * u64::from(here.copy_all_mbs);
+        here.knows_memory() && demand > MEMORY_BOUND_FACTOR * u64::from(here.copy_all_mbs);
     let from = single_copy_from(&here);
     let single_copy_min = if oversubscribed || memory_bound {
         from
@@ -252,7 +252,7 @@ pub fn plan(i: &Inputs) -> Plan {
 /// (single copy); the time is the longer of one core doing its rank's
 /// copies and all cores together doing every rank's.
 pub fn allreduce_bound_s(bytes: usize, ranks: usize, m: &Machine, single_copy: bool) -> f64 {
-    if ranks < 2 || !m.is_known() {
+    if ranks < 2 || !m.knows_memory() {
         return 0.0;
     }
     let n = ranks as f64;
@@ -291,6 +291,23 @@ mod tests {
     fn the_reference_machine_and_an_unknown_one_keep_the_reference_crossovers() {
         assert_eq!(crossovers(&REFERENCE), REFERENCE_CROSSOVERS);
         assert_eq!(crossovers(&UNKNOWN), REFERENCE_CROSSOVERS);
+        // What was not measured (loopback TCP in a namespace without it)
+        // counts as the reference's.
+        let no_tcp = Machine {
+            tcp_latency_ns: 0,
+            tcp_mbs: 0,
+            copy_one_mbs: 4 * REFERENCE.copy_one_mbs,
+            ..REFERENCE
+        };
+        let c = crossovers(&no_tcp);
+        assert_eq!(
+            c.small_allreduce_tcp,
+            REFERENCE_CROSSOVERS.small_allreduce_tcp
+        );
+        assert_eq!(
+            c.small_allreduce_shm,
+            4 * REFERENCE_CROSSOVERS.small_allreduce_shm
+        );
         // Measurement noise within a factor of 1.6 changes nothing.
         let noisy = Machine {
             copy_one_mbs: 12_500,

@@ -67,6 +67,16 @@ impl Machine {
         self.fields().iter().all(|(_, v)| *v > 0)
     }
 
+    /// Its shared-memory numbers were measured (copies and handoff).
+    pub fn knows_memory(self) -> bool {
+        self.copy_one_mbs > 0 && self.copy_all_mbs > 0 && self.handoff_ns > 0
+    }
+
+    /// Its loopback TCP numbers were measured.
+    pub fn knows_tcp(self) -> bool {
+        self.tcp_latency_ns > 0 && self.tcp_mbs > 0
+    }
+
     fn fields(self) -> [(&'static str, u32); 7] {
         [
             ("cores", self.cores),
@@ -109,13 +119,13 @@ impl Machine {
                 _ => return None,
             }
         }
-        m.is_known().then_some(m)
+        (m.cores > 0).then_some(m)
     }
 
     /// A compact token for the roster's published line (no spaces):
-    /// the numbers joined by commas; `-` when unknown.
+    /// the numbers joined by commas; `-` when nothing is known.
     pub fn to_token(self) -> String {
-        if !self.is_known() {
+        if self.cores == 0 {
             return "-".into();
         }
         let v: Vec<String> = self.fields().iter().map(|(_, v)| v.to_string()).collect();
@@ -207,8 +217,12 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
         .open(dir.join(format!("{name}.lock")))
         .ok()?;
     // One measurer per machine: the others wait here (bounded by the
-    // measurement, well under a second), then read its file.
-    let locked = Locked::take(&lock)?;
+    // measurement, well under a second), then read its file. A holder
+    // that never lets go (a stopped process) costs the others 10 s, then
+    // they measure for themselves.
+    let Some(locked) = Locked::take(&lock, Duration::from_secs(10)) else {
+        return Some(measure(cores));
+    };
     if let Some(m) = std::fs::read_to_string(&path)
         .ok()
         .and_then(|s| Machine::from_line(s.trim()))
@@ -228,11 +242,23 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
 struct Locked<'a>(&'a std::fs::File);
 
 impl<'a> Locked<'a> {
-    fn take(f: &'a std::fs::File) -> Option<Locked<'a>> {
+    /// The lock, tried every 10 ms for up to `limit`.
+    fn take(f: &'a std::fs::File, limit: Duration) -> Option<Locked<'a>> {
         use std::os::fd::AsRawFd;
-        // SAFETY: flock on a descriptor this function's caller keeps open.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        (rc == 0).then_some(Locked(f))
+        let deadline = Instant::now() + limit;
+        loop {
+            // SAFETY: flock on a descriptor this function's caller keeps
+            // open.
+            let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if rc == 0 {
+                return Some(Locked(f));
+            }
+            let busy = std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK);
+            if !busy || Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 
@@ -244,67 +270,84 @@ impl Drop for Locked<'_> {
     }
 }
 
-/// Measures this machine (about a quarter of a second).
+/// Measures this machine (about a quarter of a second). A number that
+/// could not be measured (no loopback in this network namespace, no
+/// thread to spare, no cache in sysfs) is 0: the model then takes the
+/// reference machine's for what it feeds.
 pub fn measure(cores: usize) -> Machine {
+    let threads = cores.clamp(1, 64);
     Machine {
         cores: cores as u32,
-        copy_one_mbs: copy_mbs(1, 32 << 20),
-        // Each thread's buffers together outgrow the caches.
-        copy_all_mbs: copy_mbs(cores.min(64), (64 << 20) / cores.clamp(1, 64)),
-        handoff_ns: handoff_ns(),
+        copy_one_mbs: copy_mbs(1, 32 << 20).unwrap_or(0),
+        // The threads' buffers together outgrow the caches.
+        copy_all_mbs: copy_mbs(threads, (128 << 20) / threads).unwrap_or(0),
+        handoff_ns: handoff_ns().unwrap_or(0),
         tcp_latency_ns: tcp_latency_ns().unwrap_or(0),
         tcp_mbs: tcp_mbs().unwrap_or(0),
         cache_kib: last_level_cache_kib(),
     }
-    .clamped()
 }
 
-impl Machine {
-    /// No zero where something was measured, whatever the clock said.
-    fn clamped(mut self) -> Machine {
-        for v in [
-            &mut self.copy_one_mbs,
-            &mut self.copy_all_mbs,
-            &mut self.handoff_ns,
-            &mut self.tcp_latency_ns,
-            &mut self.tcp_mbs,
-            &mut self.cache_kib,
-        ] {
-            *v = (*v).max(1);
-        }
-        self
-    }
+/// A measuring thread, or None when none can be started.
+fn spawn<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<std::thread::JoinHandle<T>> {
+    std::thread::Builder::new()
+        .name("rdist-measure".into())
+        .spawn(f)
+        .ok()
 }
 
-/// `threads` threads each copying `bytes` between two buffers of their
-/// own at once; the best of five rounds, all threads' bytes together.
-fn copy_mbs(threads: usize, bytes: usize) -> u32 {
-    let bytes = bytes.max(8 << 20);
+/// `threads` threads each copying half of `bytes` between two buffers of
+/// their own at once (at least 2 MiB each way); the best of five rounds,
+/// all threads' bytes together.
+fn copy_mbs(threads: usize, bytes: usize) -> Option<u32> {
+    let bytes = (bytes / 2).max(2 << 20);
+    // The threads start copying only once all of them exist (a thread
+    // that could not start would leave the others at the barrier).
+    let go = Arc::new((
+        std::sync::Mutex::new(None::<bool>),
+        std::sync::Condvar::new(),
+    ));
     let start = Arc::new(std::sync::Barrier::new(threads));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let start = start.clone();
-            std::thread::spawn(move || {
-                let src = vec![1u8; bytes];
-                let mut dst = vec![0u8; bytes];
-                let mut best = Duration::MAX;
-                for _ in 0..5 {
-                    start.wait();
-                    let t = Instant::now();
-                    dst.copy_from_slice(std::hint::black_box(&src));
-                    std::hint::black_box(&mut dst);
-                    best = best.min(t.elapsed());
-                }
-                best
-            })
-        })
-        .collect();
+    let mut handles = Vec::with_capacity(threads);
+    for _ in 0..threads {
+        let (go, start) = (go.clone(), start.clone());
+        handles.push(spawn(move || {
+            let (lock, ready) = &*go;
+            let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while state.is_none() {
+                state = ready.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            if *state != Some(true) {
+                return Duration::MAX;
+            }
+            drop(state);
+            let src = vec![1u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            let mut best = Duration::MAX;
+            for _ in 0..5 {
+                start.wait();
+                let t = Instant::now();
+                dst.copy_from_slice(std::hint::black_box(&src));
+                std::hint::black_box(&mut dst);
+                best = best.min(t.elapsed());
+            }
+            best
+        }));
+    }
+    let all = handles.iter().all(Option::is_some);
+    {
+        let (lock, ready) = &*go;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = Some(all);
+        ready.notify_all();
+    }
     let slowest = handles
         .into_iter()
+        .flatten()
         .map(|h| h.join().unwrap_or(Duration::MAX))
-        .max()
-        .unwrap_or(Duration::MAX);
-    mbs(bytes * threads, slowest)
+        .max()?;
+    (all && slowest != Duration::MAX).then(|| mbs(bytes * threads, slowest).max(1))
 }
 
 /// The largest cache sysfs lists for cpu0, in KiB (0 if none).
@@ -321,7 +364,7 @@ fn last_level_cache_kib() -> u32 {
             None => size
                 .strip_suffix('M')
                 .and_then(|m| m.parse::<u32>().ok())
-                .map_or(0, |m| m * 1024),
+                .map_or(0, |m| m.saturating_mul(1024)),
         };
         best = best.max(kib);
     }
@@ -337,7 +380,7 @@ fn mbs(bytes: usize, took: Duration) -> u32 {
 /// and forth in batches for 20 ms; the best batch counts (a preempted
 /// partner says nothing about the cores). Bounded by time, so a machine
 /// of one core (where each pass is a context switch) is done as soon.
-fn handoff_ns() -> u32 {
+fn handoff_ns() -> Option<u32> {
     const BATCH: u64 = 64;
     let cpus = Arc::new(allowed_cpus());
     let pin = move |cpus: &[usize], i: usize| {
@@ -348,7 +391,7 @@ fn handoff_ns() -> u32 {
     let theirs = cpus.clone();
     let ball = Arc::new(AtomicU64::new(0));
     let other = ball.clone();
-    let partner = std::thread::spawn(move || {
+    let partner = spawn(move || {
         pin(&theirs, 1);
         let mut next = 1;
         let mut idle = Instant::now();
@@ -369,7 +412,9 @@ fn handoff_ns() -> u32 {
             }
         }
     });
-    let measurer = std::thread::spawn(move || {
+    let partner = partner?;
+    let stop_partner = ball.clone();
+    let Some(measurer) = spawn(move || {
         pin(&cpus, 0);
         let stop = Instant::now() + Duration::from_millis(20);
         let mut best = u128::MAX;
@@ -389,9 +434,13 @@ fn handoff_ns() -> u32 {
             best = best.min(t.elapsed().as_nanos() / u128::from(BATCH));
         }
         ball.store(u64::MAX, Ordering::Release);
-        best.min(1_000_000) as u32
-    });
-    let ns = measurer.join().unwrap_or(1_000_000);
+        (best != u128::MAX).then(|| best.clamp(1, 1_000_000) as u32)
+    }) else {
+        stop_partner.store(u64::MAX, Ordering::Release);
+        let _ = partner.join();
+        return None;
+    };
+    let ns = measurer.join().ok().flatten();
     let _ = partner.join();
     ns
 }
@@ -440,14 +489,15 @@ fn loopback_pair() -> Result<(TcpStream, TcpStream)> {
 fn tcp_latency_ns() -> Result<u32> {
     const BATCH: u32 = 16;
     let (mut a, mut b) = loopback_pair()?;
-    let echo = std::thread::spawn(move || {
+    let echo = spawn(move || {
         let mut buf = [0u8; 8];
         while b.read_exact(&mut buf).is_ok() && buf != [0xff; 8] {
             if b.write_all(&buf).is_err() {
                 return;
             }
         }
-    });
+    })
+    .ok_or_else(|| Error::internal("no thread to measure with"))?;
     let io = |e| Error::system("loopback ping-pong", &e);
     let stop = Instant::now() + Duration::from_millis(20);
     let mut best = Duration::MAX;
@@ -471,7 +521,7 @@ fn tcp_mbs() -> Result<u32> {
     const ROUND: usize = 16 << 20;
     const ROUNDS: usize = 4;
     let (mut a, mut b) = loopback_pair()?;
-    let sink = std::thread::spawn(move || {
+    let sink = spawn(move || {
         let mut buf = vec![0u8; 1 << 20];
         for _ in 0..ROUNDS {
             let mut got = 0;
@@ -485,7 +535,8 @@ fn tcp_mbs() -> Result<u32> {
                 return;
             }
         }
-    });
+    })
+    .ok_or_else(|| Error::internal("no thread to measure with"))?;
     let io = |e| Error::system("loopback stream", &e);
     let chunk = vec![7u8; 1 << 20];
     let mut best = Duration::MAX;
@@ -523,7 +574,9 @@ mod tests {
         assert_eq!(Machine::from_token(&UNKNOWN.to_token()), UNKNOWN);
         assert_eq!(Machine::from_line("machine0 cores=1"), None);
         assert_eq!(Machine::from_line("machine1 cores=1 bogus=2"), None);
-        assert_eq!(Machine::from_line("machine1 cores=1"), None, "partial");
+        assert_eq!(Machine::from_line("machine2 cores=0"), None);
+        let partial = Machine::from_line("machine2 cores=4 copy_one_mbs=5000").unwrap();
+        assert!(!partial.knows_memory() && !partial.knows_tcp() && !partial.is_known());
         assert_eq!(Machine::from_token("1,2,3"), UNKNOWN);
     }
 
@@ -531,7 +584,7 @@ mod tests {
     fn measuring_gives_plausible_numbers() {
         let m = measure(2);
         eprintln!("{}", m.to_line());
-        assert!(m.is_known(), "{m:?}");
+        assert!(m.knows_memory() && m.knows_tcp(), "{m:?}");
         assert!(m.copy_one_mbs > 100, "{m:?}");
         assert!(m.tcp_mbs > 10, "{m:?}");
         assert!(m.tcp_latency_ns < 10_000_000, "{m:?}");
