@@ -278,7 +278,7 @@ pub fn measure(cores: usize) -> Machine {
     let threads = cores.clamp(1, 64);
     Machine {
         cores: cores as u32,
-        copy_one_mbs: copy_mbs(1, 32 << 20).unwrap_or(0),
+        copy_one_mbs: copy_mbs(1, 64 << 20).unwrap_or(0),
         // The threads' buffers together outgrow the caches.
         copy_all_mbs: copy_mbs(threads, (128 << 20) / threads).unwrap_or(0),
         handoff_ns: handoff_ns().unwrap_or(0),
