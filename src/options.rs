@@ -29,8 +29,8 @@ pub(crate) fn machine_profile() -> Option<String> {
 }
 
 /// Where measurements of the machine are cached: `$RDIST_CACHE_DIR`,
-/// else `$XDG_CACHE_HOME/rdist`, else `~/.cache/rdist`, else the
-/// temporary directory.
+/// else `$XDG_CACHE_HOME/rdist`, else `~/.cache/rdist`, else a directory
+/// of this user's in the temporary directory.
 pub(crate) fn cache_dir() -> std::path::PathBuf {
     use std::path::PathBuf;
     let env = |k: &str| {
@@ -41,7 +41,11 @@ pub(crate) fn cache_dir() -> std::path::PathBuf {
     env("RDIST_CACHE_DIR")
         .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("rdist")))
         .or_else(|| env("HOME").map(|d| d.join(".cache").join("rdist")))
-        .unwrap_or_else(|| std::env::temp_dir().join("rdist-cache"))
+        .unwrap_or_else(|| {
+            // SAFETY: geteuid has no preconditions.
+            let uid = unsafe { libc::geteuid() };
+            std::env::temp_dir().join(format!("rdist-cache-{uid}"))
+        })
 }
 
 /// Which backend runs the collectives (values equal `rdist_backend_t`).

@@ -123,10 +123,14 @@ pub struct Plan {
 /// A profile's latency-bandwidth product on shared memory and on TCP, in
 /// bytes (ns x MB/s / 1000); the reference's where it was not measured.
 fn products(m: &Machine) -> (u64, u64) {
-    let r = if m.knows_memory() { m } else { &REFERENCE };
-    let shm = (SHM_STEP_WORK_NS + u64::from(r.handoff_ns)) * u64::from(r.copy_one_mbs) / 1000;
+    let copy = if m.knows_memory() { m } else { &REFERENCE };
+    // One core's processes learn nothing of the trip between cores.
+    let handoff = if m.handoff_ns > 0 { m } else { &REFERENCE };
+    let shm = (SHM_STEP_WORK_NS + u64::from(handoff.handoff_ns))
+        .saturating_mul(u64::from(copy.copy_one_mbs))
+        / 1000;
     let r = if m.knows_tcp() { m } else { &REFERENCE };
-    let tcp = u64::from(r.tcp_latency_ns) * u64::from(r.tcp_mbs) / 1000;
+    let tcp = u64::from(r.tcp_latency_ns).saturating_mul(u64::from(r.tcp_mbs)) / 1000;
     (shm.max(1), tcp.max(1))
 }
 
@@ -199,9 +203,9 @@ pub fn plan(i: &Inputs) -> Plan {
     // The ranks' copies at one core's speed each, all at once, asking
     // well more than the memory system gives: memory is the bound, the
     // total copying work counts, and single copy halves it.
-    let demand = i.host_ranks as u64 * u64::from(here.copy_one_mbs);
-    let memory_bound =
-        here.knows_memory() && demand > MEMORY_BOUND_FACTOR * u64::from(here.copy_all_mbs);
+    let demand = (i.host_ranks as u64).saturating_mul(u64::from(here.copy_one_mbs));
+    let memory_bound = here.knows_memory()
+        && demand > MEMORY_BOUND_FACTOR.saturating_mul(u64::from(here.copy_all_mbs));
     let from = single_copy_from(&here);
     let single_copy_min = if oversubscribed || memory_bound {
         from

@@ -16,6 +16,7 @@
 use crate::error::{Error, Result};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -67,9 +68,9 @@ impl Machine {
         self.fields().iter().all(|(_, v)| *v > 0)
     }
 
-    /// Its shared-memory numbers were measured (copies and handoff).
+    /// Its copy bandwidths were measured.
     pub fn knows_memory(self) -> bool {
-        self.copy_one_mbs > 0 && self.copy_all_mbs > 0 && self.handoff_ns > 0
+        self.copy_one_mbs > 0 && self.copy_all_mbs > 0
     }
 
     /// Its loopback TCP numbers were measured.
@@ -89,7 +90,7 @@ impl Machine {
         ]
     }
 
-    /// One line: "machine1 cores=16 copy_one_mbs=6300 ...".
+    /// One line: "machine2 cores=16 copy_one_mbs=6300 ...".
     pub fn to_line(self) -> String {
         let mut s = FORMAT.to_string();
         for (k, v) in self.fields() {
@@ -206,7 +207,9 @@ fn cache_name(machine: &str, cores: usize) -> String {
 fn cached_or_measured(machine: &str) -> Option<Machine> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let dir = crate::options::cache_dir();
-    std::fs::create_dir_all(&dir).ok()?;
+    if !own_private_dir(&dir) {
+        return Some(measure(cores));
+    }
     let name = cache_name(machine, cores);
     let path = dir.join(format!("{name}.txt"));
     let lock = std::fs::OpenOptions::new()
@@ -214,6 +217,7 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
         .truncate(false)
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(dir.join(format!("{name}.lock")))
         .ok()?;
     // One measurer per machine: the others wait here (bounded by the
@@ -231,11 +235,40 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
     }
     let m = measure(cores);
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, m.to_line() + "\n").is_ok() {
-        let _ = std::fs::rename(&tmp, &path);
+    // A file of its own, never one a link points to.
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all((m.to_line() + "\n").as_bytes()));
+    match written {
+        Ok(()) => {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+        Err(_) => {
+            let _ = std::fs::remove_file(&tmp);
+        }
     }
     drop(locked);
     Some(m)
+}
+
+/// Makes `dir` (mode 0700) if it is not there, and says whether it is
+/// this user's own and nobody else's to write: a shared temporary
+/// directory must not let another user plant the file read here.
+fn own_private_dir(dir: &std::path::Path) -> bool {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let _ = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir);
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return false;
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    meta.is_dir() && meta.uid() == me && meta.mode() & 0o022 == 0
 }
 
 /// An exclusive flock, released on drop.
@@ -383,6 +416,11 @@ fn mbs(bytes: usize, took: Duration) -> u32 {
 fn handoff_ns() -> Option<u32> {
     const BATCH: u64 = 64;
     let cpus = Arc::new(allowed_cpus());
+    // On one core every pass is a context switch: nothing to learn about
+    // the trip between cores.
+    if cpus.len() < 2 {
+        return None;
+    }
     let pin = move |cpus: &[usize], i: usize| {
         if cpus.len() >= 2 {
             pin_to(cpus[i]);
@@ -473,8 +511,9 @@ fn pin_to(cpu: usize) {
 fn loopback_pair() -> Result<(TcpStream, TcpStream)> {
     let sys = |what: &str, e: std::io::Error| Error::system(what.to_string(), &e);
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| sys("bind", e))?;
-    let a = TcpStream::connect(l.local_addr().map_err(|e| sys("local_addr", e))?)
-        .map_err(|e| sys("connect", e))?;
+    let addr = l.local_addr().map_err(|e| sys("local_addr", e))?;
+    let a =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(1)).map_err(|e| sys("connect", e))?;
     let (b, _) = l.accept().map_err(|e| sys("accept", e))?;
     for s in [&a, &b] {
         s.set_nodelay(true).map_err(|e| sys("nodelay", e))?;
@@ -502,7 +541,7 @@ fn tcp_latency_ns() -> Result<u32> {
     let stop = Instant::now() + Duration::from_millis(20);
     let mut best = Duration::MAX;
     let mut buf = [0u8; 8];
-    while Instant::now() < stop {
+    while best == Duration::MAX || Instant::now() < stop {
         let t = Instant::now();
         for i in 0..BATCH {
             a.write_all(&u64::from(i).to_le_bytes()).map_err(io)?;
@@ -512,7 +551,10 @@ fn tcp_latency_ns() -> Result<u32> {
     }
     let _ = a.write_all(&[0xff; 8]);
     let _ = echo.join();
-    Ok((best.as_nanos() / u128::from(2 * BATCH)).min(u32::MAX as u128) as u32)
+    if best == Duration::MAX {
+        return Err(Error::internal("no ping-pong batch finished"));
+    }
+    Ok((best.as_nanos() / u128::from(2 * BATCH)).clamp(1, u32::MAX as u128) as u32)
 }
 
 /// One loopback TCP stream carrying 16 MiB in 1 MiB writes, four times;
@@ -573,7 +615,8 @@ mod tests {
         assert_eq!(Machine::from_bytes(&m.to_bytes()), m);
         assert_eq!(Machine::from_token(&UNKNOWN.to_token()), UNKNOWN);
         assert_eq!(Machine::from_line("machine0 cores=1"), None);
-        assert_eq!(Machine::from_line("machine1 cores=1 bogus=2"), None);
+        assert_eq!(Machine::from_line("machine2 cores=1 bogus=2"), None);
+        assert_eq!(Machine::from_line("machine2 cores=1 copy_one_mbs=x"), None);
         assert_eq!(Machine::from_line("machine2 cores=0"), None);
         let partial = Machine::from_line("machine2 cores=4 copy_one_mbs=5000").unwrap();
         assert!(!partial.knows_memory() && !partial.knows_tcp() && !partial.is_known());
