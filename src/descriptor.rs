@@ -6,6 +6,27 @@ use crate::dtype::DType;
 use crate::reduce::ReduceOp;
 use std::fmt;
 
+/// The algorithms' names by wire value (`algorithms::Algo` is the
+/// discriminant; 0 is none), kept here so that layers below the
+/// algorithms can name them in messages.
+const ALGO_NAMES: [&str; 10] = [
+    "none",
+    "ring",
+    "recursive_doubling",
+    "binomial",
+    "direct",
+    "dissemination",
+    "chain",
+    "halving_doubling",
+    "hierarchical",
+    "bruck",
+];
+
+/// The name of the algorithm with wire value `v`.
+pub fn algo_name(v: u8) -> &'static str {
+    ALGO_NAMES.get(usize::from(v)).copied().unwrap_or("unknown")
+}
+
 /// The kind of an operation (the wire value is the discriminant).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]

@@ -133,3 +133,18 @@ fn a_machine_is_measured_once_and_its_profile_cached() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn ranks_that_run_one_call_by_different_algorithms_are_told_which() {
+    // Rank 1 alone forces the ring: the call is the same on every rank,
+    // the algorithm not, and the error names both algorithms.
+    let script = "if [ \"$RANK\" = 1 ]; then export RDIST_ALGO=ring; fi; \
+                  exec \"$BENCH\" --op allreduce --min-bytes 1K --max-bytes 1K --reps 1 --seconds 0.01";
+    let (ok, out) = launch(3, script, &[("RDIST_ALGO", "recursive_doubling")]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("by different algorithms (ring here, recursive_doubling there")
+            || out.contains("by different algorithms (recursive_doubling here, ring there"),
+        "{out}"
+    );
+}

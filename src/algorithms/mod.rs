@@ -61,17 +61,7 @@ impl Algo {
     ];
 
     pub fn name(self) -> &'static str {
-        match self {
-            Algo::Ring => "ring",
-            Algo::RecursiveDoubling => "recursive_doubling",
-            Algo::Binomial => "binomial",
-            Algo::Direct => "direct",
-            Algo::Dissemination => "dissemination",
-            Algo::Chain => "chain",
-            Algo::HalvingDoubling => "halving_doubling",
-            Algo::Hierarchical => "hierarchical",
-            Algo::Bruck => "bruck",
-        }
+        crate::descriptor::algo_name(self as u8)
     }
 
     /// Parses a name from the `algo` option (also short forms).
@@ -417,6 +407,14 @@ mod tests {
             within_host: caps,
             between_hosts: caps,
             across_hosts,
+        }
+    }
+
+    #[test]
+    fn every_algorithm_has_its_own_name_and_parses_back() {
+        for a in Algo::ALL {
+            assert_eq!(Algo::parse(a.name()).unwrap(), a);
+            assert!(!["none", "unknown"].contains(&a.name()), "{a:?}");
         }
     }
 

@@ -476,11 +476,16 @@ impl StreamTransport {
         let mine = &xfers[i].desc;
         if header.desc != *mine {
             // The same call by different algorithms reads the same: say so.
-            let how = match (Desc { algo: mine.algo, ..header.desc }) == *mine {
+            let how = match (Desc {
+                algo: mine.algo,
+                ..header.desc
+            }) == *mine
+            {
                 true => format!(
-                    ", run by different algorithms ({} here, {} there: the ranks were given different \
+                    ", by different algorithms ({} here, {} there: the ranks were given different \
                      `algo` options or tuning inputs)",
-                    mine.algo, header.desc.algo
+                    crate::descriptor::algo_name(mine.algo),
+                    crate::descriptor::algo_name(header.desc.algo)
                 ),
                 false => String::new(),
             };
