@@ -212,6 +212,16 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
     }
     let name = cache_name(machine, cores);
     let path = dir.join(format!("{name}.txt"));
+    // The file is written whole and renamed into place: reading it needs
+    // no lock (the ranks of a wide job would take turns at it).
+    let cached = || {
+        std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| Machine::from_line(s.trim()))
+    };
+    if let Some(m) = cached() {
+        return Some(m);
+    }
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -227,10 +237,7 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
     let Some(locked) = Locked::take(&lock, Duration::from_secs(10)) else {
         return Some(measure(cores));
     };
-    if let Some(m) = std::fs::read_to_string(&path)
-        .ok()
-        .and_then(|s| Machine::from_line(s.trim()))
-    {
+    if let Some(m) = cached() {
         return Some(m);
     }
     let m = measure(cores);
