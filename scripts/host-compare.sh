@@ -14,7 +14,9 @@
 # HOST_COMPARE_PYTHON: the Python with torch (default python3; here the
 # tests' venv, scripts/torch-env.sh, serves). HOST_COMPARE_WORLDS overrides
 # the worlds; QUICK=1 makes a smoke run. Takes under 5 minutes on 16 cores.
-# Writes build/host-compare/: results-<date>.{json,md} (every number) and
+# Writes build/host-compare/: tuning.txt (the tuning model's inputs and
+# choices), memory-model.txt (64 MiB allreduce against the model),
+# results-<date>.{json,md} (every number) and
 # performance.md (each cell's ratio to torch gloo, as scripts/compare.sh
 # writes docs/performance.md), busbw.png when matplotlib is there.
 set -euo pipefail
@@ -70,6 +72,19 @@ for w in ${worlds//,/ }; do
   rm -f "$out"/tuning-*.log
 done
 cat "$out/tuning.txt"
+# 64 MiB allreduce on shared memory against the memory-bandwidth model
+# (rdist-bench prints the model under its table), per world, into
+# memory-model.txt.
+: > "$out/memory-model.txt"
+launcher=$bundle/target/release/rdistrun bench_bin=$bundle/target/release/rdist-bench
+if [ -x "$launcher" ] && [ -x "$bench_bin" ]; then
+  for w in ${worlds//,/ }; do
+    timeout 120 "$launcher" --nproc-per-node "$w" --no-prefix --no-tty "$bench_bin" --op allreduce \
+      --min-bytes 64M --max-bytes 64M --reps 3 --seconds 0.2 --no-check 2>&1 \
+      | grep -m1 "memory model" >> "$out/memory-model.txt" || echo "$w ranks: (no model line)" >> "$out/memory-model.txt"
+  done
+  cat "$out/memory-model.txt"
+fi
 # Each launch is bounded; peer_bench names one that did not finish.
 PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
   "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
