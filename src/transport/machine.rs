@@ -631,6 +631,29 @@ mod tests {
     }
 
     #[test]
+    fn the_cache_is_kept_only_in_a_directory_of_this_users_own() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("rdist-own-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let mine = base.join("made");
+        assert!(own_private_dir(&mine), "made here, mode 0700");
+        let mode = std::fs::metadata(&mine).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        // One that others may write to (a planted file or link) is not used.
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(!own_private_dir(&mine));
+        // Nor a link to a directory, nor a file.
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        assert!(!own_private_dir(&link));
+        let file = base.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(!own_private_dir(&file));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
     fn measuring_gives_plausible_numbers() {
         let m = measure(2);
         eprintln!("{}", m.to_line());
