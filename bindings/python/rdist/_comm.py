@@ -463,6 +463,16 @@ class Comm:
         if handle is not None:
             check(lib.rdist_comm_destroy(handle))
 
+    def _release(self):
+        """Hands the raw handle (an int) over to its new owner (the
+        compiled torch backend), which destroys it; this Comm is then
+        destroyed as far as Python is concerned."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is None:
+            raise InvalidUsageError("the communicator was destroyed")
+        return ctypes.cast(handle, ctypes.c_void_p).value
+
     def failed_ranks(self):
         """The ranks this rank knows to have failed (their connection broke:
         they died or left, or their host or the network between failed), ascending.

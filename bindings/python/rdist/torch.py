@@ -23,6 +23,7 @@ bindings/python/README.md.
 """
 
 import ctypes
+import os
 import threading
 import warnings
 from collections import deque
@@ -36,9 +37,17 @@ from ._buffers import HAS_0_2, NEW_IN_0_2, DType, Op, torch_dtypes, torch_stream
 from ._default import init_from_store
 from ._errors import InvalidArgumentError, PeerLostError, UnavailableError, error_for, last_error_text
 from ._issue import available, issue
-from ._library import Status, lib
+from ._library import Status, lib, library_path
 
-__all__ = ["BACKEND_NAME", "RdistBackend", "Work", "create_backend", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "RdistBackend",
+    "Work",
+    "compiled_backend",
+    "compiled_unavailable",
+    "create_backend",
+    "register",
+]
 
 #: The name ``init_process_group(backend=...)`` takes.
 BACKEND_NAME = "rdist"
@@ -472,17 +481,40 @@ class RdistBackend(_C10dBackend):
                          stream=_stream(inp))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts):
-        issued, keep, posts = [], [], []
-        for outputs, inp in zip(output_lists, input_tensors):
-            inp = _flat(inp, "input")
-            out, post = self._gather_into(inp, outputs, "allgather")
-            dtype, scale = _dtype(inp, True)
-            issued.append(("allgather", (inp.data_ptr(), out.data_ptr(), inp.numel() * scale, dtype)))
-            keep += [inp, out]
-            if post is not None:
-                posts.append(post)
-        _order_after(keep)
-        return self._many(issued, output_lists, keep, (lambda: [p() for p in posts]) if posts else None)
+        """``output_lists`` is [rank][tensor], as torch passes it:
+        ``output_lists[r][j]`` receives rank r's ``input_tensors[j]``. The
+        inputs go as one all_gather of their concatenation."""
+        n = self._size
+        if len(output_lists) != n or any(len(lst) != len(input_tensors) for lst in output_lists):
+            raise InvalidArgumentError(
+                f"rdist all_gather_coalesced: needs {n} output lists (one per rank) of "
+                f"{len(input_tensors)} tensors (one per input)"
+            )
+        first = input_tensors[0]
+        for j, inp in enumerate(input_tensors):
+            if inp.dtype != first.dtype or inp.device != first.device:
+                raise InvalidArgumentError("rdist all_gather_coalesced: inputs differ in dtype or device")
+            for lst in output_lists:
+                if lst[j].numel() != inp.numel() or lst[j].dtype != inp.dtype:
+                    raise InvalidArgumentError(
+                        f"rdist all_gather_coalesced: output for input {j} must have its "
+                        f"{inp.numel()} x {inp.dtype}"
+                    )
+        send = _flat(torch.cat([t.reshape(-1) for t in input_tensors]), "input")
+        gathered = torch.empty((n, *send.shape), dtype=send.dtype, device=send.device)
+        dtype, scale = _dtype(send, True)
+
+        def post():
+            rows = torch.view_as_complex(gathered) if first.is_complex() else gathered
+            for r, lst in enumerate(output_lists):
+                offset = 0
+                for out in lst:
+                    out.copy_(rows[r][offset:offset + out.numel()].view(out.shape))
+                    offset += out.numel()
+
+        args = (send.data_ptr(), gathered.data_ptr(), send.numel() * scale, dtype)
+        return self._run("allgather", args, opts, output_lists, [send, gathered], post,
+                         stream=_stream(send))
 
     def all_gather_single(self, output, input, opts):  # noqa: A002 - torch's name
         inp = _flat(input, "input")
@@ -710,23 +742,88 @@ def _python_backend_refused():
     return None
 
 
+_compiled = None  # the compiled backend's module, False where it cannot be had
+_compiled_why = None
+_shared = None  # (store, rank, size, backend) of the last group made
+
+
+def _choice():
+    """RDIST_TORCH_BACKEND: "compiled", "python", or unset (compiled where
+    it can be built, else Python)."""
+    choice = os.environ.get("RDIST_TORCH_BACKEND", "").strip().lower() or "auto"
+    if choice not in ("auto", "compiled", "python"):
+        raise InvalidArgumentError(
+            f"RDIST_TORCH_BACKEND={choice!r}: use compiled, python, or leave it unset"
+        )
+    return choice
+
+
+def compiled_backend():
+    """The compiled backend's module (rdist/csrc, built for this torch on
+    first use and cached; see rdist._extension), or None where it cannot
+    be built here (:data:`compiled_unavailable` says why)."""
+    global _compiled, _compiled_why
+    if _compiled is None:
+        from . import _extension
+
+        try:
+            _compiled = _extension.load()
+        except _extension.BuildError as error:
+            _compiled, _compiled_why = False, str(error)
+    return _compiled or None
+
+
+def compiled_unavailable():
+    """Why the compiled backend is not in use (None when it is)."""
+    return _compiled_why
+
+
+def _timeout_ms(timeout):
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return int(timeout.total_seconds() * 1000)
+    return None
+
+
 def create_backend(store, rank, size, timeout):
     """The creator torch.distributed calls (``register_backend``): an rdist
-    communicator made through torch's store, bounded by torch's timeout."""
-    refused = _python_backend_refused()
-    if refused:
-        # Before the rendezvous, so that no communicator is left behind.
-        raise UnavailableError(
-            f"rdist.torch: torch {torch.__version__} does not let Python subclass "
-            f"torch._C._distributed_c10d.Backend ({refused}), so no Python backend can run "
-            "on it. Use a newer torch (scripts/torch-env.sh names the one rdist's tests use), "
-            "or rdist's own API (rdist.init_from_store) beside torch.distributed"
-        )
-    timeout_ms = None
-    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
-        timeout_ms = int(timeout.total_seconds() * 1000)
+    communicator made through torch's store, bounded by torch's timeout,
+    under the compiled backend (the pure-Python one where nothing can be
+    compiled). torch calls it once per device type of a group ("cpu",
+    "cuda"): both get the one backend."""
+    global _shared
+    underlying = getattr(store, "underlying_store", None)
+    if _shared is not None and underlying is not None and _shared[0] is underlying \
+            and _shared[1:3] == (rank, size):
+        return _shared[3]
+    choice = _choice()
+    module = compiled_backend() if choice != "python" else None
+    if module is None and choice == "compiled":
+        raise UnavailableError(f"rdist.torch: the compiled backend is unavailable: {_compiled_why}")
+    if module is None:
+        refused = _python_backend_refused()
+        if refused:
+            # Before the rendezvous, so that no communicator is left behind.
+            raise UnavailableError(
+                f"rdist.torch: the compiled backend could not be built ({_compiled_why}), and "
+                f"torch {torch.__version__} does not let Python subclass its c10d Backend "
+                f"({refused}), so the pure-Python fallback cannot run either"
+            )
+        if choice == "auto":
+            warnings.warn(
+                f"rdist.torch: using the pure-Python backend: the compiled one could not be "
+                f"built ({_compiled_why}). Install a C++ compiler and run "
+                "`python -m rdist.torch_build` for the compiled backend.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    timeout_ms = _timeout_ms(timeout)
     comm = init_from_store(store, rank, size, prefix="rdist", timeout_ms=timeout_ms)
-    return RdistBackend(comm, rank, size)
+    if module is not None:
+        backend = module.RdistBackend(library_path, comm._release(), timeout_ms or 1_800_000)
+    else:
+        backend = RdistBackend(comm, rank, size)
+    _shared = (underlying, rank, size, backend) if underlying is not None else None
+    return backend
 
 
 # -- torch's recv(src=None) asks the Work for the source rank, which a Python
@@ -761,7 +858,7 @@ def register():
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
     dist.distributed_c10d.recv = _recv
     dist.recv = _recv
 

@@ -1,0 +1,228 @@
+// The library table and RdistWork: a call on rdist as torch sees it.
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include "backend.hpp"
+
+namespace rdist_torch {
+
+namespace {
+
+c10::SourceLocation here(const char* function, const char* file, uint32_t line) {
+  return c10::SourceLocation{function, file, line};
+}
+
+}  // namespace
+
+const Api& Api::load(const std::string& path) {
+  static std::mutex mutex;
+  static std::map<std::string, std::unique_ptr<Api>> loaded;
+  std::lock_guard<std::mutex> guard(mutex);
+  auto found = loaded.find(path);
+  if (found != loaded.end()) {
+    return *found->second;
+  }
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "rdist: cannot open ", path, ": ", dlerror());
+  auto api = std::make_unique<Api>();
+#define RDIST_TORCH_LOOKUP(name) \
+  api->name = reinterpret_cast<decltype(&::name)>(dlsym(handle, #name));
+  RDIST_TORCH_FUNCTIONS(RDIST_TORCH_LOOKUP)
+#undef RDIST_TORCH_LOOKUP
+  // What every librdist has; the 0.2 additions (tags, shrink, ...) may be
+  // missing and are checked where used.
+  TORCH_CHECK(
+      api->rdist_last_error && api->rdist_allreduce && api->rdist_iallreduce &&
+          api->rdist_wait && api->rdist_test && api->rdist_request_free &&
+          api->rdist_group_start && api->rdist_group_end &&
+          api->rdist_comm_destroy && api->rdist_isend && api->rdist_irecv,
+      "rdist: ", path, " lacks functions of rdist's C API; is it librdist?");
+  const Api& result = *api;
+  loaded.emplace(path, std::move(api));
+  return result;
+}
+
+std::string Api::lastError() const {
+  const char* text = rdist_last_error ? rdist_last_error() : nullptr;
+  return text && *text ? std::string(text) : std::string("rdist: no detail");
+}
+
+std::exception_ptr errorFor(rdist_result_t code, const std::string& message) {
+  auto where = here(__func__, __FILE__, static_cast<uint32_t>(__LINE__));
+  if (code == RDIST_ERR_PEER_LOST) {
+    return std::make_exception_ptr(c10::DistNetworkError(where, message));
+  }
+  return std::make_exception_ptr(c10::DistBackendError(where, message));
+}
+
+RdistWork::RdistWork(
+    const Api& api,
+    int rank,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor> outputs,
+    std::vector<c10::Device> devices)
+    : c10d::Work(
+          rank,
+          opType,
+          profilingTitle,
+          std::optional<std::vector<at::Tensor>>(inputs)),
+      api_(api),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()),
+          std::move(devices))) {}
+
+RdistWork::~RdistWork() {
+  // A work dropped unwaited still owns its requests: wait for them, so
+  // that rdist never writes into buffers torch has freed.
+  try {
+    complete();
+  } catch (...) {
+  }
+}
+
+void RdistWork::attach(
+    std::vector<rdist_request_t*> requests,
+    std::vector<at::Tensor> keep,
+    std::function<void()> post) {
+  requests_ = std::move(requests);
+  keep_ = std::move(keep);
+  post_ = std::move(post);
+}
+
+void RdistWork::completeNow(std::exception_ptr error) {
+  std::lock_guard<std::mutex> guard(completing_);
+  if (!error && post_) {
+    try {
+      post_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  post_ = nullptr;
+  finishWith(error);
+}
+
+void RdistWork::complete() {
+  std::lock_guard<std::mutex> guard(completing_);
+  if (done_.load()) {
+    return;
+  }
+  std::exception_ptr error;
+  for (rdist_request_t* request : requests_) {
+    rdist_result_t code = api_.rdist_wait(request);
+    if (code != RDIST_SUCCESS && !error) {
+      error = errorFor(code, api_.lastError());
+    }
+  }
+  if (!error && statusOf_ && api_.rdist_request_status) {
+    rdist_status_t status{};
+    if (api_.rdist_request_status(statusOf_, &status) == RDIST_SUCCESS) {
+      source_ = status.source;
+    }
+  }
+  for (rdist_request_t* request : requests_) {
+    api_.rdist_request_free(request);
+  }
+  requests_.clear();
+  statusOf_ = nullptr;
+  keep_.clear();
+  if (!error && post_) {
+    try {
+      post_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  post_ = nullptr;
+  finishWith(error);
+}
+
+void RdistWork::finishWith(std::exception_ptr error) {
+  finish(error);
+  done_ = true;
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+bool RdistWork::isCompleted() {
+  if (done_.load()) {
+    return true;
+  }
+  std::unique_lock<std::mutex> guard(completing_, std::try_to_lock);
+  if (!guard.owns_lock() || done_.load()) {
+    return done_.load();
+  }
+  for (rdist_request_t* request : requests_) {
+    int finished = 0;
+    if (api_.rdist_test(request, &finished) != RDIST_SUCCESS) {
+      break;  // failed: complete() below reports how
+    }
+    if (!finished) {
+      return false;
+    }
+  }
+  guard.unlock();
+  complete();
+  return true;
+}
+
+bool RdistWork::isSuccess() const {
+  return done_.load() && !exception();
+}
+
+int RdistWork::sourceRank() const {
+  int source = source_.load();
+  TORCH_CHECK(
+      source >= 0,
+      "rdist: sourceRank() is known for a receive, once it completed");
+  return source;
+}
+
+std::vector<at::Tensor> RdistWork::result() {
+  return outputs_;
+}
+
+bool RdistWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kWaitUnbounded || done_.load()) {
+    complete();
+  } else {
+    // A bounded wait: let the waiter thread complete it and wait here no
+    // longer than asked (rdist's own timeout bounds the call itself).
+    if (!watched_.exchange(true) && watch) {
+      watch(c10::intrusive_ptr<RdistWork>::reclaim_copy(this));
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!cv_.wait_for(lock, timeout, [this] { return completed_; })) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          c10::str(
+              "rdist: wait(timeout=",
+              timeout.count(),
+              " ms) ran out before the call completed"));
+    }
+  }
+  if (exception()) {
+    std::rethrow_exception(exception());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RdistWork::getFuture() {
+  if (!done_.load() && !watched_.exchange(true) && watch) {
+    watch(c10::intrusive_ptr<RdistWork>::reclaim_copy(this));
+  }
+  return future_;
+}
+
+}  // namespace rdist_torch
