@@ -91,7 +91,8 @@ def _flags(torch):
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
     ]
     abi = getattr(cpp_extension, "_get_pybind11_abi_build_flags", None)
-    flags += abi() if abi is not None else []
+    # torch writes them for a shell (\\"...\\"); no shell runs here.
+    flags += [flag.replace('\\"', '"') for flag in (abi() if abi is not None else [])]
     includes = cpp_extension.include_paths() + [
         sysconfig.get_paths()["include"],
         _rdist_header_dir(),

@@ -832,8 +832,8 @@ def create_backend(store, rank, size, timeout):
 _torch_recv = dist.distributed_c10d.recv
 
 
-def _recv(tensor, src=None, group=None, tag=0, group_src=None):
-    if src is None and group_src is None:
+def _recv(tensor, src=None, group=None, tag=0, **more):
+    if src is None and more.get("group_src") is None:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         try:
             backend = pg._get_backend(tensor.device)
@@ -843,7 +843,7 @@ def _recv(tensor, src=None, group=None, tag=0, group_src=None):
             work = backend.recv_anysource([tensor], tag)
             work.wait()
             return dist.get_global_rank(pg, work.source_rank)
-    return _torch_recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+    return _torch_recv(tensor, src=src, group=group, tag=tag, **more)
 
 
 _recv.__doc__ = _torch_recv.__doc__

@@ -262,13 +262,34 @@ std::pair<rdist_op_t, c10::optional<at::Tensor>> opOf(
   TORCH_CHECK(false, "rdist: unsupported reduction ", static_cast<int>(op.op_));
 }
 
+template <typename S, typename = void>
+struct HasNativeHandle : std::false_type {};
+template <typename S>
+struct HasNativeHandle<
+    S,
+    std::void_t<decltype(std::declval<const S&>().native_handle())>>
+    : std::true_type {};
+
+// A torch whose c10::Stream cannot say its native handle (before 2.5)
+// gets the legacy default stream, once the current one has drained.
+template <typename S>
+void* nativeHandle(S& stream) {
+  if constexpr (HasNativeHandle<S>::value) {
+    return stream.native_handle();
+  } else {
+    stream.synchronize();
+    return nullptr;
+  }
+}
+
 // A tensor's current CUDA stream, as the native handle rdist takes.
 void* streamOf(const at::Tensor& t) {
   if (!t.is_cuda()) {
     return nullptr;
   }
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  return impl->getStream(t.device()).native_handle();
+  c10::Stream stream = impl->getStream(t.device());
+  return nativeHandle(stream);
 }
 
 bool anyCuda(const std::vector<at::Tensor>& tensors) {

@@ -210,8 +210,8 @@ class RdistBackend : public c10d::Backend {
       int shrinkFlags,
       int64_t timeoutMs);
 
-  void abort() override;
-  void shutdown() override;
+  void abort();
+  void shutdown();
 
   // The ranks this rank knows failed.
   std::vector<int> failedRanks() const;

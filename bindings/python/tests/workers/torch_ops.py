@@ -29,6 +29,7 @@ dist.init_process_group("rdist", timeout=timedelta(seconds=60))
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 GLOO = dist.new_group(backend="gloo")
 RED = dist.ReduceOp
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 cases, failures, unavailable = [], {}, {}
 
@@ -111,7 +112,12 @@ def case(case_id, fn, gloo=True, new=False):
             failures[case_id] = f"rdist gave {got.tolist()}, expected {want.tolist()}"
             return
         if gloo:
-            got_gloo, _ = fn(GLOO)
+            try:
+                got_gloo, _ = fn(GLOO)
+            except RuntimeError as error:
+                if "not support" in str(error):
+                    return  # an older torch's gloo lacks the call: the reference decides
+                raise
             if not same(got, got_gloo):
                 failures[case_id] = f"rdist gave {got.tolist()}, gloo {got_gloo.tolist()}"
     except Exception:  # noqa: BLE001 - reported
@@ -250,7 +256,11 @@ for op in (RED.SUM, RED.MAX, RED.AVG):
         dist.reduce_scatter_tensor(out, data(RANK, 4 * SIZE), op=op, group=group)
         want = reduce_ref(op, [data(r, 4 * SIZE) for r in range(SIZE)])[4 * RANK:4 * RANK + 4]
         return out, want
-    case(f"reduce_scatter_tensor/{opname(op)}", reduce_scatter_tensor, gloo=op != RED.AVG)
+    # torch 2.4's gloo sums whatever the op: gloo is compared from the
+    # releases seen right (the reference decides everywhere).
+    gloo_right = op == RED.SUM or TORCH >= (2, 11)
+    case(f"reduce_scatter_tensor/{opname(op)}", reduce_scatter_tensor,
+         gloo=op != RED.AVG and gloo_right)
 
 
 def alltoall_single(group):
@@ -380,7 +390,13 @@ def barriers(group):
     dist.barrier(group=group)
     dist.barrier(group=group, async_op=True).wait()
     if group is not GLOO:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=30))
+        try:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=30))
+        except ValueError as error:
+            # torch before 2.5 lets only gloo groups reach a backend's
+            # monitored barrier (its Python front refuses the others).
+            if "only implemented for GLOO" not in str(error):
+                raise
     return torch.ones(1), torch.ones(1)
 
 
