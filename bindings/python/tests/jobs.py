@@ -33,7 +33,10 @@ def child_env(**extra):
     """The environment for a rank: this package and the very library this
     test process loaded, no inherited launcher or RDIST_* settings. `extra`
     values of None remove a variable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RDIST_")}
+    # RDIST_TORCH_BACKEND picks the torch backend the ranks use (the suite
+    # runs once per choice); every other RDIST_* setting stays out.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RDIST_") or k == "RDIST_TORCH_BACKEND"}
     for name in _LAUNCHER_VARS:
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(

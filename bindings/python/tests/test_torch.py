@@ -62,6 +62,8 @@ def _failures(report, ids):
 def test_every_call_matches_the_reference_and_gloo(size):
     for report in job("torch_ops.py", size):
         assert len(report["cases"]) >= 60, report["cases"]
+        # The compiled backend unless the run asks for the Python fallback.
+        assert report["compiled"] == (os.environ.get("RDIST_TORCH_BACKEND") != "python")
         failed = _failures(report, set(report["cases"]))
         assert not failed, f"rank {report['rank']} of {size}:\n" + "\n".join(
             f"--- {case}\n{why}" for case, why in failed.items()
@@ -358,3 +360,34 @@ def test_shrink_group_on_rdist_lets_the_survivors_go_on(victim):
         assert result["new_rank"] == new_rank and result["size"] == 3, result
         assert result["default"] is True, result
         assert result["sum"] == sum(r + 1 for r in survivors), result
+
+
+def _backend_job(size, detail=False):
+    key = ("torch_backend.py", size, detail)
+    if key not in _jobs:
+        env = {"OMP_NUM_THREADS": 1}
+        if detail:
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        ranks = run_ranks([WORKERS / "torch_backend.py"], size, timeout=150, python=TORCH_PYTHON,
+                          env=env)
+        reports = expect_success(ranks)
+        assert len(reports) == size, describe_all(ranks)
+        _jobs[key] = reports
+    return _jobs[key]
+
+
+@pytest.mark.parametrize("size,detail", [(2, False), (3, False), (2, True)],
+                         ids=["2", "3", "2-detail"])
+def test_the_backend_as_torch_sees_it(size, detail):
+    """all_gather_coalesced's layout, Work state, the sender of an any-source
+    receive, coalescing, sparse all_reduce, torch's error types, monitored
+    barrier, profiler names and DDP's logging; under DETAIL torch wraps the
+    group in its checking wrapper and every call still works."""
+    for report in _backend_job(size, detail):
+        assert len(report["cases"]) >= 9, report["cases"]
+        assert not report["failures"], f"rank {report['rank']} of {size}:\n" + "\n".join(
+            f"--- {case}\n{why}" for case, why in report["failures"].items()
+        )
+        assert report["facts"]["get_backend"] == "rdist"
+        if os.environ.get("RDIST_TORCH_BACKEND", "").lower() != "python":
+            assert report["facts"]["compiled"], report["facts"]

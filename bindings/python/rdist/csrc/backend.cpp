@@ -41,6 +41,29 @@ class Waiter {
     work->complete();  // after shutdown: at once, on the caller's thread
   }
 
+  // Frees requests a caller gave up on (rdist_request_free waits for them,
+  // bounded by the communicator's timeout), off the caller's thread.
+  // `buffers`: what they write into or read from, kept until then.
+  void reap(
+      const Api& api,
+      std::vector<rdist_request_t*> requests,
+      std::shared_ptr<void> buffers) {
+    if (requests.empty()) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (!stopping_) {
+        reaps_.push_back(Reap{&api, std::move(requests), std::move(buffers)});
+        changed_.notify_one();
+        return;
+      }
+    }
+    for (auto* request : requests) {
+      api.rdist_request_free(request);
+    }
+  }
+
   // Completes what is queued, then ends the thread.
   void stop() {
     {
@@ -64,19 +87,31 @@ class Waiter {
   void loop() {
     for (;;) {
       c10::intrusive_ptr<RdistWork> work;
+      Reap reap;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) {
+        changed_.wait(lock, [this] {
+          return stopping_ || !queue_.empty() || !reaps_.empty();
+        });
+        if (!reaps_.empty()) {
+          reap = std::move(reaps_.front());
+          reaps_.pop_front();
+        } else if (!queue_.empty()) {
+          work = std::move(queue_.front());
+          queue_.pop_front();
+        } else {
           return;
         }
-        work = std::move(queue_.front());
-        queue_.pop_front();
       }
-      try {
-        work->complete();
-      } catch (...) {
-        // complete() reports through the work and its future
+      for (auto* request : reap.requests) {
+        reap.api->rdist_request_free(request);
+      }
+      if (work) {
+        try {
+          work->complete();
+        } catch (...) {
+          // complete() reports through the work and its future
+        }
       }
     }
   }
@@ -84,6 +119,12 @@ class Waiter {
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<c10::intrusive_ptr<RdistWork>> queue_;
+  struct Reap {
+    const Api* api = nullptr;
+    std::vector<rdist_request_t*> requests;
+    std::shared_ptr<void> buffers;
+  };
+  std::deque<Reap> reaps_;
   bool stopping_ = false;
   std::thread thread_;
 };
@@ -94,7 +135,10 @@ class Waiter {
 
 namespace {
 
-constexpr int kMonitoredBarrierTag = 0x7ffffe00;
+// monitored_barrier's messages: a tag per call (cycling over 4096), so
+// that a late message of an earlier call that failed never passes for one
+// of a later call.
+constexpr int kMonitoredBarrierTag = 0x7fff0000;
 
 // torch >= 2.7 says in the options whether the caller waits at once.
 template <typename T, typename = void>
@@ -540,6 +584,9 @@ c10::intrusive_ptr<RdistWork> RdistBackend::newWork(
     const char* title,
     const std::vector<at::Tensor>& inputs,
     std::vector<at::Tensor> outputs) {
+  if (opType != c10d::OpType::SEND && opType != c10d::OpType::RECV) {
+    ++collectives_;
+  }
   auto devices = devicesOf(inputs);
   auto work = c10::make_intrusive<RdistWork>(
       api_, rank_, opType, title, inputs, std::move(outputs), devices);
@@ -852,7 +899,6 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::allreduce_sparse(
     vCounts[r] *= vty.perElement;
     vDispls[r] *= vty.perElement;
   }
-  check(api_.rdist_group_start());
   rdist_result_t code = api_.rdist_allgatherv(
       indices.data_ptr(),
       indexCounts[rank_],
@@ -874,11 +920,6 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::allreduce_sparse(
         c,
         nullptr);
     detail = code == RDIST_SUCCESS ? "" : api_.lastError();
-  }
-  rdist_result_t ended = api_.rdist_group_end();
-  if (code == RDIST_SUCCESS && ended != RDIST_SUCCESS) {
-    code = ended;
-    detail = api_.lastError();
   }
   if (code != RDIST_SUCCESS) {
     std::rethrow_exception(errorFor(code, detail));
@@ -1507,8 +1548,12 @@ void RdistBackend::monitoredBarrier(
     return;
   }
   const auto timeout = opts.timeout.count() > 0 ? opts.timeout : timeout_;
+  const int tag = kMonitoredBarrierTag + static_cast<int>(monitoredCalls_++ % 4096);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  uint8_t token = 1;
+  // [0]: the token sent, [1]: the answer, [2 + r]: rank r's token at rank
+  // 0. On the heap: requests given up on still use them.
+  auto buffers = std::make_shared<std::vector<uint8_t>>(size_ + 2, 1);
+  uint8_t& token = (*buffers)[0];
   auto pollUntilDeadline = [&](std::vector<rdist_request_t*>& pending,
                                std::vector<int>& peers,
                                bool stopAtFirst) {
@@ -1525,9 +1570,7 @@ void RdistBackend::monitoredBarrier(
         rdist_result_t code = api_.rdist_test(pending[i], &finished);
         if (code != RDIST_SUCCESS) {
           std::string detail = api_.lastError();
-          for (size_t j = 0; j < pending.size(); ++j) {
-            api_.rdist_request_free(pending[j]);
-          }
+          waiter_->reap(api_, pending, buffers);
           std::rethrow_exception(errorFor(code, detail));
         }
         if (finished) {
@@ -1540,27 +1583,30 @@ void RdistBackend::monitoredBarrier(
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
+    std::vector<rdist_request_t*> abandoned;
     for (size_t i = 0; i < pending.size(); ++i) {
-      if (!done[i]) {
+      if (done[i]) {
+        api_.rdist_request_free(pending[i]);
+        continue;
+      }
+      abandoned.push_back(pending[i]);
+      if (late.empty() || !stopAtFirst) {
         late.push_back(peers[i]);
-        if (stopAtFirst) {
-          break;
-        }
       }
     }
-    for (auto* request : pending) {
-      api_.rdist_request_free(request);
-    }
+    // Freeing waits for them: the waiter thread does, so that this call
+    // returns at its deadline (they end when the late rank arrives, or at
+    // the communicator's timeout).
+    waiter_->reap(api_, std::move(abandoned), buffers);
     return late;
   };
   if (rank_ == 0) {
-    std::vector<uint8_t> tokens(size_);
     std::vector<rdist_request_t*> pending;
     std::vector<int> peers;
     for (int r = 1; r < size_; ++r) {
       rdist_request_t* request = nullptr;
       check(api_.rdist_irecv_tagged(
-          &tokens[r], 1, RDIST_UINT8, r, kMonitoredBarrierTag, c, &request));
+          &(*buffers)[2 + r], 1, RDIST_UINT8, r, tag, c, &request));
       pending.push_back(request);
       peers.push_back(r);
     }
@@ -1579,7 +1625,7 @@ void RdistBackend::monitoredBarrier(
     for (int r = 1; r < size_; ++r) {
       rdist_request_t* request = nullptr;
       check(api_.rdist_isend_tagged(
-          &token, 1, RDIST_UINT8, r, kMonitoredBarrierTag, c, &request));
+          &token, 1, RDIST_UINT8, r, tag, c, &request));
       acks.push_back(request);
     }
     for (auto* request : acks) {
@@ -1594,11 +1640,11 @@ void RdistBackend::monitoredBarrier(
   }
   rdist_request_t* sent = nullptr;
   check(api_.rdist_isend_tagged(
-      &token, 1, RDIST_UINT8, 0, kMonitoredBarrierTag, c, &sent));
-  uint8_t answer = 0;
+      &token, 1, RDIST_UINT8, 0, tag, c, &sent));
+  uint8_t& answer = (*buffers)[1];
   rdist_request_t* answered = nullptr;
   rdist_result_t code = api_.rdist_irecv_tagged(
-      &answer, 1, RDIST_UINT8, 0, kMonitoredBarrierTag, c, &answered);
+      &answer, 1, RDIST_UINT8, 0, tag, c, &answered);
   if (code != RDIST_SUCCESS) {
     std::string detail = api_.lastError();
     api_.rdist_request_free(sent);

@@ -117,6 +117,13 @@ class RdistBackend : public c10d::Backend {
     return api_.rdist_comm_shrink != nullptr;
   }
 
+  // The number of collectives issued on this group (torch's checking
+  // wrapper under TORCH_DISTRIBUTED_DEBUG=DETAIL compares it across ranks).
+  void setSequenceNumberForGroup() {}
+  uint64_t getSequenceNumberForGroup() {
+    return collectives_.load();
+  }
+
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -264,6 +271,8 @@ class RdistBackend : public c10d::Backend {
   std::atomic<rdist_comm_t*> comm_;
   std::chrono::milliseconds timeout_;
   int coalescing_ = 0;
+  uint64_t monitoredCalls_ = 0;
+  std::atomic<uint64_t> collectives_{0};
   std::vector<c10::intrusive_ptr<RdistWork>> coalesced_;
   std::vector<std::function<void()>> coalescedPosts_;
   std::vector<at::Tensor> coalescedKeep_;

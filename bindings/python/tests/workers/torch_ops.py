@@ -233,6 +233,22 @@ def allgather_views(group):
 case("all_gather/list/views", allgather_views)
 
 
+def allgather_coalesced(sizes):
+    """torch lays the outputs out [rank][tensor]: outputs[r][j] is rank r's
+    inputs[j] (inputs of different sizes allowed)."""
+    def run(group):
+        inputs = [data(RANK, k, salt=j) for j, k in enumerate(sizes)]
+        outputs = [[torch.zeros(k) for k in sizes] for _ in range(SIZE)]
+        dist.all_gather_coalesced(outputs, inputs, group=group)
+        want = [data(r, k, salt=j) for r in range(SIZE) for j, k in enumerate(sizes)]
+        return torch.cat([t for row in outputs for t in row]), torch.cat(want)
+    return run
+
+
+for sizes in ([2, 2], [3, 1, 2]):
+    case(f"all_gather_coalesced/{'x'.join(map(str, sizes))}", allgather_coalesced(sizes))
+
+
 def allgather_tensor(group):
     out = torch.empty(SIZE * 2, 3)
     dist.all_gather_into_tensor(out, data(RANK, 6).view(2, 3), group=group)
@@ -451,6 +467,7 @@ def async_ops(group):
 case("async/wait_and_future", async_ops)
 
 dist.barrier(GLOO)
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 report(rank=RANK, size=SIZE, cases=cases, cases_0_2=cases_0_2, failures=failures,
-       unavailable=unavailable)
+       unavailable=unavailable, compiled=bool(getattr(backend, "compiled", False)))
 dist.destroy_process_group()
