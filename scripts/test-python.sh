@@ -10,7 +10,10 @@
 # with the torch venv's Python from scripts/torch-env.sh (installed on first
 # use, ~4 GB; RDIST_TORCH_PYTHON=/path/to/python picks another, and
 # RDIST_SKIP_TORCH=1 skips them); when none can be had those tests print
-# `skipped:` lines. Its last line is pytest's summary.
+# `skipped:` lines. The torch tests run again with the backend's
+# pure-Python fallback, and with the oldest torch rdist supports
+# (scripts/torch-env.sh --oldest; RDIST_SKIP_TORCH_OLDEST=1 skips that).
+# Its last line counts the tests of every pytest run.
 #
 # Needs a Python >= 3.9 with numpy and pytest. It uses $PYTHON if set, else
 # `python3` if it has both; /usr/bin/python3 if it has both (here
@@ -79,6 +82,48 @@ fi
 # Test exactly this build, never another librdist the search could find.
 export RDIST_LIBRARY="$PWD/target/debug/librdist.so"
 echo "test-python: $("$python" -c 'import sys; print(sys.executable, sys.version.split()[0])'), RDIST_LIBRARY=$RDIST_LIBRARY"
+
+# The compiled torch backend, built for a torch Python before its ranks
+# start (they would build it at init_process_group, one rank at a time).
+prebuild() {
+  PYTHONPATH=bindings/python "$1" -m rdist.torch_build \
+    || echo "test-python: the compiled torch backend did not build for $1 (the tests say what fails)"
+}
+
+passed=0
+started=$(date +%s)
 # pytest exits 5 when it collects no tests; like any non-zero status that fails this script.
 # -rs: each skipped test prints its reason (e.g. no CUDA device).
-exec "$python" -m pytest bindings/python/tests -q -rs -p no:cacheprovider
+run_pytest() {
+  local log rc=0
+  log=$(mktemp)
+  set +e
+  "$python" -m pytest "$@" -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  passed=$((passed + $(grep -E -o "^[0-9]+ passed" "$log" | tail -1 | grep -E -o "^[0-9]+" || echo 0)))
+  rm -f "$log"
+  return "$rc"
+}
+
+[ -z "${RDIST_TORCH_PYTHON:-}" ] || prebuild "$RDIST_TORCH_PYTHON"
+run_pytest bindings/python/tests
+
+if [ -n "${RDIST_TORCH_PYTHON:-}" ]; then
+  # The pure-Python fallback (where nothing can be compiled): every call
+  # against the reference and gloo.
+  echo "test-python: the torch backend's pure-Python fallback (RDIST_TORCH_BACKEND=python)"
+  RDIST_TORCH_BACKEND=python run_pytest bindings/python/tests/test_torch.py -k "every_call or 0_2_api"
+  # The oldest torch rdist supports, as the newest ran above.
+  if [ -n "${RDIST_SKIP_TORCH_OLDEST:-}" ]; then
+    echo "test-python: skipped: the oldest torch's run (RDIST_SKIP_TORCH_OLDEST is set)"
+  elif oldest=$(bash scripts/torch-env.sh --oldest); then
+    echo "test-python: the torch tests with the oldest supported torch: $oldest"
+    prebuild "$oldest"
+    RDIST_TORCH_PYTHON=$oldest run_pytest bindings/python/tests/test_torch.py
+  else
+    echo "test-python: skipped: the oldest torch could not be installed (scripts/torch-env.sh --oldest failed)"
+  fi
+fi
+# The last line counts every run's tests (scripts/test.sh reads it).
+echo "$passed passed in $(( $(date +%s) - started )) s (every pytest run above)"

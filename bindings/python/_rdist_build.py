@@ -307,10 +307,13 @@ def _stripped(path, scratch):
 
 def _add_package_sources(wheel):
     source = HERE / PACKAGE
-    for path in sorted(source.rglob("*.py")):
-        if "__pycache__" in path.parts:
+    for path in sorted(source.rglob("*")):
+        if "__pycache__" in path.parts or path.suffix not in (".py", ".cpp", ".hpp"):
             continue
         wheel.add(path.relative_to(HERE).as_posix(), path.read_bytes())
+    # The compiled torch backend (rdist/csrc) is built on the user's machine
+    # against their torch, and includes the C API's header.
+    wheel.add(f"{PACKAGE}/include/rdist.h", (HERE.parent.parent / "include" / "rdist.h").read_bytes())
 
 
 # ---- the PEP 517 / 660 hooks --------------------------------------------------------------

@@ -1067,4 +1067,37 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn ranks_meet_through_torchruns_store_without_ping_as_torch_2_4_hosts_it() {
+        let store = store::old_torch::OldTorchStore::start();
+        let meeting = Meeting::Method(Method::TorchStore {
+            host: "127.0.0.1".into(),
+            port: store.port(),
+            prefix: "rdist/x/0/".into(),
+        });
+        let size = 3;
+        let outcomes: Vec<Result<usize>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..size)
+                .map(|rank| {
+                    let meeting = meeting.clone();
+                    s.spawn(move || {
+                        let mut opts = Options::default();
+                        opts.set("timeout_ms", "20000").unwrap();
+                        let mut joined = join(&meeting, rank, size, &opts, false, &mut || {})?;
+                        joined.all_ready()?;
+                        Ok(joined.size)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, outcome) in outcomes.iter().enumerate() {
+            assert_eq!(
+                outcome.as_ref().ok(),
+                Some(&size),
+                "rank {rank}: {outcome:?}"
+            );
+        }
+    }
 }

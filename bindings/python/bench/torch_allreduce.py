@@ -4,8 +4,12 @@ without torch: the Python binding (rdist.Comm on torch tensors) and the C
 API called from C (bench/peers/native_bench.c, compiled here).
 
     python bindings/python/bench/torch_allreduce.py [--ranks 2] [--sizes 4,1M,64M]
+        [--backends rdist,gloo,rdist-python,fake]
         [--seconds 0.3] [--reps 5] [--c-api] [--json FILE]
 
+Backends: "rdist" (the compiled backend), "rdist-python" (its pure-Python
+fallback), "gloo", and "fake" (torch's FakeProcessGroup, which moves
+nothing: what torch's own dispatch of a call costs; world size 1 only).
 Spawns the ranks itself (ports from the OS). For each way and size
 (float32 sum) it warms up, then times batches of about --seconds each (a
 barrier before each); a batch's time is the maximum over ranks, the
@@ -66,9 +70,21 @@ def worker(rank, size, port, args, queue):
 
     torch.set_num_threads(1)
     out = {}
-    for backend in args.backends:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)
+    for spec in args.backends:
+        # "rdist-python": the backend's pure-Python fallback; "fake": torch's
+        # FakeProcessGroup, which communicates nothing (torch's own dispatch
+        # cost, world size 1 only).
+        backend = "rdist" if spec == "rdist-python" else spec
+        os.environ["RDIST_TORCH_BACKEND"] = "python" if spec == "rdist-python" else "auto"
+        if spec == "fake":
+            if size != 1:
+                continue
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=size)
         port += 1
 
         def maxover(x):
@@ -78,7 +94,7 @@ def worker(rank, size, port, args, queue):
 
         for nbytes in args.sizes:
             t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-            out[(backend, nbytes)] = timed(lambda: dist.all_reduce(t), dist.barrier,
+            out[(spec, nbytes)] = timed(lambda: dist.all_reduce(t), dist.barrier,
                                            args.seconds, args.reps, maxover)
         dist.destroy_process_group()
     if "rdist" in args.backends:
@@ -149,7 +165,8 @@ def main():
     for p in procs:
         p.join(60)
     res = results[0]
-    columns = [(f"dist.all_reduce {b}", b) for b in args.backends]
+    columns = [(f"dist.all_reduce {b}", b) for b in args.backends
+               if f"{b}|{args.sizes[0]}" in res]
     if "rdist" in args.backends:
         columns.append(("rdist.Comm (Python)", "rdist.Comm"))
     if args.c_api:

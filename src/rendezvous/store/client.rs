@@ -7,9 +7,13 @@
 //!
 //! Keys go on the wire behind "/", as torch's own clients put them, then
 //! the client's prefix: a Python `store.get("rdist/...")` sees rdist's keys.
+//!
+//! A query without a reply (set, append...) is followed by a probe whose
+//! answer proves it arrived (the store answers in order): a ping, or where
+//! the store has none (torch 2.4's hangs up on one), num_keys.
 
 use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -27,9 +31,41 @@ use crate::sync::lock;
 /// The most a handshake may take once connected.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The query whose answer proves that the queries before it arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Probe {
+    /// A ping: rdist's store and newer torch's (answered with the nonce;
+    /// by rdist's, with the nonce inverted when it wants a token).
+    Ping,
+    /// num_keys, for a store without ping (torch 2.4's hangs up on one);
+    /// its count is not used.
+    NumKeys,
+}
+
+/// The nonce of the pings that confirm queries.
+const PROBE_NONCE: u32 = 0x7365_7421;
+
+impl Probe {
+    fn encode(self, out: &mut Vec<u8>) {
+        match self {
+            Probe::Ping => encode_query(&Query::Ping(PROBE_NONCE), out),
+            Probe::NumKeys => encode_query(&Query::NumKeys, out),
+        }
+    }
+
+    fn read(self, s: &mut TcpStream) -> io::Result<()> {
+        match self {
+            Probe::Ping => expect_nonce(s, PROBE_NONCE),
+            Probe::NumKeys => read_i64(s).map(drop),
+        }
+    }
+}
+
 /// The connection of a client, and whether it can still be used.
 struct Connection {
     stream: TcpStream,
+    /// What the store answers to confirm arrivals (found in the handshake).
+    probe: Probe,
     /// Set once a query failed half-way: the byte stream is then out of
     /// step, so every later query fails with the same error.
     broken: Option<Error>,
@@ -80,8 +116,8 @@ impl TcpStoreClient {
         let patience = deadline.saturating_duration_since(Instant::now());
         let mut backoff = Duration::from_millis(10);
         loop {
-            let last_error = match connect_once(addr, deadline, token) {
-                Ok(stream) => {
+            let last_error = match connect_once(addr, deadline, token, Probe::Ping) {
+                Ok((stream, probe)) => {
                     return Ok(TcpStoreClient {
                         addr: addr.to_string(),
                         token: token.cloned(),
@@ -89,6 +125,7 @@ impl TcpStoreClient {
                         meeting: None,
                         connection: Mutex::new(Connection {
                             stream,
+                            probe,
                             broken: None,
                             owed: 0,
                         }),
@@ -149,21 +186,34 @@ impl TcpStoreClient {
         Ok(full)
     }
 
-    /// Sends `bytes` and reads the reply with `read`, both bounded by `bound`.
+    /// Sends `bytes` and reads the reply with `read`, both bounded by
+    /// `bound`. `probed`: the store's probe follows the queries, and its
+    /// answer is read after theirs (it confirms the queries that have no
+    /// reply arrived).
     fn exchange<T>(
         &self,
-        bytes: &[u8],
+        mut bytes: Vec<u8>,
+        probed: bool,
         bound: Duration,
         read: impl FnOnce(&mut TcpStream) -> io::Result<T>,
     ) -> Result<T> {
         let mut c = lock(&self.connection);
         self.mend(&mut c, bound)?;
+        // After mending: a new connection may have found another store.
+        let probe = c.probe;
+        if probed {
+            probe.encode(&mut bytes);
+        }
         let outcome = (|| {
             let bound = bound.max(Duration::from_millis(1));
             c.stream.set_read_timeout(Some(bound))?;
             c.stream.set_write_timeout(Some(bound))?;
-            c.stream.write_all(bytes)?;
-            read(&mut c.stream)
+            c.stream.write_all(&bytes)?;
+            let answer = read(&mut c.stream)?;
+            if probed {
+                probe.read(&mut c.stream)?;
+            }
+            Ok(answer)
         })();
         outcome.map_err(|e| {
             let err = self.connection_error(&e, bound);
@@ -182,9 +232,10 @@ impl TcpStoreClient {
             return self.settle(c, bound);
         };
         let deadline = Instant::now() + Duration::from_secs(1);
-        match connect_once(&self.addr, deadline, self.token.as_ref()) {
-            Ok(stream) => {
+        match connect_once(&self.addr, deadline, self.token.as_ref(), c.probe) {
+            Ok((stream, probe)) => {
                 c.stream = stream;
+                c.probe = probe;
                 c.broken = None;
                 c.owed = 0;
                 Ok(())
@@ -251,14 +302,12 @@ impl TcpStoreClient {
         Ok(value)
     }
 
-    /// A query with no reply, followed by a ping so that its arrival is
-    /// confirmed (and a store that dropped it is noticed here).
+    /// A query with no reply, followed by the probe so that its arrival
+    /// is confirmed (and a store that dropped it is noticed here).
     fn without_reply(&self, query: &Query<'_>) -> Result<()> {
         let mut bytes = Vec::new();
         encode_query(query, &mut bytes);
-        let nonce = 0x7365_7421u32;
-        encode_query(&Query::Ping(nonce), &mut bytes);
-        self.exchange(&bytes, OPERATION_TIMEOUT, |s| expect_nonce(s, nonce))
+        self.exchange(bytes, true, OPERATION_TIMEOUT, |_| Ok(()))
     }
 
     fn with_reply<T>(
@@ -268,7 +317,7 @@ impl TcpStoreClient {
     ) -> Result<T> {
         let mut bytes = Vec::new();
         encode_query(query, &mut bytes);
-        self.exchange(&bytes, OPERATION_TIMEOUT, read)
+        self.exchange(bytes, false, OPERATION_TIMEOUT, read)
     }
 
     /// Sets `key` to `desired` if it holds `expected` (or is missing and
@@ -425,11 +474,11 @@ impl TcpStoreClient {
         }
     }
 
-    /// One round trip; the time it took.
+    /// One round trip (a ping, or num_keys where the store has no ping);
+    /// the time it took.
     pub fn ping(&self) -> Result<Duration> {
         let start = Instant::now();
-        let nonce = std::process::id() ^ 0x5244_4953;
-        self.with_reply(&Query::Ping(nonce), |s| expect_nonce(s, nonce))?;
+        self.exchange(Vec::new(), true, OPERATION_TIMEOUT, |_| Ok(()))?;
         Ok(start.elapsed())
     }
 }
@@ -489,12 +538,15 @@ fn check_address(addr: &str) -> Result<()> {
     Ok(())
 }
 
-/// One attempt: resolve, connect to the first address that answers, handshake.
+/// One attempt: resolve, connect to the first address that answers,
+/// handshake (confirming with `probe` first: a client that found the
+/// store has no ping asks it no more).
 fn connect_once(
     addr: &str,
     deadline: Instant,
     token: Option<&Token>,
-) -> std::result::Result<TcpStream, AttemptError> {
+    probe: Probe,
+) -> std::result::Result<(TcpStream, Probe), AttemptError> {
     // Give each attempt a sensible slice, even when the deadline has passed.
     let attempt_timeout = deadline
         .saturating_duration_since(Instant::now())
@@ -508,8 +560,10 @@ fn connect_once(
             Ok(stream) => {
                 let patience = attempt_timeout.min(HANDSHAKE_TIMEOUT);
                 return match token {
-                    None => handshake(addr, stream, patience),
-                    Some(token) => authenticate(addr, stream, patience, token),
+                    None => handshake(addr, stream, socket_addr, patience, probe),
+                    // Only rdist's store authenticates, and it has ping.
+                    Some(token) => authenticate(addr, stream, socket_addr, patience, token)
+                        .map(|stream| (stream, Probe::Ping)),
                 };
             }
             Err(err) => last_error = describe_io(&err),
@@ -518,13 +572,57 @@ fn connect_once(
     Err(AttemptError::Retry(last_error))
 }
 
-/// Validates (torch's magic number) and pings: a TCPStore echoes the nonce.
+/// Validates (torch's magic number) and confirms with `probe`: a TCPStore
+/// echoes a ping's nonce. A store that hangs up on the ping before
+/// answering anything may be one without ping (torch 2.4's): asked again
+/// on a new connection (at `at`) with num_keys, within what is left of
+/// `patience`, it says so by answering; otherwise the hang-up stands
+/// (a store shutting down, or full for now: worth another try).
 fn handshake(
+    addr: &str,
+    stream: TcpStream,
+    at: SocketAddr,
+    patience: Duration,
+    probe: Probe,
+) -> std::result::Result<(TcpStream, Probe), AttemptError> {
+    let until = Instant::now() + patience;
+    let hung_up = match greet(addr, stream, patience, probe) {
+        Ok(stream) => return Ok((stream, probe)),
+        Err(Refused::HungUp(reason)) => reason,
+        Err(Refused::Other(err)) => return Err(err),
+    };
+    if probe == Probe::Ping {
+        let left = until.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            if let Ok(again) = TcpStream::connect_timeout(&at, left) {
+                let left = until
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                if let Ok(stream) = greet(addr, again, left, Probe::NumKeys) {
+                    return Ok((stream, Probe::NumKeys));
+                }
+            }
+        }
+    }
+    Err(AttemptError::Retry(hung_up))
+}
+
+/// Why a handshake failed.
+enum Refused {
+    /// The store closed the connection before answering anything.
+    HungUp(String),
+    Other(AttemptError),
+}
+
+/// Sends Validate and `probe` on `stream` and checks the answer, within
+/// `patience`.
+fn greet(
     addr: &str,
     mut stream: TcpStream,
     patience: Duration,
-) -> std::result::Result<TcpStream, AttemptError> {
-    let io_failure = |err: &io::Error| AttemptError::Retry(describe_io(err));
+    probe: Probe,
+) -> std::result::Result<TcpStream, Refused> {
+    let io_failure = |err: &io::Error| Refused::Other(AttemptError::Retry(describe_io(err)));
     stream.set_nodelay(true).map_err(|e| io_failure(&e))?;
     stream
         .set_read_timeout(Some(patience))
@@ -535,46 +633,88 @@ fn handshake(
     let nonce = std::process::id() ^ 0x5244_4953;
     let mut hello = Vec::new();
     encode_query(&Query::Validate(MAGIC), &mut hello);
-    encode_query(&Query::Ping(nonce), &mut hello);
+    match probe {
+        Probe::Ping => encode_query(&Query::Ping(nonce), &mut hello),
+        Probe::NumKeys => encode_query(&Query::NumKeys, &mut hello),
+    }
     stream.write_all(&hello).map_err(|e| io_failure(&e))?;
     let not_a_store = |what: String| {
-        AttemptError::Fatal(Error::new(
+        Refused::Other(AttemptError::Fatal(Error::new(
             ErrorKind::System,
             format!(
                 "the server at {addr} is not a rendezvous store: it {what} to the TCPStore \
                  handshake, which rdist's store and PyTorch's both speak; is something else \
                  listening on that port?"
             ),
-        ))
+        )))
     };
-    let mut echo = [0u8; 4];
-    match stream.read_exact(&mut echo) {
-        Ok(()) if u32::from_le_bytes(echo) == nonce => Ok(stream),
-        Ok(()) if u32::from_le_bytes(echo) == !nonce => Err(AttemptError::Fatal(Error::new(
-            ErrorKind::Auth,
-            format!(
-                "the rendezvous store at {addr} requires an auth token and this rank has none: \
-                 set auth_token (or RDIST_AUTH_TOKEN) as the other ranks did"
-            ),
-        ))),
-        Ok(()) => Err(not_a_store(format!(
-            "answered {:?}",
-            String::from_utf8_lossy(&echo)
-        ))),
-        Err(e)
-            if matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            ) =>
-        {
-            Err(not_a_store(format!(
-                "gave no answer within {}",
-                seconds(patience)
-            )))
+    // A ping's answer is 4 bytes, num_keys' 8.
+    let mut answer = [0u8; 8];
+    let want = match probe {
+        Probe::Ping => 4,
+        Probe::NumKeys => 8,
+    };
+    let mut got = 0;
+    while got < want {
+        match stream.read(&mut answer[got..want]) {
+            Ok(0) if got == 0 => {
+                return Err(Refused::HungUp("connection closed".to_string()));
+            }
+            Ok(0) => return Err(io_failure(&io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(not_a_store(format!(
+                    "gave no answer within {}",
+                    seconds(patience)
+                )));
+            }
+            Err(e)
+                if got == 0
+                    && matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+                    ) =>
+            {
+                return Err(Refused::HungUp(describe_io(&e)));
+            }
+            // Perhaps a store shutting down or one full for now; worth
+            // another try.
+            Err(e) => return Err(io_failure(&e)),
         }
-        // Closed or reset: perhaps a store shutting down or one full for
-        // now; worth another try.
-        Err(e) => Err(io_failure(&e)),
+    }
+    match probe {
+        Probe::Ping => {
+            let echo = u32::from_le_bytes([answer[0], answer[1], answer[2], answer[3]]);
+            if echo == nonce {
+                Ok(stream)
+            } else if echo == !nonce {
+                Err(Refused::Other(AttemptError::Fatal(Error::new(
+                    ErrorKind::Auth,
+                    format!(
+                        "the rendezvous store at {addr} requires an auth token and this rank has \
+                         none: set auth_token (or RDIST_AUTH_TOKEN) as the other ranks did"
+                    ),
+                ))))
+            } else {
+                Err(not_a_store(format!(
+                    "answered {:?}",
+                    String::from_utf8_lossy(&answer[..4])
+                )))
+            }
+        }
+        Probe::NumKeys => match i64::from_le_bytes(answer) {
+            n if n >= 0 => Ok(stream),
+            _ => Err(not_a_store(format!(
+                "answered {:?}",
+                String::from_utf8_lossy(&answer)
+            ))),
+        },
     }
 }
 
@@ -583,6 +723,7 @@ fn handshake(
 fn authenticate(
     addr: &str,
     mut stream: TcpStream,
+    at: SocketAddr,
     patience: Duration,
     token: &Token,
 ) -> std::result::Result<TcpStream, AttemptError> {
@@ -615,12 +756,10 @@ fn authenticate(
     if let Err(e) = stream.read_exact(&mut status) {
         // Hung up on the question: a store without rdist's authentication
         // (PyTorch's) does that. If a plain handshake works, say so now
-        // rather than retry until the timeout.
-        let plain = stream
-            .peer_addr()
-            .and_then(|at| TcpStream::connect_timeout(&at, patience));
-        if let Ok(again) = plain {
-            if handshake(addr, again, patience).is_ok() {
+        // rather than retry until the timeout. (The address this
+        // connection went to: a connection reset has no peer any more.)
+        if let Ok(again) = TcpStream::connect_timeout(&at, patience) {
+            if handshake(addr, again, at, patience, Probe::Ping).is_ok() {
                 return Err(failed(format!(
                     "the store at {addr} speaks the TCPStore protocol but not rdist's \
                      authentication (a PyTorch TCPStore, such as torchrun's, cannot \
@@ -712,18 +851,10 @@ impl Store for TcpStoreClient {
             }
         }
         // The answer to a last Add confirms that all arrived; after a Set,
-        // a ping does.
-        let nonce = 0x7365_7421u32;
-        let ping = !matches!(updates.last(), Some(Update::Add(..)));
-        if ping {
-            encode_query(&Query::Ping(nonce), &mut bytes);
-        }
-        self.exchange(&bytes, OPERATION_TIMEOUT, |s| {
-            let added = (0..adds).map(|_| read_i64(s)).collect::<io::Result<_>>()?;
-            if ping {
-                expect_nonce(s, nonce)?;
-            }
-            Ok(added)
+        // the probe's does.
+        let probed = !matches!(updates.last(), Some(Update::Add(..)));
+        self.exchange(bytes, probed, OPERATION_TIMEOUT, |s| {
+            (0..adds).map(|_| read_i64(s)).collect()
         })
     }
 
@@ -758,7 +889,7 @@ impl Store for TcpStoreClient {
         for k in &full {
             encode_query(&Query::Check(vec![k.as_slice()]), &mut bytes);
         }
-        let present = self.exchange(&bytes, bound, |s| {
+        let present = self.exchange(bytes, false, bound, |s| {
             (0..full.len())
                 .map(|_| Ok(read_u8(s)? == READY))
                 .collect::<io::Result<Vec<bool>>>()
@@ -777,7 +908,7 @@ impl Store for TcpStoreClient {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(500));
-            self.exchange(&q, left, |s| {
+            self.exchange(q, false, left, |s| {
                 (0..wanted.len()).map(|_| read_value(s)).collect()
             })?
         }
@@ -796,9 +927,7 @@ impl Store for TcpStoreClient {
         let k = self.key(key)?;
         let mut bytes = Vec::new();
         encode_query(&Query::Set(&k, self.value(key, value)?), &mut bytes);
-        let nonce = 0x7365_7421u32;
-        encode_query(&Query::Ping(nonce), &mut bytes);
-        self.exchange(&bytes, bound, |s| expect_nonce(s, nonce))
+        self.exchange(bytes, true, bound, |_| Ok(()))
     }
 
     fn duplicated_ranks(&self, size: usize) -> Vec<usize> {

@@ -11,6 +11,8 @@
 mod client;
 mod file;
 pub mod hosted;
+#[cfg(test)]
+pub(crate) mod old_torch;
 mod protocol;
 mod server;
 

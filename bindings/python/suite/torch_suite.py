@@ -1,0 +1,62 @@
+"""PyTorch's own generic distributed suite on rdist.
+
+torch runs `torch.testing._internal.distributed.distributed_test` once per
+backend through test/distributed/test_distributed_spawn.py; this drives it
+the same way (a TestCase spawning WORLD_SIZE ranks per test) with gloo's
+skip lists (BACKEND=gloo), and with RDIST_SUITE_BACKEND=rdist (the default)
+every gloo process group swapped for rdist: init_process_group and
+new_group get "rdist" where the test asks for gloo, and
+torch.distributed.get_backend, which tests compare with their BACKEND, says
+"gloo" for an rdist group. RDIST_SUITE_BACKEND=gloo runs the suite as torch
+does, for the counts to compare with.
+
+    BACKEND=gloo WORLD_SIZE=2 python suite/torch_suite.py [unittest args]
+
+scripts/torch-suite.sh runs it for both backends and world sizes and
+prints the counts.
+"""
+
+import os
+
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+
+import torch.distributed as dist  # noqa: E402
+
+if os.environ.get("RDIST_SUITE_BACKEND", "rdist") == "rdist":
+    import rdist.torch  # noqa: F401 - registers "rdist"
+
+    _init, _new_group, _get_backend = dist.init_process_group, dist.new_group, dist.get_backend
+
+    def _swap(backend):
+        return "rdist" if isinstance(backend, str) and backend.lower() == "gloo" else backend
+
+    def init_process_group(*args, backend=None, **kwargs):
+        return _init(*args, backend=_swap(backend), **kwargs)
+
+    def new_group(*args, backend=None, **kwargs):
+        return _new_group(*args, backend=_swap(backend), **kwargs)
+
+    def get_backend(group=None):
+        name = _get_backend(group)
+        return "gloo" if str(name) == "rdist" else name
+
+    dist.init_process_group = init_process_group
+    dist.new_group = new_group
+    dist.get_backend = get_backend
+
+from torch.testing._internal.common_utils import run_tests  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+
+if __name__ == "__main__":
+    run_tests()
