@@ -39,19 +39,31 @@ for world in $worlds; do
     "$py" - "$log" "$backend" "$world" "$(( $(date +%s) - start ))" <<'PY'
 import re, sys
 log, backend, world, took = sys.argv[1:]
-results = {}
-for m in re.finditer(r"^(test_\w+) \([\w.]+\)(?:\n.*?)*? \.\.\. (ok|skipped.*|FAIL|ERROR)$", open(log).read(), re.M):
-    results[m.group(1)] = m.group(2).split()[0].rstrip(":'\"")
-counts = {k: sum(1 for v in results.values() if v == k) for k in ("ok", "skipped", "FAIL", "ERROR")}
-print(f"{backend} at {world} ranks: {len(results)} tests, {counts['ok']} pass, {counts['skipped']} skipped, "
-      f"{counts['FAIL']} fail, {counts['ERROR']} error ({took} s; {log})")
-with open(log + ".results", "w") as f:
-    for name, state in sorted(results.items()):
-        f.write(f"{name} {state}\n")
+text = open(log, errors="replace").read()
+ran = re.findall(r"^Ran (\d+) tests? in", text, re.M)
+summary = re.findall(r"^(?:OK|FAILED) ?\((.*)\)$", text, re.M)
+counts = dict(failures=0, errors=0, skipped=0, expected_failures=0)
+for part in (summary[-1].split(", ") if summary else []):
+    key, _, value = part.partition("=")
+    counts[key] = int(value)
+failed = sorted(set(re.findall(r"^(?:FAIL|ERROR): (test_\w+)", text, re.M)))
+total = int(ran[-1]) if ran else 0
+passed = total - counts["failures"] - counts["errors"] - counts["skipped"] - counts["expected_failures"]
+print(f"{backend} at {world} ranks: {total} tests, {passed} pass, {counts['skipped']} skipped, "
+      f"{counts['failures']} fail, {counts['errors']} error ({took} s; {log})"
+      + ("" if ran else " -- the run did not finish"))
+with open(log + ".failed", "w") as f:
+    f.write("".join(name + "\n" for name in failed))
 PY
   done
-  if [ -f "$out/gloo-$world.log.results" ] && [ -f "$out/rdist-$world.log.results" ]; then
-    echo "passing on gloo, not on rdist, at $world ranks:"
-    join "$out/gloo-$world.log.results" "$out/rdist-$world.log.results" | awk '$2 == "ok" && $3 != "ok" {print "  " $1 " (" $3 ")"}'
+  if [ -s "$out/rdist-$world.log.failed" ]; then
+    echo "failing on rdist at $world ranks (gloo's result from $out/gloo-$world.log when it ran):"
+    while read -r name; do
+      state="gloo: not run"
+      if [ -f "$out/gloo-$world.log.failed" ]; then
+        if grep -qx "$name" "$out/gloo-$world.log.failed"; then state="fails on gloo too"; else state="passes or skips on gloo"; fi
+      fi
+      echo "  $name ($state)"
+    done < "$out/rdist-$world.log.failed"
   fi
 done

@@ -107,8 +107,11 @@ def _key(torch):
             digest.update(f.read())
     with open(os.path.join(_rdist_header_dir(), "rdist.h"), "rb") as f:
         digest.update(f.read())
+    # The release (with its local tag, e.g. +cu126) and the C++ ABI say
+    # what the module links against; not where torch is, so that a cache
+    # built elsewhere for the same torch (a bundle) is used as it is.
     digest.update(torch.__version__.encode())
-    digest.update(os.path.realpath(torch.__file__).encode())
+    digest.update(str(int(torch._C._GLIBCXX_USE_CXX11_ABI)).encode())
     tag = sys.implementation.cache_tag
     return f"torch-{torch.__version__.replace('+', '_')}-{tag}-{digest.hexdigest()[:12]}"
 

@@ -172,8 +172,8 @@ def test_torchrun_runs_an_unchanged_script(backend):
     if "nccl" in backend and _cuda_devices() == 0:
         pytest.skip("skipped: torch's NCCL backend needs a CUDA device")
     if not _torch_loads_backend_entry_points():
-        pytest.skip("skipped: this torch (before 2.6) loads no backend entry points; "
-                    "scripts there `import rdist.torch`")
+        pytest.skip("skipped: this torch loads no torch.distributed.backends entry points "
+                    "(2.15 does; 2.11 and older do not): scripts there `import rdist.torch`")
     with tempfile.TemporaryDirectory(prefix="rdist-torchrun-") as scratch:
         _fake_install(scratch)
         env = child_env(BACKEND=backend, OMP_NUM_THREADS=1, RESULT_DIR=scratch)

@@ -79,6 +79,7 @@ class RdistWork : public c10d::Work {
 
  private:
   void finishWith(std::exception_ptr error);
+  void markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future);
 
   const Api& api_;
   std::mutex completing_;
@@ -86,6 +87,8 @@ class RdistWork : public c10d::Work {
   std::vector<at::Tensor> keep_;
   std::function<void()> post_;
   std::vector<at::Tensor> outputs_;
+  std::vector<c10::Device> devices_;
+  std::mutex futureMutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> done_{false};
   std::atomic<bool> watched_{false};

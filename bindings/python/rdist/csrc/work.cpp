@@ -75,9 +75,7 @@ RdistWork::RdistWork(
           std::optional<std::vector<at::Tensor>>(inputs)),
       api_(api),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()),
-          std::move(devices))) {}
+      devices_(std::move(devices)) {}
 
 RdistWork::~RdistWork() {
   // A work dropped unwaited still owns its requests: wait for them, so
@@ -147,11 +145,22 @@ void RdistWork::complete() {
 
 void RdistWork::finishWith(std::exception_ptr error) {
   finish(error);
-  done_ = true;
-  if (error) {
-    future_->setError(error);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> guard(futureMutex_);
+    done_ = true;
+    future = future_;
+  }
+  if (future) {
+    markFuture(future);
+  }
+}
+
+void RdistWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  if (auto error = exception()) {
+    future->setError(error);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    future->markCompleted(c10::IValue(outputs_));
   }
 }
 
@@ -218,11 +227,26 @@ bool RdistWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+// Made when first asked for: most calls are waited for, never asked.
 c10::intrusive_ptr<c10::ivalue::Future> RdistWork::getFuture() {
-  if (!done_.load() && !watched_.exchange(true) && watch) {
+  static const c10::TypePtr kTensors =
+      c10::ListType::create(c10::TensorType::get());
+  c10::intrusive_ptr<c10::ivalue::Future> made;
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> guard(futureMutex_);
+    if (future_) {
+      return future_;
+    }
+    future_ = made = c10::make_intrusive<c10::ivalue::Future>(kTensors, devices_);
+    done = done_.load();
+  }
+  if (done) {
+    markFuture(made);
+  } else if (!watched_.exchange(true) && watch) {
     watch(c10::intrusive_ptr<RdistWork>::reclaim_copy(this));
   }
-  return future_;
+  return made;
 }
 
 }  // namespace rdist_torch

@@ -79,7 +79,11 @@ def work_state():
     t = torch.ones(8)
     work = dist.all_reduce(t, async_op=True)
     work.wait()
-    if not (work.is_completed() and work.is_success() and work.exception() is None):
+    try:
+        no_exception = work.exception() is None
+    except TypeError:  # torch 2.11's binding cannot return an empty exception_ptr
+        no_exception = True
+    if not (work.is_completed() and work.is_success() and no_exception):
         return f"after wait: is_completed {work.is_completed()}, is_success {work.is_success()}"
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     out = torch.zeros(4)
@@ -225,8 +229,6 @@ case("backend/names_itself_rdist", ddp_logging)
 def monitored():
     """Ranks other than 0 arrive late; rank 0's error names them (the
     first, or all with wait_all_ranks), within the call's timeout."""
-    if TORCH < (2, 5) and not facts["compiled"]:
-        return None
     late = list(range(1, SIZE))
     for wait_all in (False, True):
         dist.barrier()
@@ -235,6 +237,13 @@ def monitored():
         started = time.monotonic()
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=0.5), wait_all_ranks=wait_all)
+        except ValueError as error:
+            # torch's Python front before 2.15 (2.11 here) refuses every
+            # backend but gloo: the call never reaches rdist.
+            if "only implemented for GLOO" not in str(error):
+                raise
+            facts["monitored_barrier"] = "refused by this torch's front for non-gloo backends"
+            return None
         except RuntimeError as error:
             took = time.monotonic() - started
             text = str(error)
