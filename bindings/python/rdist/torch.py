@@ -26,6 +26,7 @@ import ctypes
 import os
 import threading
 import warnings
+import weakref
 from collections import deque
 from datetime import timedelta
 
@@ -794,7 +795,10 @@ def create_backend(store, rank, size, timeout):
     underlying = getattr(store, "underlying_store", None)
     if _shared is not None and underlying is not None and _shared[0] is underlying \
             and _shared[1:3] == (rank, size):
-        return _shared[3]
+        backend = _shared[3]()
+        _shared = None
+        if backend is not None:
+            return backend
     choice = _choice()
     module = compiled_backend() if choice != "python" else None
     if module is None and choice == "compiled":
@@ -822,8 +826,17 @@ def create_backend(store, rank, size, timeout):
         backend = module.RdistBackend(library_path, comm._release(), timeout_ms or 1_800_000)
     else:
         backend = RdistBackend(comm, rank, size)
-    _shared = (underlying, rank, size, backend) if underlying is not None else None
+    # Weakly: the group owns its backend, this only lets its next device
+    # type find it.
+    _shared = (underlying, rank, size, _weak(backend)) if underlying is not None else None
     return backend
+
+
+def _weak(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 # -- torch's recv(src=None) asks the Work for the source rank, which a Python
