@@ -656,7 +656,9 @@ class RdistBackend(_C10dBackend):
                 t.copy_(recv[offset:offset + k].view(t.shape))
                 offset += k
 
-        if len(set(sizes_in)) == 1 and sizes_in == sizes_out:
+        # The v-form whenever the library has it: every rank must make the
+        # same call, whatever its own sizes look like.
+        if not available("alltoallv"):
             args = (send_flat.data_ptr(), recv_flat.data_ptr(), send_flat.numel() // self._size * scale, dtype)
             return self._run("alltoall", args, opts, output_tensors, [send_flat, recv_flat], post,
                              stream=_stream(send_flat))

@@ -85,6 +85,7 @@ class Waiter {
 
  private:
   void loop() {
+    markWaiterThread();
     for (;;) {
       c10::intrusive_ptr<RdistWork> work;
       Reap reap;
@@ -385,10 +386,13 @@ std::pair<at::Tensor, std::function<void()>> gatherTarget(
   }
   const at::Tensor& first = outputs[0];
   const int64_t step = first.numel() * first.element_size();
-  bool consecutive = first.numel() > 0;
+  // Views of one storage, back to back (adjacent allocations are not).
+  bool consecutive = first.numel() > 0 &&
+      first.storage_offset() * first.element_size() + size * step <=
+          static_cast<int64_t>(first.storage().nbytes());
   for (size_t i = 0; consecutive && i < outputs.size(); ++i) {
     const auto& o = outputs[i];
-    consecutive = o.is_contiguous() &&
+    consecutive = o.is_contiguous() && o.storage().is_alias_of(first.storage()) &&
         static_cast<char*>(o.data_ptr()) ==
             static_cast<char*>(first.data_ptr()) + i * step;
   }
@@ -481,13 +485,17 @@ std::vector<int> RdistBackend::failedRanks() const {
       "rdist: failed_ranks needs librdist 0.2");
   int count = 0;
   check(api_.rdist_comm_failed_ranks(comm, nullptr, 0, &count));
-  std::vector<int> ranks(count);
-  int got = 0;
-  if (count > 0) {
+  // More may fail between the calls: ask again until they fit.
+  for (;;) {
+    std::vector<int> ranks(std::max(count, 0));
+    int got = 0;
     check(api_.rdist_comm_failed_ranks(comm, ranks.data(), count, &got));
-    ranks.resize(got);
+    if (got <= count) {
+      ranks.resize(got);
+      return ranks;
+    }
+    count = got;
   }
-  return ranks;
 }
 
 c10::intrusive_ptr<c10d::Backend> RdistBackend::shrink(
@@ -516,8 +524,9 @@ c10::intrusive_ptr<RdistBackend> RdistBackend::shrinkTo(
     rdist_result_t code =
         api_.rdist_options_set(options, "timeout_ms", value.c_str());
     if (code != RDIST_SUCCESS) {
+      std::string detail = api_.lastError();
       api_.rdist_options_destroy(options);
-      check(code);
+      std::rethrow_exception(errorFor(code, detail));
     }
   }
   rdist_comm_t* child = nullptr;
@@ -587,7 +596,9 @@ c10::intrusive_ptr<RdistWork> RdistBackend::newWork(
   if (opType != c10d::OpType::SEND && opType != c10d::OpType::RECV) {
     ++collectives_;
   }
-  auto devices = devicesOf(inputs);
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  auto devices = devicesOf(all);
   auto work = c10::make_intrusive<RdistWork>(
       api_, rank_, opType, title, inputs, std::move(outputs), devices);
   std::weak_ptr<Waiter> waiter = waiter_;
@@ -624,13 +635,13 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::run(
     }
   }
   if (coalescing_ > 0) {
-    // Queued in the rdist group that endCoalescing runs.
-    checkCoalesced(blocking(stream));
-    coalesced_.push_back(work);
-    coalescedKeep_.insert(coalescedKeep_.end(), keep.begin(), keep.end());
-    if (post) {
-      coalescedPosts_.push_back(std::move(post));
-    }
+    // Recorded: endCoalescing runs the calls as one rdist group.
+    work->defer();
+    coalesced_.push_back(
+        Coalesced{{[blocking, stream]() { return blocking(stream); }},
+                  std::move(keep),
+                  std::move(post),
+                  work});
     return work;
   }
   if (cuda || waits) {
@@ -661,6 +672,15 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::runGrouped(
       break;
     }
   }
+  if (coalescing_ > 0) {
+    work->defer();
+    Coalesced recorded{{}, inputs, std::move(post), work};
+    for (const auto& call : calls) {
+      recorded.calls.push_back([call, stream]() { return call(stream); });
+    }
+    coalesced_.push_back(std::move(recorded));
+    return work;
+  }
   check(api_.rdist_group_start());
   rdist_result_t failed = RDIST_SUCCESS;
   std::string detail;
@@ -680,67 +700,68 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::runGrouped(
   if (failed != RDIST_SUCCESS) {
     std::rethrow_exception(errorFor(failed, detail));
   }
-  if (coalescing_ > 0) {
-    coalesced_.push_back(work);
-    if (post) {
-      coalescedPosts_.push_back(std::move(post));
-    }
-    return work;
-  }
   work->attach({}, {}, std::move(post));
   work->completeNow();
   return work;
 }
 
-void RdistBackend::checkCoalesced(rdist_result_t code) {
-  if (code == RDIST_SUCCESS) {
-    return;
-  }
-  // A call torch coalesces failed: close rdist's group here (torch may
-  // never call endCoalescing after the error), so that later calls are not
-  // queued behind it.
-  std::string detail = api_.lastError();
-  while (coalescing_ > 0) {
-    api_.rdist_group_end();
-    --coalescing_;
-  }
-  coalesced_.clear();
-  coalescedPosts_.clear();
-  coalescedKeep_.clear();
-  std::rethrow_exception(errorFor(code, detail));
-}
-
 void RdistBackend::startCoalescing() {
   live("start_coalescing");
-  check(api_.rdist_group_start());
+  // What a coalescing torch abandoned (an exception in its block) is
+  // dropped: nothing of it was issued.
+  if (coalescing_ == 0) {
+    coalesced_.clear();
+  }
   ++coalescing_;
 }
 
+// Runs the recorded calls as one rdist group (a group is only ever open
+// here, never while torch's block runs other code).
 c10::intrusive_ptr<c10d::Work> RdistBackend::endCoalescing() {
   TORCH_CHECK(
       coalescing_ > 0, "rdist: end_coalescing without start_coalescing");
-  --coalescing_;
-  rdist_result_t code = api_.rdist_group_end();
-  std::exception_ptr error =
-      code == RDIST_SUCCESS ? nullptr : errorFor(code, api_.lastError());
-  auto works = std::move(coalesced_);
-  auto posts = std::move(coalescedPosts_);
+  if (--coalescing_ > 0) {
+    // Nested: the outermost end runs them all.
+    auto work = newWork(c10d::OpType::COALESCED, "rdist:coalesced", {}, {});
+    work->defer();
+    return work;
+  }
+  auto recorded = std::move(coalesced_);
   coalesced_.clear();
-  coalescedPosts_.clear();
-  coalescedKeep_.clear();
-  if (!error) {
-    try {
-      for (auto& post : posts) {
-        post();
+  std::exception_ptr error;
+  if (!recorded.empty()) {
+    rdist_result_t code = api_.rdist_group_start();
+    std::string detail;
+    if (code != RDIST_SUCCESS) {
+      detail = api_.lastError();
+    } else {
+      for (auto& entry : recorded) {
+        for (auto& call : entry.calls) {
+          code = call();
+          if (code != RDIST_SUCCESS) {
+            detail = api_.lastError();
+            break;
+          }
+        }
+        if (code != RDIST_SUCCESS) {
+          break;
+        }
       }
-    } catch (...) {
-      error = std::current_exception();
+      rdist_result_t ended = api_.rdist_group_end();
+      if (code == RDIST_SUCCESS && ended != RDIST_SUCCESS) {
+        code = ended;
+        detail = api_.lastError();
+      }
+    }
+    if (code != RDIST_SUCCESS) {
+      error = errorFor(code, detail);
     }
   }
   std::vector<at::Tensor> outputs;
-  for (auto& w : works) {
-    w->completeNow(error);
-    auto r = w->result();
+  for (auto& entry : recorded) {
+    entry.work->attach({}, {}, error ? nullptr : std::move(entry.post));
+    entry.work->completeNow(error);
+    auto r = entry.work->result();
     outputs.insert(outputs.end(), r.begin(), r.end());
   }
   auto work = newWork(c10d::OpType::COALESCED, "rdist:coalesced", {}, outputs);
@@ -851,6 +872,7 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   checkSingle(tensors, "sparse all_reduce");
+  TORCH_CHECK(coalescing_ == 0, "rdist: a sparse all_reduce cannot be coalesced");
   TORCH_CHECK(
       opts.reduceOp.op_ == c10d::ReduceOp::SUM,
       "rdist: sparse all_reduce sums only (as gloo)");
@@ -867,7 +889,12 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::allreduce_sparse(
   at::Tensor indices = input._indices().contiguous();
   at::Tensor values = input._values().contiguous();
   const int64_t sparseDims = indices.size(0);
-  const int64_t rowElements = values.numel() / std::max<int64_t>(1, values.size(0));
+  // Elements per nonzero (the product of the dense dimensions): the same
+  // on every rank, also on one that holds no nonzeros.
+  int64_t rowElements = 1;
+  for (int64_t d = 1; d < values.dim(); ++d) {
+    rowElements *= values.size(d);
+  }
   // Each rank's count of nonzeros.
   at::Tensor counts = at::empty({size_}, at::kLong);
   int64_t nnz = indices.size(1);
@@ -1474,31 +1501,28 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::alltoall(
     checkLike(outputs[i], inputs[0], "an output");
   }
   at::Tensor send = flatCat(inputs);
-  std::vector<int64_t> inSplits, outSplits;
   int64_t outTotal = 0;
-  for (int r = 0; r < size_; ++r) {
-    inSplits.push_back(inputs[r].numel());
-    outSplits.push_back(outputs[r].numel());
-    outTotal += outputs[r].numel();
+  for (const auto& o : outputs) {
+    outTotal += o.numel();
   }
   at::Tensor recv = at::empty({outTotal}, send.options());
+  Typed ty = typeOf(send, true);
+  // Counts in rdist's elements; always the v-form, so that every rank
+  // makes the same call whatever its own sizes look like.
+  auto sc = std::make_shared<std::vector<size_t>>(size_);
+  auto sd = std::make_shared<std::vector<size_t>>(size_);
+  auto rc = std::make_shared<std::vector<size_t>>(size_);
+  auto rd = std::make_shared<std::vector<size_t>>(size_);
+  size_t sent = 0, received = 0;
+  for (int r = 0; r < size_; ++r) {
+    (*sc)[r] = countOf(inputs[r], ty);
+    (*rc)[r] = countOf(outputs[r], ty);
+    (*sd)[r] = sent;
+    (*rd)[r] = received;
+    sent += (*sc)[r];
+    received += (*rc)[r];
+  }
   auto outs = outputs;
-  at::Tensor s1 = send.is_complex() ? at::view_as_real(send).view(-1) : send;
-  at::Tensor r1 = recv.is_complex() ? at::view_as_real(recv).view(-1) : recv;
-  const int64_t per = send.is_complex() ? 2 : 1;
-  for (auto& k : inSplits) {
-    k *= per;
-  }
-  for (auto& k : outSplits) {
-    k *= per;
-  }
-  const bool even = std::all_of(inSplits.begin(), inSplits.end(), [&](int64_t k) {
-    return k == inSplits[0];
-  }) && inSplits == outSplits;
-  std::vector<int64_t> none;
-  auto work = even ? alltoall_base(r1, s1, none, none, opts)
-                   : alltoall_base(r1, s1, outSplits, inSplits, opts);
-  // Copy the received blocks out once the call completed.
   auto copyOut = [recv, outs]() {
     int64_t offset = 0;
     for (const auto& o : outs) {
@@ -1506,19 +1530,47 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::alltoall(
       offset += o.numel();
     }
   };
-  auto rdistWork = c10::static_intrusive_pointer_cast<RdistWork>(work);
-  if (rdistWork->isCompleted()) {
-    rdistWork->wait(kWaitUnbounded);
-    copyOut();
-    return work;
+  void* sp = send.data_ptr();
+  void* rp = recv.data_ptr();
+  rdist_comm_t* c = live("all_to_all");
+  const Api& a = api_;
+  if (a.rdist_alltoallv == nullptr) {
+    // A 0.1 library: even splits only (every rank must pass even ones).
+    for (int r = 0; r < size_; ++r) {
+      TORCH_CHECK(
+          (*sc)[r] == (*sc)[0] && (*rc)[r] == (*sc)[0],
+          "rdist: uneven all_to_all needs librdist 0.2 (rdist_alltoallv)");
+    }
+    size_t n = (*sc)[0];
+    return run(
+        c10d::OpType::ALLTOALL,
+        "rdist:all_to_all",
+        callerWaits(opts),
+        inputs,
+        outputs,
+        {send, recv},
+        [=, &a](void* s) { return a.rdist_alltoall(sp, rp, n, ty.dtype, c, s); },
+        [=, &a](rdist_request_t** r) {
+          return a.rdist_ialltoall(sp, rp, n, ty.dtype, c, r);
+        },
+        copyOut);
   }
-  // Non-blocking: a work that waits for the exchange, then copies.
-  auto wrapper = newWork(c10d::OpType::ALLTOALL, "rdist:all_to_all", inputs, outputs);
-  wrapper->attach({}, {}, [rdistWork, copyOut]() {
-    rdistWork->wait(kWaitUnbounded);
-    copyOut();
-  });
-  return wrapper;
+  return run(
+      c10d::OpType::ALLTOALL,
+      "rdist:all_to_all",
+      callerWaits(opts),
+      inputs,
+      outputs,
+      {send, recv},
+      [=, &a](void* s) {
+        return a.rdist_alltoallv(
+            sp, sc->data(), sd->data(), rp, rc->data(), rd->data(), ty.dtype, c, s);
+      },
+      [=, &a](rdist_request_t** r) {
+        return a.rdist_ialltoallv(
+            sp, sc->data(), sd->data(), rp, rc->data(), rd->data(), ty.dtype, c, r);
+      },
+      copyOut);
 }
 
 c10::intrusive_ptr<c10d::Work> RdistBackend::barrier(
@@ -1543,6 +1595,7 @@ void RdistBackend::monitoredBarrier(
     const c10d::BarrierOptions& opts,
     bool waitAllRanks) {
   rdist_comm_t* c = live("monitored_barrier");
+  TORCH_CHECK(coalescing_ == 0, "rdist: monitored_barrier cannot be coalesced");
   if (api_.rdist_isend_tagged == nullptr) {
     check(api_.rdist_barrier(c));
     return;
@@ -1605,8 +1658,14 @@ void RdistBackend::monitoredBarrier(
     std::vector<int> peers;
     for (int r = 1; r < size_; ++r) {
       rdist_request_t* request = nullptr;
-      check(api_.rdist_irecv_tagged(
-          &(*buffers)[2 + r], 1, RDIST_UINT8, r, tag, c, &request));
+      rdist_result_t code = api_.rdist_irecv_tagged(
+          &(*buffers)[2 + r], 1, RDIST_UINT8, r, tag, c, &request);
+      if (code != RDIST_SUCCESS) {
+        // The receives posted so far still write into the buffers.
+        std::string detail = api_.lastError();
+        waiter_->reap(api_, pending, buffers);
+        std::rethrow_exception(errorFor(code, detail));
+      }
       pending.push_back(request);
       peers.push_back(r);
     }
@@ -1686,26 +1745,38 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::p2p(
       tensors,
       tensors);
   if (coalescing_ > 0) {
-    // Inside torch's coalescing (batch_isend_irecv): the blocking calls,
-    // which the open rdist group only queues until endCoalescing.
+    // Inside torch's coalescing (batch_isend_irecv): recorded as the
+    // blocking calls, which endCoalescing's rdist group only queues.
+    TORCH_CHECK(
+        peer >= 0, "rdist: a receive from any source cannot be coalesced");
+    TORCH_CHECK(
+        api_.rdist_send_tagged != nullptr || tag == 0,
+        "rdist: tags need librdist 0.2");
     void* p = t.data_ptr();
-    rdist_result_t code;
-    if (api_.rdist_send_tagged != nullptr) {
-      code = receiving
-          ? api_.rdist_recv_tagged(p, n, ty.dtype, peer, tag, c, streamOf(t), nullptr)
-          : api_.rdist_send_tagged(p, n, ty.dtype, peer, tag, c, streamOf(t));
-    } else {
-      TORCH_CHECK(tag == 0 && peer >= 0, "rdist: tags need librdist 0.2");
-      code = receiving ? api_.rdist_recv(p, n, ty.dtype, peer, c, streamOf(t))
-                       : api_.rdist_send(p, n, ty.dtype, peer, c, streamOf(t));
-    }
-    checkCoalesced(code);
-    if (receiving && peer >= 0) {
+    void* stream = streamOf(t);
+    const Api& a = api_;
+    std::function<rdist_result_t()> call = [=, &a]() {
+      if (a.rdist_send_tagged != nullptr) {
+        return receiving
+            ? a.rdist_recv_tagged(p, n, ty.dtype, peer, tag, c, stream, nullptr)
+            : a.rdist_send_tagged(p, n, ty.dtype, peer, tag, c, stream);
+      }
+      return receiving ? a.rdist_recv(p, n, ty.dtype, peer, c, stream)
+                       : a.rdist_send(p, n, ty.dtype, peer, c, stream);
+    };
+    if (receiving) {
       work->setSource(peer);
     }
-    coalesced_.push_back(work);
-    coalescedKeep_.push_back(t);
+    work->defer();
+    coalesced_.push_back(Coalesced{{call}, {t}, nullptr, work});
     return work;
+  }
+  if (t.is_cuda()) {
+    // rdist's non-blocking calls run on its own stream: let what the
+    // current stream produces or reads finish first.
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->getStream(t.device())
+        .synchronize();
   }
   rdist_request_t* request = nullptr;
   if (api_.rdist_isend_tagged != nullptr) {

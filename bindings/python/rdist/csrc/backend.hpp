@@ -34,6 +34,10 @@ constexpr std::chrono::milliseconds kWaitUnbounded{0};
 // DistNetworkError for a lost peer, DistBackendError otherwise.
 std::exception_ptr errorFor(rdist_result_t code, const std::string& message);
 
+// The waiter thread says so (futures are then completed elsewhere).
+void markWaiterThread();
+bool onWaiterThread();
+
 // A call on rdist, issued (non-blocking: its requests) or already done.
 class RdistWork : public c10d::Work {
  public:
@@ -55,6 +59,11 @@ class RdistWork : public c10d::Work {
       std::function<void()> post);
   // Completes now: the blocking call ran (error: how it failed).
   void completeNow(std::exception_ptr error = nullptr);
+  // Issued at endCoalescing: until then waiting returns at once and the
+  // work is not completed.
+  void defer() {
+    deferred_ = true;
+  }
   // Waits for the requests (once, on whichever thread comes first).
   void complete();
   // The sender of a receive; set when known.
@@ -92,6 +101,7 @@ class RdistWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> done_{false};
   std::atomic<bool> watched_{false};
+  std::atomic<bool> deferred_{false};
   std::atomic<int> source_{-1};
   rdist_request_t* statusOf_ = nullptr;
 };
@@ -260,8 +270,6 @@ class RdistBackend : public c10d::Backend {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
   void check(rdist_result_t code) const;
-  // check() for a call queued while coalescing.
-  void checkCoalesced(rdist_result_t code);
   rdist_comm_t* live(const char* what) const;
   c10::intrusive_ptr<c10d::Work> p2p(
       std::vector<at::Tensor>& tensors,
@@ -276,9 +284,14 @@ class RdistBackend : public c10d::Backend {
   int coalescing_ = 0;
   uint64_t monitoredCalls_ = 0;
   std::atomic<uint64_t> collectives_{0};
-  std::vector<c10::intrusive_ptr<RdistWork>> coalesced_;
-  std::vector<std::function<void()>> coalescedPosts_;
-  std::vector<at::Tensor> coalescedKeep_;
+  // The calls torch coalesces, recorded until endCoalescing.
+  struct Coalesced {
+    std::vector<std::function<rdist_result_t()>> calls;
+    std::vector<at::Tensor> keep;
+    std::function<void()> post;
+    c10::intrusive_ptr<RdistWork> work;
+  };
+  std::vector<Coalesced> coalesced_;
 
   // Completes the works whose futures were asked for (getFuture), so
   // that those complete without a wait().

@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
@@ -12,6 +13,8 @@
 namespace rdist_torch {
 
 namespace {
+
+thread_local bool waiterThread = false;
 
 c10::SourceLocation here(const char* function, const char* file, uint32_t line) {
   return c10::SourceLocation{function, file, line};
@@ -50,6 +53,14 @@ const Api& Api::load(const std::string& path) {
 std::string Api::lastError() const {
   const char* text = rdist_last_error ? rdist_last_error() : nullptr;
   return text && *text ? std::string(text) : std::string("rdist: no detail");
+}
+
+void markWaiterThread() {
+  waiterThread = true;
+}
+
+bool onWaiterThread() {
+  return waiterThread;
 }
 
 std::exception_ptr errorFor(rdist_result_t code, const std::string& message) {
@@ -97,6 +108,10 @@ void RdistWork::attach(
 
 void RdistWork::completeNow(std::exception_ptr error) {
   std::lock_guard<std::mutex> guard(completing_);
+  if (done_.load()) {
+    return;
+  }
+  deferred_ = false;
   if (!error && post_) {
     try {
       post_();
@@ -109,8 +124,12 @@ void RdistWork::completeNow(std::exception_ptr error) {
 }
 
 void RdistWork::complete() {
+  // Before the lock: a future's callback may wait on its own work.
+  if (done_.load() || deferred_.load()) {
+    return;
+  }
   std::lock_guard<std::mutex> guard(completing_);
-  if (done_.load()) {
+  if (done_.load() || deferred_.load()) {
     return;
   }
   std::exception_ptr error;
@@ -151,9 +170,25 @@ void RdistWork::finishWith(std::exception_ptr error) {
     done_ = true;
     future = future_;
   }
-  if (future) {
-    markFuture(future);
+  if (!future) {
+    return;
   }
+  if (onWaiterThread()) {
+    // Not on the waiter thread: torch runs the future's callbacks inline,
+    // and one that waits for another call (as PowerSGD's hook does) would
+    // wait for this very thread.
+    auto error2 = exception();
+    auto outputs = outputs_;
+    at::launch([future, error2, outputs]() {
+      if (error2) {
+        future->setError(error2);
+      } else {
+        future->markCompleted(c10::IValue(outputs));
+      }
+    });
+    return;
+  }
+  markFuture(future);
 }
 
 void RdistWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
@@ -167,6 +202,9 @@ void RdistWork::markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future
 bool RdistWork::isCompleted() {
   if (done_.load()) {
     return true;
+  }
+  if (deferred_.load()) {
+    return false;
   }
   std::unique_lock<std::mutex> guard(completing_, std::try_to_lock);
   if (!guard.owns_lock() || done_.load()) {
@@ -203,6 +241,9 @@ std::vector<at::Tensor> RdistWork::result() {
 }
 
 bool RdistWork::wait(std::chrono::milliseconds timeout) {
+  if (deferred_.load() && !done_.load()) {
+    return true;  // coalesced: it runs at endCoalescing, nothing to wait for yet
+  }
   if (timeout == kWaitUnbounded || done_.load()) {
     complete();
   } else {

@@ -138,14 +138,67 @@ def coalescing():
 case("coalescing/all_reduce", coalescing)
 
 
+def callback_waits():
+    """A future's callback that waits for another call (as torch's PowerSGD
+    hook does) completes, rather than waiting for its own thread."""
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+
+    def then(fut):
+        return dist.all_reduce(b, async_op=True).get_future().wait()[0] + fut.value()[0]
+
+    got = dist.all_reduce(a, async_op=True).get_future().then(then).wait()
+    want = [float(SIZE) * 3] * 4
+    return None if got.tolist() == want else f"the chained result {got.tolist()}, expected {want}"
+
+
+case("future/callback_waits_for_another_call", callback_waits)
+
+
+def alltoall_even_here_uneven_there():
+    """Rank 0's own sizes look even, the others' do not: every rank must
+    still make the same call."""
+    def count(src, dst):
+        return 1 + 3 * (src == dst == SIZE - 1)
+
+    inputs = [torch.full((count(RANK, q),), float(10 * RANK + q)) for q in range(SIZE)]
+    outputs = [torch.zeros(count(q, RANK)) for q in range(SIZE)]
+    dist.all_to_all(outputs, inputs)
+    want = [[float(10 * q + RANK)] * count(q, RANK) for q in range(SIZE)]
+    got = [o.tolist() for o in outputs]
+    return None if got == want else f"all_to_all gave {got}, expected {want}"
+
+
+case("all_to_all/list/even_here_uneven_there", alltoall_even_here_uneven_there)
+
+
+def coalesced_mixed():
+    """Coalesced blocking calls (torch waits for each inside the block,
+    before they run) complete at the block's end."""
+    a, b = torch.zeros(SIZE * 3), torch.zeros(SIZE * 2)
+    with dist._coalescing_manager():  # blocking: torch waits at its end
+        dist.all_gather_into_tensor(a, torch.full((3,), float(RANK + 1)))
+        dist.all_gather_into_tensor(b, torch.full((2,), float(RANK)))
+    want_a = [float(r + 1) for r in range(SIZE) for _ in range(3)]
+    want_b = [float(r) for r in range(SIZE) for _ in range(2)]
+    if a.tolist() != want_a or b.tolist() != want_b:
+        return f"coalesced: {a.tolist()} and {b.tolist()}, expected {want_a} and {want_b}"
+    return None
+
+
+case("coalescing/all_gather_blocking", coalesced_mixed)
+
+
 def sparse():
     def make():
+        if RANK == SIZE - 1:  # one rank holds no nonzeros
+            return torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long),
+                                           torch.zeros((0, 2)), (SIZE + 1, 2))
         indices = torch.tensor([[RANK, RANK + 1, 0]])
         values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [float(RANK), 1.0]])
         return torch.sparse_coo_tensor(indices, values, (SIZE + 1, 2))
 
     dense_want = torch.zeros(SIZE + 1, 2)
-    for r in range(SIZE):
+    for r in range(SIZE - 1):
         dense_want.index_add_(0, torch.tensor([r, r + 1, 0]),
                               torch.tensor([[1.0, 2.0], [3.0, 4.0], [float(r), 1.0]]))
     ours = make()
