@@ -1600,7 +1600,8 @@ void RdistBackend::monitoredBarrier(
     check(api_.rdist_barrier(c));
     return;
   }
-  const auto timeout = opts.timeout.count() > 0 ? opts.timeout : timeout_;
+  // The call's own timeout when given (0 included, as gloo), else the group's.
+  const auto timeout = opts.timeout.count() >= 0 ? opts.timeout : timeout_;
   const int tag = kMonitoredBarrierTag + static_cast<int>(monitoredCalls_++ % 4096);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   // [0]: the token sent, [1]: the answer, [2 + r]: rank r's token at rank
@@ -1653,6 +1654,12 @@ void RdistBackend::monitoredBarrier(
     waiter_->reap(api_, std::move(abandoned), buffers);
     return late;
   };
+  if (rank_ == 0 && timeout.count() == 0 && size_ > 1) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "Rank 0 timed out in monitoredBarrier after 0 ms (rdist: a zero "
+        "timeout leaves no time to wait for the other ranks)");
+  }
   if (rank_ == 0) {
     std::vector<rdist_request_t*> pending;
     std::vector<int> peers;
@@ -1718,9 +1725,10 @@ void RdistBackend::monitoredBarrier(
         c10::str(
             "Rank ",
             rank_,
-            " did not hear from rank 0 in monitoredBarrier within ",
+            " timed out in monitoredBarrier after ",
             timeout.count(),
-            " ms (rank 0 reports which ranks failed to pass it)"));
+            " ms (rdist: rank 0 did not answer; it reports which ranks failed "
+            "to pass it)"));
   }
 }
 

@@ -68,6 +68,12 @@ std::exception_ptr errorFor(rdist_result_t code, const std::string& message) {
   if (code == RDIST_ERR_PEER_LOST) {
     return std::make_exception_ptr(c10::DistNetworkError(where, message));
   }
+  if (code == RDIST_ERR_TIMEOUT) {
+    // torch's backends start so ("Timed out waiting ..."); code that
+    // matches their wording matches rdist's too.
+    return std::make_exception_ptr(c10::DistBackendError(
+        where, "Timed out (the group's timeout ran out): " + message));
+  }
   return std::make_exception_ptr(c10::DistBackendError(where, message));
 }
 
