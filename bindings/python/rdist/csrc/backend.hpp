@@ -87,6 +87,7 @@ class RdistWork : public c10d::Work {
   std::function<void(c10::intrusive_ptr<RdistWork>)> watch;
 
  private:
+  void postThenFinish(std::exception_ptr error);
   void finishWith(std::exception_ptr error);
   void markFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future);
 

@@ -118,6 +118,12 @@ void RdistWork::completeNow(std::exception_ptr error) {
     return;
   }
   deferred_ = false;
+  postThenFinish(error);
+}
+
+// Runs the copy-out after success (its failure becomes the work's), then
+// finishes. Called with completing_ held.
+void RdistWork::postThenFinish(std::exception_ptr error) {
   if (!error && post_) {
     try {
       post_();
@@ -157,15 +163,7 @@ void RdistWork::complete() {
   requests_.clear();
   statusOf_ = nullptr;
   keep_.clear();
-  if (!error && post_) {
-    try {
-      post_();
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  post_ = nullptr;
-  finishWith(error);
+  postThenFinish(error);
 }
 
 void RdistWork::finishWith(std::exception_ptr error) {
