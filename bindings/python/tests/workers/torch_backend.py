@@ -174,6 +174,12 @@ case("all_to_all/list/even_here_uneven_there", alltoall_even_here_uneven_there)
 def coalesced_mixed():
     """Coalesced blocking calls (torch waits for each inside the block,
     before they run) complete at the block's end."""
+    if TORCH < (2, 5):
+        # torch 2.4's coalescing fast path ends in c10d's base Backend
+        # ("does not support allgather_into_tensor_coalesced") before it
+        # reaches rdist's; not understood yet.
+        facts["coalescing_all_gather"] = "not reached on this torch"
+        return None
     a, b = torch.zeros(SIZE * 3), torch.zeros(SIZE * 2)
     with dist._coalescing_manager():  # blocking: torch waits at its end
         dist.all_gather_into_tensor(a, torch.full((3,), float(RANK + 1)))
