@@ -64,16 +64,16 @@ class Waiter {
     }
   }
 
-  // Completes what is queued, then ends the thread.
+  // Completes what is queued, then ends the thread. Callers on several
+  // threads all return once it has ended (the destructor among them, so
+  // that the thread is never destroyed while joinable).
   void stop() {
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      if (stopping_) {
-        return;
-      }
       stopping_ = true;
       changed_.notify_one();
     }
+    std::lock_guard<std::mutex> joining(joining_);
     if (thread_.joinable()) {
       if (thread_.get_id() == std::this_thread::get_id()) {
         thread_.detach();
@@ -118,6 +118,7 @@ class Waiter {
   }
 
   std::mutex mutex_;
+  std::mutex joining_;
   std::condition_variable changed_;
   std::deque<c10::intrusive_ptr<RdistWork>> queue_;
   struct Reap {
