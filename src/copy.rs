@@ -9,7 +9,10 @@
 //! 16 bytes apart modulo 4 KiB, so a user's send and receive buffers hit it
 //! (rdist-bench's 32 KiB allreduce: 34 us instead of 17 us). Such copies go
 //! in 1 KiB pieces, which glibc moves with vector loads and stores at full
-//! speed; every other copy is a plain memcpy.
+//! speed; every other copy is a plain memcpy. Other CPUs have no such path
+//! and lose a fifth of the speed to the pieces (Intel's Sapphire Rapids),
+//! so whether the CPU crawls is measured once per process (a few dozen
+//! microseconds) and the pieces are used only where it does.
 
 const PAGE: usize = 4096;
 /// How close (modulo a page) destination and source must be to go in pieces.
@@ -18,6 +21,9 @@ const NEAR: usize = 64;
 const PIECE: usize = 1024;
 /// Smaller copies never take the `rep movsb` path.
 const MIN_LEN: usize = 2 * PIECE;
+/// How much slower a near copy must be than a far one to call the path
+/// slow (the EPYC's is ten to thirty times).
+const SLOW_FACTOR: f64 = 1.5;
 
 /// Copies `src` into `dst` (same length, like `copy_from_slice`).
 pub fn copy(dst: &mut [u8], src: &[u8]) {
@@ -70,8 +76,53 @@ pub unsafe fn move_bytes(dst: *mut u8, src: *const u8, len: usize) {
 }
 
 fn in_pieces(dst: usize, src: usize, len: usize) -> bool {
+    near(dst, src, len) && near_copies_crawl()
+}
+
+/// Whether a copy of `len` bytes from `src` to `dst` is one the slow path
+/// may take.
+fn near(dst: usize, src: usize, len: usize) -> bool {
     let ahead = dst.wrapping_sub(src) % PAGE;
     len >= MIN_LEN && ahead != 0 && !(NEAR..=PAGE - NEAR).contains(&ahead)
+}
+
+/// Whether this CPU's memcpy crawls on near copies, measured at first use.
+fn near_copies_crawl() -> bool {
+    static CRAWL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CRAWL.get_or_init(|| {
+        let (near, far) = near_and_far_copy_times();
+        near.as_secs_f64() > far.as_secs_f64() * SLOW_FACTOR
+    })
+}
+
+/// The best time of a 32 KiB memcpy whose destination lies 16 bytes after
+/// its source modulo a page, and of one 128 bytes after.
+fn near_and_far_copy_times() -> (std::time::Duration, std::time::Duration) {
+    const LEN: usize = 32 << 10;
+    let src = vec![1u8; LEN + PAGE];
+    let mut dst = vec![0u8; LEN + 2 * PAGE];
+    // Both at a page's start plus 64, then the destination moved on.
+    let s = src.as_ptr();
+    let s = s.wrapping_add((64 + PAGE - s as usize % PAGE) % PAGE);
+    let d0 = dst.as_mut_ptr();
+    let d0 = d0.wrapping_add((64 + PAGE - d0 as usize % PAGE) % PAGE);
+    let time = |ahead: usize| {
+        let d = d0.wrapping_add(ahead);
+        (0..8)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                // SAFETY: `s` and `d` leave LEN bytes inside their vectors
+                // (each has a page and more to spare before the offset).
+                unsafe { std::ptr::copy_nonoverlapping(std::hint::black_box(s), d, LEN) };
+                std::hint::black_box(d);
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    let (near, far) = (time(16), time(128));
+    drop(dst);
+    (near, far)
 }
 
 #[cfg(test)]
@@ -97,16 +148,26 @@ mod tests {
     }
 
     #[test]
-    fn near_distances_go_in_pieces_and_others_do_not() {
+    fn near_distances_are_told_from_others() {
         let s = 1 << 20;
         for ahead in [8, 16, 24, 40, 56, PAGE - 48, PAGE - 8] {
-            assert!(in_pieces(s + ahead, s, 32 << 10), "{ahead}");
-            assert!(in_pieces(s + 5 * PAGE + ahead, s, 32 << 10), "{ahead}");
+            assert!(near(s + ahead, s, 32 << 10), "{ahead}");
+            assert!(near(s + 5 * PAGE + ahead, s, 32 << 10), "{ahead}");
         }
         for ahead in [0, 64, 128, 2048, PAGE - 64] {
-            assert!(!in_pieces(s + ahead, s, 32 << 10), "{ahead}");
+            assert!(!near(s + ahead, s, 32 << 10), "{ahead}");
         }
-        assert!(!in_pieces(s + 16, s, MIN_LEN - 1));
+        assert!(!near(s + 16, s, MIN_LEN - 1));
+    }
+
+    #[test]
+    fn near_copies_go_in_pieces_only_on_a_cpu_where_they_crawl() {
+        let (n, f) = near_and_far_copy_times();
+        eprintln!("32 KiB memcpy: near {n:?}, far {f:?}");
+        assert!(!n.is_zero() || !f.is_zero(), "no time measured");
+        let s = 1 << 20;
+        assert_eq!(in_pieces(s + 16, s, 32 << 10), near_copies_crawl());
+        assert!(!in_pieces(s + 128, s, 32 << 10));
     }
 
     #[test]

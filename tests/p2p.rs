@@ -436,6 +436,45 @@ fn tagged_messages_of_every_size_arrive_whole_on_every_path() {
 }
 
 #[test]
+fn a_receive_posted_after_its_single_copy_message_came_copies_it_later_not_in_the_post() {
+    // irecv; isend; wait, as exchanges go: when the message already waits
+    // in its sender's memory, the receive must not copy it in irecv (the
+    // caller's isend would wait behind the copy, and the two sides of an
+    // exchange would copy in turn instead of at once) but at its wait, or
+    // on the endpoint's thread meanwhile. 128 MiB copies for tens of
+    // milliseconds; posting a receive takes microseconds.
+    let mut o = common::opts(30_000);
+    o.set("single_copy_min", "1").unwrap();
+    common::world(2, o, Duration::from_secs(120), |comm| {
+        let n = 128 << 20;
+        if comm.rank() == 0 {
+            let mine: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            let big = isend(&comm, &mine, DType::Uint8, 1, 5);
+            comm.send_tagged(&[1u8], 1, 6).unwrap();
+            big.wait().unwrap();
+        } else {
+            let mut got = vec![0u8; n];
+            // Receiving the small message reads the large one's descriptor,
+            // which came first, and keeps it (its sender's buffer stays
+            // until the copy is done).
+            let mut small = [0u8; 1];
+            comm.recv_tagged(&mut small, Some(0), Some(6)).unwrap();
+            let t = Instant::now();
+            let r = irecv(&comm, &mut got, DType::Uint8, Some(0), Some(5));
+            let posted = t.elapsed();
+            r.wait().unwrap();
+            let all = t.elapsed();
+            assert!(
+                posted * 4 < all,
+                "the receive was copied while it was posted: posting took {posted:?} of {all:?}"
+            );
+            assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
 fn a_wait_moves_every_pending_call_not_only_its_own() {
     // A ring of three where each rank's blocking receive can only complete
     // once its earlier nonblocking send (large: it needs the receiver's

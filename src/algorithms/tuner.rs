@@ -32,6 +32,12 @@ pub const REFERENCE: Machine = Machine {
     tcp_latency_ns: 9000,
     tcp_mbs: 2000,
     cache_kib: 32 << 10,
+    // Not measured there; its rings beat single copy (a 1 MiB ping-pong
+    // took 42 us through them, Open MPI's single copy 101 us), which is
+    // what a machine that cannot say gets.
+    pass_mbs: 0,
+    cma_mbs: 0,
+    cma_call_ns: 0,
 };
 
 /// A step on shared memory costs the cache lines' trip plus rdist's own
@@ -83,6 +89,34 @@ pub const SINGLE_COPY_MIN: usize = 4 << 20;
 /// bound (see `SINGLE_COPY_MIN`).
 fn single_copy_from(m: &Machine) -> usize {
     SINGLE_COPY_MIN.max((m.cache_kib as usize) << 11)
+}
+
+/// Single copy must move bytes this much faster than the rings (one
+/// core's copy out of another's memory against two cores passing them
+/// through a ring) before it is chosen for that alone: measurements of
+/// either scatter by a tenth or two between runs.
+const SINGLE_COPY_PER_BYTE_FACTOR: f64 = 1.25;
+
+/// Where single copy beats the rings per byte on machine `m` (one core
+/// copying straight out of another's memory against two cores passing
+/// the bytes through a ring), the size from which it also makes up for
+/// its fixed cost: its system call, and its descriptor's and answer's
+/// trips. None where it does not, or where that was not measured.
+fn single_copy_pays_from(m: &Machine) -> Option<usize> {
+    if !m.knows_single_copy() {
+        return None;
+    }
+    let (pass, cma) = (f64::from(m.pass_mbs), f64::from(m.cma_mbs));
+    if cma < pass * SINGLE_COPY_PER_BYTE_FACTOR {
+        return None;
+    }
+    // ns per byte saved, and ns paid per message.
+    let saved = 1000.0 / pass - 1000.0 / cma;
+    let handoff = if m.handoff_ns > 0 { m } else { &REFERENCE };
+    let fixed =
+        f64::from(m.cma_call_ns) + 2.0 * (SHM_STEP_WORK_NS as f64 + f64::from(handoff.handoff_ns));
+    let from = (fixed / saved).min((64u64 << 20) as f64) as usize;
+    Some(from.next_power_of_two().max(16 << 10))
 }
 
 /// The ranks' demand on the memory system (each rank's core copying at
@@ -207,11 +241,13 @@ pub fn plan(i: &Inputs) -> Plan {
     let memory_bound = here.knows_memory()
         && demand > MEMORY_BOUND_FACTOR.saturating_mul(u64::from(here.copy_all_mbs));
     let from = single_copy_from(&here);
+    let per_byte = single_copy_pays_from(&here);
     let single_copy_min = if oversubscribed || memory_bound {
         from
     } else {
         usize::MAX
-    };
+    }
+    .min(per_byte.unwrap_or(usize::MAX));
     why.push(if oversubscribed {
         format!(
             "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield \
@@ -241,6 +277,24 @@ pub fn plan(i: &Inputs) -> Plan {
             i.host_ranks, i.cores
         )
     });
+    if here.knows_single_copy() {
+        why.push(format!(
+            "two cores pass {:.1} GB/s through the rings, one copies {:.1} GB/s straight out of \
+             another's memory ({} ns a call): {}",
+            f64::from(here.pass_mbs) / 1000.0,
+            f64::from(here.cma_mbs) / 1000.0,
+            here.cma_call_ns,
+            match per_byte {
+                Some(n) => format!(
+                    "single copy pays from {} (its fixed cost made up), for messages and \
+                     payloads that are not reduced",
+                    bytes(n)
+                ),
+                None => "the rings, unless the ranks outnumber the cores or memory is the bound"
+                    .to_string(),
+            }
+        ));
+    }
     Plan {
         crossovers,
         oversubscribed,
@@ -403,5 +457,41 @@ mod tests {
         let mut shared = inputs(REFERENCE, 2, 2);
         shared.machine_ranks = 4;
         assert!(plan(&shared).oversubscribed);
+    }
+
+    #[test]
+    fn single_copy_where_one_core_copies_out_faster_than_two_pass_through_the_rings() {
+        // Measured on the 2-core Sapphire Rapids VM: the rings pass data
+        // just made faster than single copy copies it out: no change.
+        let spr = Machine {
+            pass_mbs: 12_000,
+            cma_mbs: 9_000,
+            cma_call_ns: 300,
+            ..REFERENCE
+        };
+        let p = plan(&inputs(spr, 2, 2));
+        assert_eq!(p.single_copy_min, usize::MAX);
+        assert!(p.why.contains("the rings, unless"), "{}", p.why);
+        // Within the factor: noise, no change either.
+        let close = Machine {
+            cma_mbs: 14_000,
+            ..spr
+        };
+        assert_eq!(plan(&inputs(close, 2, 2)).single_copy_min, usize::MAX);
+        // Twice as fast per byte: 1/12 - 1/24 GB/s saves 41.7 ps a byte,
+        // the call and two steps (300 + 2 x 760 ns) are made up by 43.7 KB:
+        // from 64 KiB.
+        let fast = Machine {
+            cma_mbs: 24_000,
+            ..spr
+        };
+        let p = plan(&inputs(fast, 2, 2));
+        assert_eq!(p.single_copy_min, 64 << 10);
+        assert!(p.why.contains("single copy pays from 64 KiB"), "{}", p.why);
+        // Oversubscribed too: the lower of the two sizes.
+        assert_eq!(plan(&inputs(fast, 4, 2)).single_copy_min, 64 << 10);
+        // Not measured (one core, or an old profile): as before.
+        assert_eq!(plan(&inputs(REFERENCE, 2, 2)).single_copy_min, usize::MAX);
+        assert!(!plan(&inputs(REFERENCE, 2, 2)).why.contains("pass"));
     }
 }

@@ -169,9 +169,9 @@ impl SocketBackend {
                 reduced_single_copy_min: settings.single_copy.reduced_min_bytes(),
                 mixed: false,
                 // Tagged messages go single copy where the collectives do:
-                // the rings' two copies run on both ranks' cores at once,
-                // which beats one copy on one (with its system call and
-                // page pinning) unless the ranks outnumber the cores.
+                // where the machine copies out of another's memory faster
+                // than two cores pass bytes through a ring, or the ranks
+                // outnumber the cores, or memory is the bound (the model).
                 tagged_single_copy_min: single_copy_min,
             },
             signal,

@@ -252,8 +252,9 @@ impl Endpoint {
         };
         // Earlier posts first: messages of one pair keep their order.
         core.take_posts();
-        let done = match &post {
-            Post::Send(_, done, _) | Post::Recv(_, done, _) => done.clone(),
+        let (done, sending) = match &post {
+            Post::Send(_, done, _) => (done.clone(), true),
+            Post::Recv(_, done, _) => (done.clone(), false),
         };
         let taken = match post {
             Post::Send(msg, done, id) if core.send_at_once(msg, &done, id) => Ok(()),
@@ -261,7 +262,10 @@ impl Endpoint {
             Post::Recv(r, done, id) => core.tagged.post_recv(r, done, id),
         };
         taken?;
-        if !done.is_finished() {
+        // A send starts moving now; a receive waits for its wait or test
+        // (or the endpoint's thread), as MPI's do: a look at its peer here
+        // would mostly find nothing, and costs every receive.
+        if sending && !done.is_finished() {
             if let Some(p) = peer.filter(|p| *p != sh.rank) {
                 core.drive(Some(p), CALLER);
             }

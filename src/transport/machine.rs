@@ -1,7 +1,9 @@
 //! What this machine can move, measured once per machine and cached: its
 //! cores, how fast one core and all cores copy memory, how long a cache
-//! line takes to go from one core to another, and what loopback TCP
-//! does. The tuning model (`algorithms::tuner`) chooses from these; the
+//! line takes to go from one core to another, how fast two cores pass
+//! data through shared memory (the rings' two copies) against one core
+//! copying it straight out of another's memory (single copy), and what
+//! loopback TCP does. The tuning model (`algorithms::tuner`) chooses from these; the
 //! ranks publish them at init, so that every rank of a job chooses from
 //! the same numbers (see `membership::packed`).
 //!
@@ -41,14 +43,28 @@ pub struct Machine {
     pub tcp_mbs: u32,
     /// The last-level cache of the first core, in KiB (sysfs).
     pub cache_kib: u32,
+    /// Two cores passing data through a shared buffer in 64 KiB pieces,
+    /// the writer copying in while the reader copies out (how the rings
+    /// move a payload), in MB/s of payload.
+    pub pass_mbs: u32,
+    /// One core copying data another core just wrote straight out of its
+    /// memory with process_vm_readv (how single copy moves a payload), in
+    /// MB/s.
+    pub cma_mbs: u32,
+    /// One small process_vm_readv, in ns: single copy's fixed cost per
+    /// message, beside its two frames.
+    pub cma_call_ns: u32,
 }
 
 /// The cache's format (a new field makes a new one, so old files are
 /// measured again, not misread).
-const FORMAT: &str = "machine2";
+const FORMAT: &str = "machine3";
+/// The format before `pass_mbs`, `cma_mbs` and `cma_call_ns`: still read
+/// (from `RDIST_MACHINE`), those three unknown.
+const FORMAT_2: &str = "machine2";
 
 /// A profile's size in the packed roster.
-pub const BYTES: usize = 28;
+pub const BYTES: usize = 40;
 
 /// A profile that says nothing measured: the model then keeps its
 /// reference choices (see `tuner::REFERENCE`).
@@ -60,6 +76,9 @@ pub const UNKNOWN: Machine = Machine {
     tcp_latency_ns: 0,
     tcp_mbs: 0,
     cache_kib: 0,
+    pass_mbs: 0,
+    cma_mbs: 0,
+    cma_call_ns: 0,
 };
 
 impl Machine {
@@ -78,7 +97,12 @@ impl Machine {
         self.tcp_latency_ns > 0 && self.tcp_mbs > 0
     }
 
-    fn fields(self) -> [(&'static str, u32); 7] {
+    /// Both ways of moving a payload between two cores were measured.
+    pub fn knows_single_copy(self) -> bool {
+        self.pass_mbs > 0 && self.cma_mbs > 0 && self.cma_call_ns > 0
+    }
+
+    fn fields(self) -> [(&'static str, u32); 10] {
         [
             ("cores", self.cores),
             ("copy_one_mbs", self.copy_one_mbs),
@@ -87,7 +111,26 @@ impl Machine {
             ("tcp_latency_ns", self.tcp_latency_ns),
             ("tcp_mbs", self.tcp_mbs),
             ("cache_kib", self.cache_kib),
+            ("pass_mbs", self.pass_mbs),
+            ("cma_mbs", self.cma_mbs),
+            ("cma_call_ns", self.cma_call_ns),
         ]
+    }
+
+    fn set(&mut self, field: usize, v: u32) {
+        let slot = match field {
+            0 => &mut self.cores,
+            1 => &mut self.copy_one_mbs,
+            2 => &mut self.copy_all_mbs,
+            3 => &mut self.handoff_ns,
+            4 => &mut self.tcp_latency_ns,
+            5 => &mut self.tcp_mbs,
+            6 => &mut self.cache_kib,
+            7 => &mut self.pass_mbs,
+            8 => &mut self.cma_mbs,
+            _ => &mut self.cma_call_ns,
+        };
+        *slot = v;
     }
 
     /// One line: "machine2 cores=16 copy_one_mbs=6300 ...".
@@ -102,23 +145,17 @@ impl Machine {
     /// The line `to_line` wrote; None when it is not one.
     pub fn from_line(line: &str) -> Option<Machine> {
         let mut words = line.split_whitespace();
-        if words.next()? != FORMAT {
+        let format = words.next()?;
+        if format != FORMAT && format != FORMAT_2 {
             return None;
         }
+        let names = UNKNOWN.fields().map(|(k, _)| k);
         let mut m = UNKNOWN;
         for w in words {
             let (k, v) = w.split_once('=')?;
             let v: u32 = v.parse().ok()?;
-            match k {
-                "cores" => m.cores = v,
-                "copy_one_mbs" => m.copy_one_mbs = v,
-                "copy_all_mbs" => m.copy_all_mbs = v,
-                "handoff_ns" => m.handoff_ns = v,
-                "tcp_latency_ns" => m.tcp_latency_ns = v,
-                "tcp_mbs" => m.tcp_mbs = v,
-                "cache_kib" => m.cache_kib = v,
-                _ => return None,
-            }
+            let field = names.iter().position(|n| *n == k)?;
+            m.set(field, v);
         }
         (m.cores > 0).then_some(m)
     }
@@ -136,20 +173,14 @@ impl Machine {
     /// The token `to_token` wrote; UNKNOWN for anything else.
     pub fn from_token(token: &str) -> Machine {
         let v: Vec<u32> = token.split(',').filter_map(|x| x.parse().ok()).collect();
-        match v[..] {
-            [cores, copy_one_mbs, copy_all_mbs, handoff_ns, tcp_latency_ns, tcp_mbs, cache_kib] => {
-                Machine {
-                    cores,
-                    copy_one_mbs,
-                    copy_all_mbs,
-                    handoff_ns,
-                    tcp_latency_ns,
-                    tcp_mbs,
-                    cache_kib,
-                }
-            }
-            _ => UNKNOWN,
+        if v.len() != UNKNOWN.fields().len() {
+            return UNKNOWN;
         }
+        let mut m = UNKNOWN;
+        for (i, x) in v.into_iter().enumerate() {
+            m.set(i, x);
+        }
+        m
     }
 
     /// The numbers, little-endian (the packed roster's form).
@@ -162,17 +193,11 @@ impl Machine {
     }
 
     pub fn from_bytes(b: &[u8; BYTES]) -> Machine {
-        let at =
-            |i: usize| u32::from_le_bytes([b[i * 4], b[i * 4 + 1], b[i * 4 + 2], b[i * 4 + 3]]);
-        Machine {
-            cores: at(0),
-            copy_one_mbs: at(1),
-            copy_all_mbs: at(2),
-            handoff_ns: at(3),
-            tcp_latency_ns: at(4),
-            tcp_mbs: at(5),
-            cache_kib: at(6),
+        let mut m = UNKNOWN;
+        for (i, w) in b.chunks_exact(4).enumerate() {
+            m.set(i, u32::from_le_bytes(w.try_into().expect("4 bytes")));
         }
+        m
     }
 }
 
@@ -325,6 +350,7 @@ pub fn measure(cores: usize) -> Machine {
         tcp_latency_ns: tcp_latency_ns().unwrap_or(0),
         tcp_mbs: tcp_mbs().unwrap_or(0),
         cache_kib: last_level_cache_kib(),
+        ..two_core_moves().unwrap_or(UNKNOWN)
     }
 }
 
@@ -490,6 +516,220 @@ fn handoff_ns() -> Option<u32> {
     ns
 }
 
+/// Payload moved between two cores, the rings' way and single copy's
+/// way, on two pinned cores (`pass_mbs`, `cma_mbs`), and single copy's
+/// fixed cost (`cma_call_ns`); the rest of the profile unknown. None
+/// with fewer than two usable cores, or when a thread cannot start or
+/// the other stalls.
+fn two_core_moves() -> Option<Machine> {
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 {
+        return None;
+    }
+    let area = Arc::new(MoveArea::new());
+    let (writer_area, reader_area) = (area.clone(), area.clone());
+    let (c0, c1) = (cpus[0], cpus[1]);
+    let writer = spawn(move || {
+        pin_to(c0);
+        writer_area.write_rounds()
+    })?;
+    let reader = spawn(move || {
+        pin_to(c1);
+        reader_area.read_rounds()
+    });
+    let Some(reader) = reader else {
+        area.stop.store(true, Ordering::Release);
+        let _ = writer.join();
+        return None;
+    };
+    let times = reader.join().ok().flatten();
+    area.stop.store(true, Ordering::Release);
+    let _ = writer.join();
+    let (pass, cma) = times?;
+    Some(Machine {
+        pass_mbs: mbs(MoveArea::BYTES, pass).max(1),
+        cma_mbs: mbs(MoveArea::BYTES, cma).max(1),
+        cma_call_ns: cma_call_ns()?,
+        ..UNKNOWN
+    })
+}
+
+/// The buffers and counters of `two_core_moves`: the writer's source,
+/// a ring of 64 KiB slots (1 MiB, as a pair's ring), the reader's
+/// destination.
+struct MoveArea {
+    src: *mut u8,
+    ring: *mut u8,
+    dst: *mut u8,
+    /// Pieces written into the ring, and read out of it, so far.
+    written: AtomicU64,
+    freed: AtomicU64,
+    /// The writer's step (2r+1: the source of round r is written for the
+    /// rings; 2r+2: for single copy), and the last step the reader ended.
+    step: AtomicU64,
+    seen: AtomicU64,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: the buffers are only touched as the counters allow (the writer
+// writes `src` and the ring's free slots, the reader reads filled slots
+// and `src` only while the writer waits, and writes `dst`).
+unsafe impl Send for MoveArea {}
+unsafe impl Sync for MoveArea {}
+
+impl MoveArea {
+    const PIECE: usize = 64 << 10;
+    const SLOTS: usize = 16;
+    /// Bytes moved per round: past one core's share of most caches, yet
+    /// quick.
+    const BYTES: usize = 4 << 20;
+    const PIECES: usize = Self::BYTES / Self::PIECE;
+    const ROUNDS: u64 = 4;
+    /// The longest either thread waits for the other.
+    const PATIENCE: Duration = Duration::from_millis(200);
+
+    fn new() -> MoveArea {
+        let leak = |n: usize, b: u8| Box::into_raw(vec![b; n].into_boxed_slice()).cast::<u8>();
+        MoveArea {
+            src: leak(Self::BYTES, 1),
+            ring: leak(Self::PIECE * Self::SLOTS, 2),
+            dst: leak(Self::BYTES, 3),
+            written: AtomicU64::new(0),
+            freed: AtomicU64::new(0),
+            step: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+            stop: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Spins until `ready` holds; false when stopped or out of patience.
+    fn wait(&self, ready: impl Fn() -> bool) -> bool {
+        let give_up = Instant::now() + Self::PATIENCE;
+        let mut spins = 0u32;
+        while !ready() {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024)
+                && (self.stop.load(Ordering::Acquire) || Instant::now() >= give_up)
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The writer: each round, writes its source anew (so that it sits
+    /// in this core's cache, as data just made does) and copies it into
+    /// the ring piece by piece; then writes it anew for the reader to
+    /// copy straight out.
+    fn write_rounds(&self) {
+        for r in 0..Self::ROUNDS {
+            for (step, fill) in [(2 * r + 1, 0x11), (2 * r + 2, 0x22)] {
+                if !self.wait(|| self.seen.load(Ordering::Acquire) + 1 >= step) {
+                    return;
+                }
+                // SAFETY: the reader reads `src` only between this step
+                // and its `seen` of it.
+                unsafe { std::ptr::write_bytes(self.src, fill ^ r as u8, Self::BYTES) };
+                self.step.store(step, Ordering::Release);
+                if step % 2 == 0 {
+                    continue;
+                }
+                let base = r * Self::PIECES as u64;
+                for i in 0..Self::PIECES {
+                    let n = base + i as u64;
+                    let room = || n < self.freed.load(Ordering::Acquire) + Self::SLOTS as u64;
+                    if !self.wait(room) {
+                        return;
+                    }
+                    let slot = (n as usize % Self::SLOTS) * Self::PIECE;
+                    // SAFETY: piece i of the source, into a slot the
+                    // reader freed.
+                    unsafe {
+                        crate::copy::copy_nonoverlapping(
+                            self.src.add(i * Self::PIECE),
+                            self.ring.add(slot),
+                            Self::PIECE,
+                        )
+                    };
+                    self.written.store(n + 1, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// The reader: the best time of the rounds for each way.
+    fn read_rounds(&self) -> Option<(Duration, Duration)> {
+        let (mut pass, mut cma) = (Duration::MAX, Duration::MAX);
+        for r in 0..Self::ROUNDS {
+            if !self.wait(|| self.step.load(Ordering::Acquire) == 2 * r + 1) {
+                return None;
+            }
+            let t = Instant::now();
+            let base = r * Self::PIECES as u64;
+            for i in 0..Self::PIECES {
+                let n = base + i as u64;
+                if !self.wait(|| self.written.load(Ordering::Acquire) > n) {
+                    return None;
+                }
+                let slot = (n as usize % Self::SLOTS) * Self::PIECE;
+                // SAFETY: a slot the writer filled, into piece i of ours.
+                unsafe {
+                    crate::copy::copy_nonoverlapping(
+                        self.ring.add(slot),
+                        self.dst.add(i * Self::PIECE),
+                        Self::PIECE,
+                    )
+                };
+                self.freed.store(n + 1, Ordering::Release);
+            }
+            pass = pass.min(t.elapsed());
+            self.seen.store(2 * r + 1, Ordering::Release);
+            if !self.wait(|| self.step.load(Ordering::Acquire) == 2 * r + 2) {
+                return None;
+            }
+            let t = Instant::now();
+            // SAFETY: both ranges are this area's live buffers.
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.dst, Self::BYTES) };
+            super::channel::read_remote(std::process::id() as i32, self.src as u64, dst).ok()?;
+            cma = cma.min(t.elapsed());
+            self.seen.store(2 * r + 2, Ordering::Release);
+        }
+        Some((pass, cma))
+    }
+}
+
+impl Drop for MoveArea {
+    fn drop(&mut self) {
+        for (p, n) in [
+            (self.src, Self::BYTES),
+            (self.ring, Self::PIECE * Self::SLOTS),
+            (self.dst, Self::BYTES),
+        ] {
+            // SAFETY: leaked in `new` as boxed slices of these lengths.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)) });
+        }
+    }
+}
+
+/// One process_vm_readv of 64 bytes of this process, in ns (the best of
+/// batches): what single copy pays per message whatever its size.
+fn cma_call_ns() -> Option<u32> {
+    const BATCH: u32 = 64;
+    let src = [7u8; 64];
+    let mut dst = [0u8; 64];
+    let pid = std::process::id() as i32;
+    let mut best = Duration::MAX;
+    for _ in 0..16 {
+        let t = Instant::now();
+        for _ in 0..BATCH {
+            super::channel::read_remote(pid, src.as_ptr() as u64, &mut dst).ok()?;
+        }
+        best = best.min(t.elapsed());
+    }
+    Some((best.as_nanos() / u128::from(BATCH)).clamp(1, u32::MAX as u128) as u32)
+}
+
 /// The cores this process may run on.
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
@@ -616,8 +856,27 @@ mod tests {
             tcp_latency_ns: 9000,
             tcp_mbs: 3100,
             cache_kib: 32768,
+            pass_mbs: 12000,
+            cma_mbs: 25000,
+            cma_call_ns: 350,
         };
         assert_eq!(Machine::from_line(&m.to_line()), Some(m));
+        // The format before the two-core moves: read, those unknown.
+        let old = Machine::from_line(
+            "machine2 cores=16 copy_one_mbs=6300 copy_all_mbs=41000 handoff_ns=90 \
+             tcp_latency_ns=9000 tcp_mbs=3100 cache_kib=32768",
+        )
+        .unwrap();
+        assert_eq!(
+            old,
+            Machine {
+                pass_mbs: 0,
+                cma_mbs: 0,
+                cma_call_ns: 0,
+                ..m
+            }
+        );
+        assert!(!old.knows_single_copy() && m.knows_single_copy());
         assert_eq!(Machine::from_token(&m.to_token()), m);
         assert_eq!(Machine::from_bytes(&m.to_bytes()), m);
         assert_eq!(Machine::from_token(&UNKNOWN.to_token()), UNKNOWN);

@@ -118,7 +118,7 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
     })
 }
 
-const MAGIC: &[u8; 2] = b"R3";
+const MAGIC: &[u8; 2] = b"R4";
 const V4: u8 = 4;
 const V6: u8 = 6;
 
@@ -272,6 +272,9 @@ mod tests {
         tcp_latency_ns: 9000,
         tcp_mbs: 3000,
         cache_kib: 32768,
+        pass_mbs: 9000,
+        cma_mbs: 21000,
+        cma_call_ns: 310,
     };
 
     fn published_key(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {

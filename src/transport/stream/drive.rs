@@ -103,6 +103,18 @@ impl StreamTransport {
                 }
             }
         }
+        if self.tagged.has_copies() {
+            // After the passes, whose sends (an exchange's other half) are
+            // out by now: the copies, then their answers.
+            self.tagged.run_copies();
+            self.moved = self.moved.wrapping_add(1);
+            for i in 0..self.tagged.used().len() {
+                let p = self.tagged.used()[i];
+                if self.tagged.has_output(p) {
+                    self.drive_peer(p, how);
+                }
+            }
+        }
         self.moved != before
     }
 
@@ -145,6 +157,11 @@ impl StreamTransport {
         }
         if read && result.is_ok() {
             result = self.pump_reads(peer, &mut [], &mut idle);
+            // What the reads answer (a single-copy message's TagAck, a
+            // large one's TagCts) goes now: the sender waits for it.
+            if result.is_ok() && self.tagged.has_output(peer) {
+                result = self.pump_sends(peer, &[], &mut idle);
+            }
         }
         self.idle = idle;
         if let Err(e) = result {

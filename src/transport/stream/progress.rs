@@ -169,6 +169,9 @@ impl StreamTransport {
                 self.take_posts();
             }
             self.tagged.release_waiting_senders();
+            if self.tagged.has_copies() {
+                self.tagged.run_copies();
+            }
             if self.signal.is_aborted() {
                 return Err(Error::new(
                     ErrorKind::Aborted,

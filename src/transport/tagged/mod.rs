@@ -372,6 +372,9 @@ struct Peer {
     awaiting: HashMap<u64, SendOp>,
     /// Receives matched to an envelope, waiting for its payload, by seq.
     receiving: HashMap<u64, Sink>,
+    /// Receives posted after their single-copy message came, waiting for
+    /// the copy out of the sender's memory (see `Tagged::run_copies`).
+    copies: VecDeque<(PostedRecv, Arrival)>,
     next_out_seq: u64,
     next_in_seq: u64,
     /// Why this pair can no longer talk.
@@ -444,6 +447,8 @@ pub struct Tagged {
     closing: bool,
     /// Messages from this size go single-copy where a pair can.
     single_copy_min: usize,
+    /// Receives waiting in the peers' `copies`.
+    copies: usize,
 }
 
 impl Tagged {
@@ -457,6 +462,7 @@ impl Tagged {
             failed: None,
             closing: false,
             single_copy_min,
+            copies: 0,
         }
     }
 
@@ -688,6 +694,14 @@ impl Tagged {
             done: done.clone(),
         };
         match self.matching.post(posted) {
+            // Its message waits in the sender's memory: copied by the next
+            // pass that moves this context, not here, so that a caller who
+            // posts its receives before its sends (irecv; isend; wait)
+            // sends first, and both sides of an exchange copy at once.
+            Some((r, a)) if a.remote.is_some() && a.env.source != self.rank => {
+                self.peer(a.env.source).copies.push_back((r, a));
+                self.copies += 1;
+            }
             Some((r, a)) => self.deliver(r, a),
             None => {
                 // Nothing buffered from a rank that is gone: nothing will come.
@@ -727,9 +741,33 @@ impl Tagged {
         self.matching.posted.iter().any(|r| r.source.is_none())
     }
 
+    /// Whether a receive waits for its copy out of a sender's memory.
+    #[inline]
+    pub fn has_copies(&self) -> bool {
+        self.copies > 0
+    }
+
+    /// Copies the single-copy messages whose receives were posted after
+    /// they came (see `post_recv`), each answered with TagAck (queued:
+    /// the caller writes the answers).
+    pub fn run_copies(&mut self) {
+        for i in 0..self.used.len() {
+            let peer = self.used[i];
+            loop {
+                let p = self.peers[peer].as_deref_mut().expect("used");
+                let Some((r, a)) = p.copies.pop_front() else {
+                    break;
+                };
+                self.copies -= 1;
+                self.deliver(r, a);
+            }
+        }
+    }
+
     /// Whether any call is pending here (so that someone keeps moving).
     pub fn busy(&self) -> bool {
         !self.matching.posted.is_empty()
+            || self.copies > 0
             || self.used.iter().any(|&p| {
                 self.peer_ref(p).is_some_and(|q| {
                     !q.queued.is_empty()
@@ -1159,6 +1197,14 @@ impl Tagged {
                 p.queued.remove(k);
                 return None;
             }
+            if let Some(k) = p.copies.iter().position(|(r, _)| r.id == id) {
+                // Matched already: its message is consumed, its sender
+                // released (as a matched receive's payload is dropped).
+                let (_, a) = p.copies.remove(k).expect("found");
+                self.copies -= 1;
+                self.answer(a.env, FrameKind::TagAck);
+                return None;
+            }
             for t in p.receiving.values_mut() {
                 if t.is_receive(id) {
                     *t = Sink::Drop;
@@ -1218,6 +1264,11 @@ impl Tagged {
             if let Sink::Receive(r, _) = t {
                 r.done.complete(Err(err.clone()));
             }
+        }
+        let copies: Vec<_> = p.copies.drain(..).collect();
+        self.copies -= copies.len();
+        for (r, _) in copies {
+            r.done.complete(Err(err.clone()));
         }
         let mut keep = VecDeque::new();
         for r in self.matching.posted.drain(..) {
@@ -1300,6 +1351,12 @@ impl Tagged {
             if receiving > 0 {
                 v.push(format!(
                     "{receiving} receive(s) from rank {peer}: matched, payload still arriving"
+                ));
+            }
+            if !p.copies.is_empty() {
+                v.push(format!(
+                    "{} receive(s) from rank {peer}: matched, to be copied from its memory",
+                    p.copies.len()
                 ));
             }
         }
