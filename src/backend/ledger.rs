@@ -61,7 +61,8 @@ impl Ledger {
         self.collectives.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The number of a tagged call (the trace's and the log's).
+    /// The number of a tagged call, for the trace (taken only while
+    /// tracing).
     pub(crate) fn next_tagged(&self) -> u64 {
         self.tagged.fetch_add(1, Ordering::Relaxed)
     }

@@ -42,15 +42,19 @@ impl Messages {
         bytes: usize,
         since: Option<Instant>,
     ) -> Posted {
+        // Numbered for the trace, which is the only reader of the number
+        // (an atomic add a call saved otherwise).
+        let tracing = self.ledger.tracing();
         Posted {
             ticket,
-            seq: self.ledger.next_tagged(),
+            seq: if tracing {
+                self.ledger.next_tagged()
+            } else {
+                0
+            },
             name,
             bytes,
-            started: self
-                .ledger
-                .tracing()
-                .then(|| since.unwrap_or_else(Instant::now)),
+            started: tracing.then(|| since.unwrap_or_else(Instant::now)),
             recorded: AtomicBool::new(false),
         }
     }
@@ -124,10 +128,11 @@ impl Messages {
         result
     }
 
-    /// Numbers, and traces, a call that completed without being posted.
+    /// Numbers and traces a call that completed without being posted
+    /// (when tracing).
     fn note_now(&self, name: &'static str, bytes: usize, started: Option<Instant>) {
-        let seq = self.ledger.next_tagged();
         if let Some(started) = started {
+            let seq = self.ledger.next_tagged();
             self.ledger.record_tagged(name, seq, bytes, started, true);
         }
     }

@@ -99,18 +99,17 @@ pub fn retire_after<T: Handle>(p: *mut T, name: &str, last: impl FnOnce(&T)) -> 
     // SAFETY: from `create`, and its box is not freed before it leaves the
     // quarantine.
     let handle = unsafe { &mut *p };
-    if handle
-        .liveness()
-        .0
-        .compare_exchange(LIVE, RETIRED, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-    {
+    // A look and a store, not a compare-and-swap (a request is freed per
+    // message): two threads freeing one handle at once is outside the
+    // contract, as a double free() is in C; one after the other is caught.
+    if handle.liveness().0.load(Ordering::Acquire) != LIVE {
         return Err(Error::invalid_argument(format!(
             "{name} was already passed to {} before: it was {} twice",
             T::RETIRED_BY,
             T::RETIRES
         )));
     }
+    handle.liveness().0.store(RETIRED, Ordering::Release);
     last(handle);
     // SAFETY: only the call that retired the handle gets here, and `get`
     // refuses it from now on.

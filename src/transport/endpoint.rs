@@ -306,11 +306,11 @@ impl Endpoint {
         // call (a message already there costs no clock read), then every
         // 64 passes.
         let mut deadline = since.map(|s| s + self.timeout);
-        sh.drivers.fetch_add(1, Ordering::Relaxed);
         // A wait that began before its post (a look at the connection)
         // spun from then.
         let mut spin_until: Option<Instant> = since.map(|s| s + self.spin);
         let mut passes = 0u32;
+        let mut registered = false;
         while !t.done.is_finished() {
             if let Some(mut core) = try_lock(&sh.core) {
                 if core.drive(None, CALLER) {
@@ -321,6 +321,12 @@ impl Endpoint {
                 break;
             }
             passes = passes.wrapping_add(1);
+            if passes == 64 && !registered {
+                // A caller spins on: the endpoint's thread keeps out of its
+                // way (a message that comes within a few passes pays nothing).
+                registered = true;
+                sh.drivers.fetch_add(1, Ordering::Relaxed);
+            }
             if passes == 1 || passes.is_multiple_of(64) {
                 let now = Instant::now();
                 // Bytes moving for other calls extend the spin, never the
@@ -338,10 +344,16 @@ impl Endpoint {
             }
         }
         if !t.done.is_finished() {
+            if !registered {
+                registered = true;
+                sh.drivers.fetch_add(1, Ordering::Relaxed);
+            }
             let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timeout);
             self.sleep_for(t, deadline);
         }
-        sh.drivers.fetch_sub(1, Ordering::Relaxed);
+        if registered {
+            sh.drivers.fetch_sub(1, Ordering::Relaxed);
+        }
         sh.driven_lately.store(true, Ordering::Relaxed);
         if let Some(r) = t.done.get() {
             return r;

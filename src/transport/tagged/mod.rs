@@ -34,10 +34,12 @@ use crate::transport::channel::{read_remote, Channel};
 use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, TAG_REMOTE_BYTES};
 use crate::transport::signal::Wake;
 use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
+use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 /// Who sent a received message, with which tag, and how many elements.
@@ -51,9 +53,10 @@ pub struct Status {
 /// Where a posted call's result appears. Set and read without a lock
 /// (a spinning caller looks at it on every pass); the lock is only for
 /// those who sleep on it.
-#[derive(Default)]
 pub struct Done {
-    result: OnceLock<Result<Status>>,
+    /// EMPTY, WRITING (one completer is writing `result`), or READY.
+    state: AtomicU8,
+    result: UnsafeCell<MaybeUninit<Result<Status>>>,
     sleep: Mutex<()>,
     ready: Condvar,
     /// Threads asleep on `ready` (a wake costs a system call: paid only
@@ -61,15 +64,46 @@ pub struct Done {
     sleepers: AtomicU32,
 }
 
+const EMPTY: u8 = 0;
+const WRITING: u8 = 1;
+const READY: u8 = 2;
+
+// SAFETY: `result` is written once, by the completer that moved `state`
+// from EMPTY to WRITING, and read only once `state` is READY (published
+// with Release, seen with Acquire).
+unsafe impl Sync for Done {}
+unsafe impl Send for Done {}
+
+impl Default for Done {
+    fn default() -> Done {
+        Done {
+            state: AtomicU8::new(EMPTY),
+            result: UnsafeCell::new(MaybeUninit::uninit()),
+            sleep: Mutex::new(()),
+            ready: Condvar::new(),
+            sleepers: AtomicU32::new(0),
+        }
+    }
+}
+
 impl Done {
     /// The first result stays.
     pub fn complete(&self, r: Result<Status>) {
-        if self.result.set(r).is_err() {
+        // Claimed with one compare-and-swap, published with one swap: the
+        // swap is also the barrier between publishing and looking for
+        // sleepers (a sleeper counts itself, then looks at `state`:
+        // either it sees READY, or this load sees it).
+        if self
+            .state
+            .compare_exchange(EMPTY, WRITING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
             return;
         }
-        // Pairs with the fence in `sleep_until`: either the sleeper's look
-        // sees the result, or this load sees the sleeper.
-        fence(Ordering::SeqCst);
+        // SAFETY: only the completer that claimed the state writes here,
+        // and nobody reads before READY.
+        unsafe { (*self.result.get()).write(r) };
+        self.state.swap(READY, Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             // Under the lock: a sleeper that saw no result holds it until
             // it waits, so this wake cannot fall between its look and its
@@ -79,23 +113,32 @@ impl Done {
         }
     }
 
+    #[inline]
     pub fn is_finished(&self) -> bool {
-        self.result.get().is_some()
+        self.state.load(Ordering::Acquire) == READY
+    }
+
+    /// The result, once complete.
+    #[inline]
+    pub fn result(&self) -> Option<&Result<Status>> {
+        // SAFETY: READY is stored after the result was written (Release,
+        // seen here with Acquire), and it is never written again.
+        self.is_finished()
+            .then(|| unsafe { (*self.result.get()).assume_init_ref() })
     }
 
     pub fn get(&self) -> Option<Result<Status>> {
-        self.result.get().cloned()
+        self.result().cloned()
     }
 
     /// Sleeps until the result is in or `deadline` passes; the result.
     pub fn sleep_until(&self, deadline: Instant) -> Option<Result<Status>> {
         let mut held = lock(&self.sleep);
-        // Counted, then a fence, then the look (as in `complete`): either
+        // Counted, then the look (both SeqCst, as in `complete`): either
         // this look sees the result, or `complete` sees the sleeper and
         // wakes it.
         self.sleepers.fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        while !self.is_finished() {
+        while self.state.load(Ordering::SeqCst) != READY {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -105,6 +148,15 @@ impl Done {
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
         drop(held);
         self.get()
+    }
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        if *self.state.get_mut() == READY {
+            // SAFETY: written once and not dropped before.
+            unsafe { self.result.get_mut().assume_init_drop() };
+        }
     }
 }
 
