@@ -292,6 +292,26 @@ impl Comm {
         self.runner.post_recv(incoming(buf, data, peer, tag), false)
     }
 
+    /// Non-blocking plain receive (rdist_irecv): tag 0, from `peer`, of
+    /// exactly `data.count` elements.
+    ///
+    /// # Safety
+    /// `buf` valid for writes, and untouched, until the request completes.
+    pub unsafe fn irecv_exact(&self, buf: RawBuf, data: Data, peer: usize) -> Result<Request> {
+        self.birth.check()?;
+        if let Some(call) = self.device_recv(buf, data, Some(peer), Some(0))? {
+            return self.submit(call);
+        }
+        if group::active() {
+            return Err(group_refuses());
+        }
+        let r = Incoming {
+            exact: true,
+            ..incoming(buf, data, Some(peer), Some(0))
+        };
+        self.runner.post_recv(r, false)
+    }
+
     /// The plain receive a tagged one on device memory becomes (None for
     /// host memory, which the point-to-point context takes).
     fn device_recv(

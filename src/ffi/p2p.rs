@@ -76,17 +76,17 @@ pub extern "C" fn rdist_isend(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_isend", comm, Some(req), std::ptr::null_mut(), |c| {
-        data_call(
-            c,
-            OpKind::Send,
-            buf,
-            std::ptr::null_mut(),
-            count,
-            dtype,
-            None,
-            peer,
-        )
+    // Straight to the point-to-point context (tag 0), as a tagged send:
+    // no collective's call description on the way (a small exchange is
+    // a few hundred nanoseconds in all).
+    boundary("rdist_isend", super::comm::rank_of(comm), || {
+        let c = &handle(comm, "comm")?.comm;
+        check_out(req, "req")?;
+        let (buf, data) = message(buf, count, dtype)?;
+        let peer = check_rank("peer", peer.into(), c.size())?;
+        // SAFETY: the C contract: buf valid until the request completes.
+        let r = unsafe { c.isend_message(buf, data, peer, 0) }?;
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 
@@ -101,16 +101,15 @@ pub extern "C" fn rdist_irecv(
     comm: *mut rdist_comm_t,
     req: *mut *mut rdist_request_t,
 ) -> rdist_result_t {
-    issue("rdist_irecv", comm, Some(req), std::ptr::null_mut(), |c| {
-        Call::recv(
-            buf.cast(),
-            Data {
-                count,
-                dtype: DType::try_from(dtype)?,
-            },
-            peer.into(),
-            c.size(),
-        )
+    boundary("rdist_irecv", super::comm::rank_of(comm), || {
+        let c = &handle(comm, "comm")?.comm;
+        check_out(req, "req")?;
+        let (buf, data) = message(buf, count, dtype)?;
+        let peer = check_rank("peer", peer.into(), c.size())?;
+        // SAFETY: the C contract: buf valid and untouched until the
+        // request completes.
+        let r = unsafe { c.irecv_exact(buf, data, peer) }?;
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 

@@ -13,7 +13,7 @@ use super::service::{self, Shared};
 use super::signal::{AbortSignal, Wake};
 use super::stream::{Drive, RecvNow, StreamTransport, Tuning};
 use super::tagged::Described;
-use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
+use super::tagged::{Incoming, Outgoing, Post, Status, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::{lock, try_lock};
 use std::net::TcpListener;
@@ -136,18 +136,14 @@ impl Endpoint {
             )));
         }
         let ticket = self.ticket(Described::Send(msg));
-        let post = Post::Send(msg, ticket.done.clone(), ticket.id);
+        let post = Post::Send(msg, Arc::clone(&ticket.done), ticket.id);
         self.post(post, Some(msg.peer), blocking)?;
         Ok(ticket)
     }
 
     /// A new call's ticket.
     fn ticket(&self, call: Described) -> Ticket {
-        Ticket {
-            id: self.shared.posts.new_id(),
-            done: Arc::new(Done::default()),
-            call,
-        }
+        Ticket::new(self.shared.posts.new_id(), call)
     }
 
     /// Posts a tagged receive; it matches at once if its message already
@@ -163,7 +159,7 @@ impl Endpoint {
             )));
         }
         let ticket = self.ticket(Described::Recv(r));
-        let post = Post::Recv(r, ticket.done.clone(), ticket.id);
+        let post = Post::Recv(r, Arc::clone(&ticket.done), ticket.id);
         self.post(post, r.peer, blocking)?;
         Ok(ticket)
     }

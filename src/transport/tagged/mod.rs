@@ -160,12 +160,71 @@ impl Drop for Done {
     }
 }
 
+impl Done {
+    /// A fresh `Done`: one this thread kept from a finished call when it
+    /// has one (a small exchange posts one a message; an allocation and
+    /// its free cost about as much as the rest of the post).
+    pub fn fresh() -> Arc<Done> {
+        SPARE_DONES
+            .try_with(|s| s.borrow_mut().pop())
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Keeps `done` for this thread's next call when nothing else holds
+    /// it (else it goes when the last holder lets go).
+    fn recycle(mut done: Arc<Done>) {
+        let Some(d) = Arc::get_mut(&mut done) else {
+            return;
+        };
+        if std::mem::replace(d.state.get_mut(), EMPTY) == READY {
+            // SAFETY: READY: written once, dropped here once (the state
+            // is EMPTY from now on).
+            unsafe { d.result.get_mut().assume_init_drop() };
+        }
+        let _ = SPARE_DONES.try_with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < SPARE_DONES_MAX {
+                s.push(done);
+            }
+        });
+    }
+}
+
+/// `Done`s a thread keeps for its next calls, at most this many.
+const SPARE_DONES_MAX: usize = 64;
+
+thread_local! {
+    static SPARE_DONES: std::cell::RefCell<Vec<Arc<Done>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A posted send or receive.
 pub struct Ticket {
     pub id: u64,
-    pub done: Arc<Done>,
+    /// Taken out only when the ticket goes (see `Drop`).
+    pub done: std::mem::ManuallyDrop<Arc<Done>>,
     /// What it is, for messages (formatted only when one is needed).
     pub call: Described,
+}
+
+impl Ticket {
+    pub fn new(id: u64, call: Described) -> Ticket {
+        Ticket {
+            id,
+            done: std::mem::ManuallyDrop::new(Done::fresh()),
+            call,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; the field is not used after.
+        let done = unsafe { std::mem::ManuallyDrop::take(&mut self.done) };
+        Done::recycle(done);
+    }
 }
 
 /// A send or receive as its errors name it.
@@ -1463,5 +1522,75 @@ fn fit(r: PostedRecv, env: &Envelope, me: usize) -> Sink {
             Sink::Drop
         }
         None => Sink::Receive(r, status),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recv_call() -> Described {
+        Described::Recv(Incoming {
+            buf: RawBuf::EMPTY,
+            dtype: DType::Uint8,
+            count: 0,
+            peer: Some(1),
+            tag: Some(0),
+            exact: true,
+        })
+    }
+
+    #[test]
+    fn a_done_kept_for_the_next_call_comes_back_empty() {
+        let first = Ticket::new(1, recv_call());
+        let kept = Arc::as_ptr(&first.done);
+        first
+            .done
+            .complete(Err(Error::invalid_usage("the first call's result")));
+        assert!(first.done.is_finished());
+        drop(first);
+        // The same Done, reused on this thread, with no result in it.
+        let second = Ticket::new(2, recv_call());
+        assert_eq!(Arc::as_ptr(&second.done), kept);
+        assert!(!second.done.is_finished() && second.done.get().is_none());
+        second.done.complete(Ok(Status {
+            source: 1,
+            tag: 0,
+            count: 0,
+        }));
+        assert!(matches!(second.done.get(), Some(Ok(s)) if s.source == 1));
+        // One still held elsewhere (a posted receive's clone) is not kept.
+        let third = Ticket::new(3, recv_call());
+        let held = Arc::clone(&third.done);
+        drop(third);
+        let fourth = Ticket::new(4, recv_call());
+        assert!(!Arc::ptr_eq(&fourth.done, &held));
+        // The first result stays, a later one is ignored.
+        held.complete(Ok(Status {
+            source: 2,
+            tag: 0,
+            count: 0,
+        }));
+        held.complete(Err(Error::invalid_usage("late")));
+        assert!(matches!(held.get(), Some(Ok(s)) if s.source == 2));
+    }
+
+    #[test]
+    fn a_sleeper_wakes_when_its_result_comes() {
+        let done = Arc::new(Done::default());
+        let other = done.clone();
+        let t = std::thread::spawn(move || {
+            other.sleep_until(Instant::now() + std::time::Duration::from_secs(10))
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let started = Instant::now();
+        done.complete(Ok(Status {
+            source: 0,
+            tag: 7,
+            count: 1,
+        }));
+        let got = t.join().unwrap();
+        assert!(matches!(got, Some(Ok(s)) if s.tag == 7));
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
     }
 }
