@@ -7,7 +7,9 @@
 # Peers: Gloo (Debian's libgloo, native; and through torch when the peers'
 # setup installed it), Open MPI (shared memory and TCP), MPICH from PyPI
 # (shared memory and TCP) when it installs; 2, 3 and 4 ranks. Takes
-# ~15 min (~20 with torch, which it uses when the tests' venv is there).
+# ~15 min (~20 with torch, which it uses when the tests' venv is there),
+# then the large cells again with data just made (peer_bench.py --fresh,
+# ~8 min more), as a second table.
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
 #   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
 #       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
@@ -91,6 +93,18 @@ args=(--peers "$peers" --worlds 2,3,4 --outdir build/compare --timeout 90 --no-r
   --ag-sizes 65536,$((16 * mib)) --rs-sizes 65536,$((16 * mib)))
 [ -n "${QUICK:-}" ] && args+=(--quick)
 RDIST_BENCH_BIN=$PEERS_HOME/build/rdist_bench /usr/bin/python3 "$peers_src/peer_bench.py" "${args[@]}" | tail -5
-latest=$(ls -t build/compare/results-*.json | head -1)
-/usr/bin/python3 scripts/compare.py "$latest" docs/performance.md docs/busbw.png
+latest=$(ls -t build/compare/results-*.json | grep -v -- -fresh | head -1)
+# The large cells again with data just made: every call writes its input
+# first (what a program sends was usually just computed), so a library
+# that copies straight out of the sender's memory no longer finds an
+# unchanged buffer in its own caches.
+fresh_peers=$(echo "$peers" | tr ',' '\n' | grep -v '^gloo-native$' | paste -sd, -)
+fresh_args=(--fresh --peers "$fresh_peers" --worlds 2,3,4 --outdir build/compare --timeout 90 --no-ref
+  --ar-sizes $mib,$((16 * mib)),$((64 * mib)) --bc-sizes $mib,$((64 * mib))
+  --ag-sizes $((16 * mib)) --rs-sizes $((16 * mib))
+  --pp-sizes 65536,$mib,$((16 * mib)) --ex-sizes 65536,$mib,$((16 * mib)))
+[ -n "${QUICK:-}" ] && fresh_args+=(--quick)
+RDIST_BENCH_BIN=$PEERS_HOME/build/rdist_bench /usr/bin/python3 "$peers_src/peer_bench.py" "${fresh_args[@]}" | tail -3
+fresh=$(ls -t build/compare/results-*-fresh.json | head -1)
+/usr/bin/python3 scripts/compare.py "$latest" docs/performance.md docs/busbw.png --fresh "$fresh"
 cat docs/performance.md
