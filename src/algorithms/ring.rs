@@ -82,18 +82,29 @@ pub fn reduce_scatter(
         crate::copy::copy(out, blk(0));
     } else {
         // Partial sums travel right; at step s this rank passes on block
-        // r-s-1 and receives block r-s-2, so the last one received is r.
-        let mut partial = blk((r + n - 1) % n).to_vec();
-        let mut incoming = vec![0u8; bb];
+        // r-s-1 (the first straight from its input, later the sum it made
+        // the step before) and receives block r-s-2, so the last one
+        // received is r. The incoming block and the partial sum live in
+        // the link's scratch, kept between calls: fresh buffers of a
+        // block each are page faults on every call.
+        let mut scratch = link.take_scratch(if n > 2 { 2 * bb } else { bb });
+        let (incoming, partial) = scratch.split_at_mut(bb);
+        let partial = &mut partial[..if n > 2 { bb } else { 0 }];
         for s in 0..n - 1 {
-            link.send_recv(right, &partial, left, &mut incoming)?;
+            let sent: &[u8] = if s == 0 {
+                blk((r + n - 1) % n)
+            } else {
+                partial
+            };
+            link.send_recv(right, sent, left, incoming)?;
             let b = (r + 2 * n - s - 2) % n;
             if s + 2 < n {
-                reduce::reduce_to(&mut partial, &incoming, blk(b), dtype, op);
+                reduce::reduce_to(partial, incoming, blk(b), dtype, op);
             } else {
-                reduce::reduce_to(out, &incoming, blk(b), dtype, op);
+                reduce::reduce_to(out, incoming, blk(b), dtype, op);
             }
         }
+        link.return_scratch(scratch);
     }
     if op == ReduceOp::Avg {
         reduce::divide(out, dtype, n);
