@@ -9,6 +9,11 @@
 //! read each other's memory, a large message stays in the sender's buffer
 //! and the receiver copies it out (`TagRemote`, answered by `TagAck`).
 //!
+//! A receive that gives up waiting after its message was matched (its
+//! payload on the way, or waiting to be copied out of the sender's memory)
+//! consumes that message: the payload is dropped and the sender released
+//! as if it had been received.
+//!
 //! A send that gives up waiting (its timeout) is withdrawn: its buffer is
 //! never read again. What of it is framed already keeps its place in the
 //! pair's order (the receiver counts on it): its payload is copied out of
@@ -70,9 +75,14 @@ const READY: u8 = 2;
 
 // SAFETY: `result` is written once, by the completer that moved `state`
 // from EMPTY to WRITING, and read only once `state` is READY (published
-// with Release, seen with Acquire).
+// with Release, seen with Acquire); the result itself may cross threads
+// (checked below).
 unsafe impl Sync for Done {}
 unsafe impl Send for Done {}
+const _: () = {
+    const fn crosses_threads<T: Send + Sync>() {}
+    crosses_threads::<Result<Status>>();
+};
 
 impl Default for Done {
     fn default() -> Done {
