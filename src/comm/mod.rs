@@ -282,14 +282,7 @@ impl Comm {
         peer: Option<usize>,
         tag: Option<i32>,
     ) -> Result<Request> {
-        self.birth.check()?;
-        if let Some(call) = self.device_recv(buf, data, peer, tag)? {
-            return self.submit(call);
-        }
-        if group::active() {
-            return Err(group_refuses());
-        }
-        self.runner.post_recv(incoming(buf, data, peer, tag), false)
+        self.irecv_posted(incoming(buf, data, peer, tag))
     }
 
     /// Non-blocking plain receive (rdist_irecv): tag 0, from `peer`, of
@@ -298,17 +291,29 @@ impl Comm {
     /// # Safety
     /// `buf` valid for writes, and untouched, until the request completes.
     pub unsafe fn irecv_exact(&self, buf: RawBuf, data: Data, peer: usize) -> Result<Request> {
+        self.irecv_posted(Incoming {
+            exact: true,
+            ..incoming(buf, data, Some(peer), Some(0))
+        })
+    }
+
+    /// Posts receive `r`: in the point-to-point context on host memory,
+    /// held as a plain receive on device memory.
+    ///
+    /// # Safety
+    /// As `irecv_message`.
+    unsafe fn irecv_posted(&self, r: Incoming) -> Result<Request> {
         self.birth.check()?;
-        if let Some(call) = self.device_recv(buf, data, Some(peer), Some(0))? {
+        let data = Data {
+            count: r.count,
+            dtype: r.dtype,
+        };
+        if let Some(call) = self.device_recv(r.buf, data, r.peer, r.tag)? {
             return self.submit(call);
         }
         if group::active() {
             return Err(group_refuses());
         }
-        let r = Incoming {
-            exact: true,
-            ..incoming(buf, data, Some(peer), Some(0))
-        };
         self.runner.post_recv(r, false)
     }
 
