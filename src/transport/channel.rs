@@ -44,6 +44,9 @@ pub trait Channel: Send {
     /// about to sleep (channels that look only now and then while
     /// spinning).
     fn look_for_departure(&mut self) {}
+    /// A large payload is arriving: acknowledge what comes promptly (TCP:
+    /// the sender's buffer frees only as it is acknowledged).
+    fn expect_bulk(&mut self) {}
     /// The peer's pid when its memory can be read directly
     /// (process_vm_readv), for single-copy transfers of large payloads.
     fn peer_pid(&self) -> Option<i32> {

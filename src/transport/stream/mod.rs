@@ -154,6 +154,11 @@ enum Target {
     Descriptor([u8; REMOTE_BYTES]),
 }
 
+/// While a payload from this size arrives, each read asks the channel for
+/// prompt acknowledgements (`Channel::expect_bulk`): for a socket, a
+/// system call that costs about what copying 2 KiB does.
+const BULK_PAYLOAD: u64 = 256 << 10;
+
 /// Slice size for receive-and-reduce (fits in L2, a multiple of every
 /// element size).
 const STAGE_BYTES: usize = 128 << 10;
@@ -739,7 +744,13 @@ impl StreamTransport {
                             }
                         }
                     };
-                    conn.chan.read(dest)
+                    let read = conn.chan.read(dest);
+                    // Asked again after every read: this rank's own
+                    // writes in between make the kernel delay them again.
+                    if header.payload >= BULK_PAYLOAD && matches!(read, Ok(n) if n > 0) {
+                        conn.chan.expect_bulk();
+                    }
+                    read
                 }
             };
             let n = match result {

@@ -522,4 +522,55 @@ pub(super) mod tests {
         assert!(e.message().contains("not whole int32 elements"), "{e}");
         sender.join().unwrap();
     }
+
+    /// A socket's reader in the kernel's interactive mode, whose
+    /// acknowledgements wait to ride on a reply (see `Channel::expect_bulk`).
+    fn acks_wait_for_a_reply(t: &StreamTransport, peer: usize) -> bool {
+        let fd = t.conns[peer].as_ref().unwrap().chan.fd();
+        !crate::transport::tcp::quick_acks(fd).unwrap()
+    }
+
+    /// A large payload read over a connection that also carries replies
+    /// leaves it acknowledging at once: the sender's buffer frees as the
+    /// reader goes, instead of when its reply is written.
+    #[test]
+    fn a_large_payload_is_read_with_quick_acknowledgements() {
+        let mut w = tcp_world(2).into_iter();
+        let (mut t0, mut t1) = (w.next().unwrap(), w.next().unwrap());
+        let desc = |seq: u64, n: usize| Desc::new(OpKind::Broadcast, seq).data(n, DType::Uint8);
+        let big = 1 << 20;
+        let sender = std::thread::spawn(move || {
+            for seq in 0..3 {
+                t0.exchange(&mut [Xfer::send(1, &[seq as u8; 8], desc(seq, 8))])
+                    .unwrap();
+                let mut back = [0u8; 8];
+                t0.exchange(&mut [Xfer::recv(1, &mut back, desc(seq, 8))])
+                    .unwrap();
+            }
+            t0.exchange(&mut [Xfer::send(1, &vec![9u8; big], desc(3, big))])
+                .unwrap();
+        });
+        // Small messages both ways: the kernel takes the connection for an
+        // interactive one.
+        for seq in 0..3 {
+            let mut got = [0u8; 8];
+            t1.exchange(&mut [Xfer::recv(0, &mut got, desc(seq, 8))])
+                .unwrap();
+            t1.exchange(&mut [Xfer::send(0, &got, desc(seq, 8))])
+                .unwrap();
+        }
+        assert!(
+            acks_wait_for_a_reply(&t1, 0),
+            "no interactive mode to leave"
+        );
+        let mut got = vec![0u8; big];
+        t1.exchange(&mut [Xfer::recv(0, &mut got, desc(3, big))])
+            .unwrap();
+        assert!(got.iter().all(|&b| b == 9));
+        assert!(
+            !acks_wait_for_a_reply(&t1, 0),
+            "the reader of a large payload left its acknowledgements waiting for a reply"
+        );
+        sender.join().unwrap();
+    }
 }

@@ -58,6 +58,48 @@ impl Channel for TcpChannel {
     fn shutdown(&self, how: Shutdown) {
         let _ = self.0.shutdown(how);
     }
+
+    fn expect_bulk(&mut self) {
+        // A connection that carries data both ways (a ping-pong, both
+        // directions of a two-rank exchange) is taken by the kernel for
+        // an interactive one, whose acknowledgements wait to ride on the
+        // reply: the sender of a large payload then stalls on a full
+        // send buffer. Quick acknowledgements last until this side next
+        // writes, so the reader asks again as it goes.
+        let one: libc::c_int = 1;
+        // SAFETY: a valid socket and a c_int option of its size.
+        unsafe {
+            libc::setsockopt(
+                self.0.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_QUICKACK,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+}
+
+/// Whether a socket acknowledges at once (false: in the kernel's
+/// interactive mode, where acknowledgements wait to ride on a reply).
+#[cfg(test)]
+pub fn quick_acks(fd: RawFd) -> io::Result<bool> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a c_int and its size, for the kernel to fill.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_QUICKACK,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    match r {
+        0 => Ok(v != 0),
+        _ => Err(io::Error::last_os_error()),
+    }
 }
 
 /// The TCP medium: every pair can use it, and it needs no agreement.
