@@ -119,6 +119,22 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
     Some(from.next_power_of_two().max(16 << 10))
 }
 
+/// Where single copy beats the rings for a rank that sends and receives
+/// at once (an exchange, every step of a ring): through the rings its
+/// core copies its outgoing bytes in and its incoming bytes out, two
+/// copies, where single copy has it copy only the incoming ones out of the
+/// sender's memory. From `SINGLE_COPY_MIN`: smaller payloads still sit in
+/// the cores' own caches, where the rings pass them cheaply. None where
+/// one copy out of another's memory is not that much faster than half a
+/// ring's pass, or where that was not measured.
+fn two_way_single_copy_from(m: &Machine) -> Option<usize> {
+    if !m.knows_single_copy() {
+        return None;
+    }
+    let (pass, cma) = (f64::from(m.pass_mbs), f64::from(m.cma_mbs));
+    (cma >= pass / 2.0 * SINGLE_COPY_PER_BYTE_FACTOR).then_some(SINGLE_COPY_MIN)
+}
+
 /// The ranks' demand on the memory system (each rank's core copying at
 /// full speed) must exceed what all cores together copy by this factor
 /// before halving the copies pays for single copy's system calls.
@@ -150,6 +166,9 @@ pub struct Plan {
     /// From which size shared-memory payloads go single copy when the
     /// option leaves it to rdist (usize::MAX: never).
     pub single_copy_min: usize,
+    /// The same for payloads a rank sends while it also receives (see
+    /// `two_way_single_copy_from`); never above `single_copy_min`.
+    pub two_way_single_copy_min: usize,
     /// The inputs and choices, one clause each, for the log.
     pub why: String,
 }
@@ -248,6 +267,8 @@ pub fn plan(i: &Inputs) -> Plan {
         usize::MAX
     }
     .min(per_byte.unwrap_or(usize::MAX));
+    let two_way = two_way_single_copy_from(&here);
+    let two_way_single_copy_min = single_copy_min.min(two_way.unwrap_or(usize::MAX));
     why.push(if oversubscribed {
         format!(
             "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield \
@@ -294,11 +315,22 @@ pub fn plan(i: &Inputs) -> Plan {
                     .to_string(),
             }
         ));
+        why.push(match two_way {
+            Some(n) if n < single_copy_min => format!(
+                "a rank that sends while it receives copies both ways through the rings and one way \
+                 with single copy, which is {:.2}x as fast then: its payloads from {} that are not \
+                 reduced go single copy",
+                f64::from(here.cma_mbs) / (f64::from(here.pass_mbs) / 2.0),
+                bytes(n)
+            ),
+            _ => "the same for a rank that sends while it receives".to_string(),
+        });
     }
     Plan {
         crossovers,
         oversubscribed,
         single_copy_min,
+        two_way_single_copy_min,
         why: why.join("; "),
     }
 }
@@ -493,5 +525,45 @@ mod tests {
         // Not measured (one core, or an old profile): as before.
         assert_eq!(plan(&inputs(REFERENCE, 2, 2)).single_copy_min, usize::MAX);
         assert!(!plan(&inputs(REFERENCE, 2, 2)).why.contains("pass"));
+    }
+
+    #[test]
+    fn single_copy_for_a_rank_that_sends_while_it_receives_where_one_copy_beats_two() {
+        // The Sapphire Rapids VM: one way, the rings; both ways at once,
+        // each core copies twice through them (12 GB/s a pass, 6 each way)
+        // and once with single copy (9 GB/s): from 4 MiB.
+        let spr = Machine {
+            pass_mbs: 12_000,
+            cma_mbs: 9_000,
+            cma_call_ns: 300,
+            ..REFERENCE
+        };
+        let p = plan(&inputs(spr, 2, 2));
+        assert_eq!(p.single_copy_min, usize::MAX);
+        assert_eq!(p.two_way_single_copy_min, SINGLE_COPY_MIN);
+        assert!(p.why.contains("1.50x as fast then"), "{}", p.why);
+        // Single copy barely faster than half a pass: the rings.
+        let slow = Machine {
+            cma_mbs: 7_000,
+            ..spr
+        };
+        let p = plan(&inputs(slow, 2, 2));
+        assert_eq!(p.two_way_single_copy_min, usize::MAX);
+        assert!(
+            p.why.contains("the same for a rank that sends"),
+            "{}",
+            p.why
+        );
+        // Never later than single copy one way.
+        let fast = Machine {
+            cma_mbs: 24_000,
+            ..spr
+        };
+        assert_eq!(plan(&inputs(fast, 2, 2)).two_way_single_copy_min, 64 << 10);
+        // Not measured: as before.
+        assert_eq!(
+            plan(&inputs(REFERENCE, 2, 2)).two_way_single_copy_min,
+            usize::MAX
+        );
     }
 }

@@ -150,6 +150,7 @@ impl SocketBackend {
         });
         let oversubscribed = plan.oversubscribed;
         let single_copy_min = settings.single_copy.min_bytes(plan.single_copy_min);
+        let two_way_single_copy_min = settings.single_copy.min_bytes(plan.two_way_single_copy_min);
         // Shared memory with the ranks of this host, TCP with the others,
         // each pair agreeing when it connects (on first use).
         let wanted = Wanted {
@@ -166,6 +167,7 @@ impl SocketBackend {
                 spin: settings.spin,
                 yield_when_idle: oversubscribed,
                 single_copy_min,
+                two_way_single_copy_min,
                 reduced_single_copy_min: settings.single_copy.reduced_min_bytes(),
                 mixed: false,
                 // Tagged messages go single copy where the collectives do:
@@ -202,7 +204,12 @@ impl SocketBackend {
         if shm_here {
             transport_detail += &match (settings.shm.single_copy, single_copy_min) {
                 (false, _) => ", single copy unavailable (RDIST_NO_SINGLE_COPY)".to_string(),
-                (true, usize::MAX) => ", single copy off".to_string(),
+                (true, usize::MAX) => match two_way_single_copy_min {
+                    usize::MAX => ", single copy off".to_string(),
+                    n => format!(
+                        ", single copy from {n} B for a rank that sends while it receives, where a pair can read each other"
+                    ),
+                },
                 (true, n) => format!(
                     ", single copy from {n} B where a pair can read each other{}",
                     match settings.single_copy.reduced_min_bytes() {

@@ -63,6 +63,9 @@ pub struct StreamTransport {
     /// Payloads at least this large travel single-copy where the channel
     /// allows (the receiver reads the sender's memory); usize::MAX: never.
     single_copy_min: usize,
+    /// The same for payloads sent while this rank also receives (see
+    /// `Tuning`).
+    two_way_single_copy_min: usize,
     /// The same for payloads their receiver combines (see `Tuning`).
     reduced_single_copy_min: usize,
     /// How long a collective's exchange stalls before it reads ahead
@@ -244,6 +247,7 @@ impl Progress {
 }
 
 /// How a transport waits and moves bytes.
+#[derive(Clone, Copy)]
 pub struct Tuning {
     /// Bound on every wait.
     pub timeout: Duration,
@@ -254,6 +258,11 @@ pub struct Tuning {
     /// Payloads from this size travel single-copy where the channel allows;
     /// usize::MAX: never.
     pub single_copy_min: usize,
+    /// The same for payloads sent while this rank receives too (an
+    /// exchange with sends and receives, a tagged send to a peer this
+    /// rank has a receive posted from): through the rings its core then
+    /// copies both ways, single copy only its incoming bytes.
+    pub two_way_single_copy_min: usize,
     /// The same for payloads of reductions: a receiver that combines
     /// stages the single copy and reduces it on its own core, where the
     /// rings split the two passes between both ranks' cores, so rdist's
@@ -281,6 +290,7 @@ impl StreamTransport {
             spin,
             yield_when_idle,
             single_copy_min,
+            two_way_single_copy_min,
             reduced_single_copy_min,
             mixed,
             tagged_single_copy_min,
@@ -300,6 +310,7 @@ impl StreamTransport {
             doorbell,
             yield_when_idle,
             single_copy_min,
+            two_way_single_copy_min,
             reduced_single_copy_min,
             mixed,
             read_ahead_after: READ_AHEAD_AFTER,
@@ -311,7 +322,12 @@ impl StreamTransport {
             heard: None,
             links: None,
             probed: 0,
-            tagged: Tagged::new(rank, size, tagged_single_copy_min),
+            tagged: Tagged::new(
+                rank,
+                size,
+                tagged_single_copy_min,
+                two_way_single_copy_min.min(tagged_single_copy_min),
+            ),
             posts: Arc::new(Posts::new()?),
             idle: Progress::sized(size),
             shape: Shape::default(),
@@ -395,12 +411,14 @@ impl StreamTransport {
                 .as_ref()
                 .is_some_and(|c| c.chan.caps().through_kernel)
         });
+        let two_way = xfers.iter().any(|x| !matches!(x.dir, Dir::Send(_)));
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {
-                    let min = match x.desc.kind.has_reduction() {
-                        true => self.reduced_single_copy_min,
-                        false => self.single_copy_min,
+                    let min = match (x.desc.kind.has_reduction(), two_way) {
+                        (true, _) => self.reduced_single_copy_min,
+                        (false, true) => self.single_copy_min.min(self.two_way_single_copy_min),
+                        (false, false) => self.single_copy_min,
                     };
                     let single_copy = data.len() >= min
                         && self.conns[x.peer]

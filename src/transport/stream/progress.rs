@@ -389,12 +389,16 @@ pub(super) mod tests {
     use super::*;
     use crate::descriptor::{Desc, OpKind};
     use crate::dtype::DType;
-    use crate::transport::channel::Channel;
+    use crate::options::ShmTuning;
+    use crate::transport::channel::{Caps, Channel};
+    use crate::transport::shm::{answer, offer, Home};
     use crate::transport::signal::AbortSignal;
-    use crate::transport::stream::Tuning;
+    use crate::transport::stream::{Drive, Tuning};
     use crate::transport::tcp::TcpChannel;
     use crate::transport::Transport;
-    use std::net::{TcpListener, TcpStream};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::os::fd::RawFd;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
     /// `n` transports connected pairwise over loopback TCP.
@@ -417,19 +421,287 @@ pub(super) mod tests {
             .into_iter()
             .enumerate()
             .map(|(rank, c)| {
-                let tuning = Tuning {
-                    timeout: Duration::from_secs(20),
-                    spin: Duration::from_micros(50),
-                    yield_when_idle: true,
-                    single_copy_min: usize::MAX,
-                    reduced_single_copy_min: usize::MAX,
-                    mixed: false,
-                    tagged_single_copy_min: usize::MAX,
-                };
-                StreamTransport::new(rank, c, None, Arc::new(AbortSignal::new().unwrap()), tuning)
-                    .unwrap()
+                StreamTransport::new(
+                    rank,
+                    c,
+                    None,
+                    Arc::new(AbortSignal::new().unwrap()),
+                    tuning(),
+                )
+                .unwrap()
             })
             .collect()
+    }
+
+    /// The tests' tuning: single copy never.
+    fn tuning() -> Tuning {
+        Tuning {
+            timeout: Duration::from_secs(20),
+            spin: Duration::from_micros(50),
+            yield_when_idle: true,
+            single_copy_min: usize::MAX,
+            two_way_single_copy_min: usize::MAX,
+            reduced_single_copy_min: usize::MAX,
+            mixed: false,
+            tagged_single_copy_min: usize::MAX,
+        }
+    }
+
+    /// A channel that counts the bytes it brings in.
+    struct Counted(Box<dyn Channel>, Arc<AtomicUsize>);
+
+    impl Counted {
+        fn got(&self, n: usize) -> usize {
+            self.1.fetch_add(n, Ordering::Relaxed);
+            n
+        }
+    }
+
+    impl Channel for Counted {
+        fn caps(&self) -> Caps {
+            self.0.caps()
+        }
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf).map(|n| self.got(n))
+        }
+        fn write2(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+            self.0.write2(a, b)
+        }
+        fn fd(&self) -> RawFd {
+            self.0.fd()
+        }
+        fn has_data(&self) -> bool {
+            self.0.has_data()
+        }
+        fn shutdown(&self, how: Shutdown) {
+            self.0.shutdown(how)
+        }
+        fn look_for_departure(&mut self) {
+            self.0.look_for_departure()
+        }
+        fn peer_pid(&self) -> Option<i32> {
+            self.0.peer_pid()
+        }
+        fn write_whole(&mut self, a: &[u8], b: &[u8]) -> bool {
+            self.0.write_whole(a, b)
+        }
+        fn peek_whole(&self) -> Option<&[u8]> {
+            self.0.peek_whole()
+        }
+        fn consume_whole(&mut self, len: usize) {
+            self.got(len);
+            self.0.consume_whole(len)
+        }
+        fn read_combine(
+            &mut self,
+            dst: &mut [u8],
+            unit: usize,
+            combine: &mut dyn FnMut(&mut [u8], &[u8]),
+        ) -> usize {
+            let n = self.0.read_combine(dst, unit, combine);
+            self.got(n)
+        }
+    }
+
+    /// Two ranks of this process over shared-memory rings, each counting
+    /// what its channel brings in.
+    fn shm_world(tuning: Tuning) -> (Vec<StreamTransport>, Vec<Arc<AtomicUsize>>) {
+        let shm = ShmTuning {
+            membarrier: false,
+            single_copy: true,
+        };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut dialer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let mut answerer = l.accept().unwrap().0;
+        let homes = [0, 1].map(|r| Home::new(r, 2, 2, shm).unwrap());
+        let (p1, p0) = std::thread::scope(|sc| {
+            let t = sc.spawn(|| answer(Some(&homes[0]), 1, &mut answerer).unwrap());
+            let p1 = offer(Some(&homes[1]), 0, &mut dialer).unwrap();
+            (p1.unwrap(), t.join().unwrap().unwrap())
+        });
+        let chans = [
+            homes[0].channel(1, p0, answerer),
+            homes[1].channel(0, p1, dialer),
+        ];
+        let counts: Vec<Arc<AtomicUsize>> = (0..2).map(|_| Arc::default()).collect();
+        let world = (chans.into_iter().zip(&homes).enumerate())
+            .map(|(rank, (chan, home))| {
+                let mut c: Vec<Option<Box<dyn Channel>>> = vec![None, None];
+                c[1 - rank] = Some(Box::new(Counted(chan, counts[rank].clone())));
+                let signal = Arc::new(AbortSignal::new().unwrap());
+                StreamTransport::new(rank, c, Some(home.doorbell()), signal, tuning).unwrap()
+            })
+            .collect();
+        (world, counts)
+    }
+
+    /// A rank that sends while it receives takes single copy from its own
+    /// size (each core then copies once instead of both ways through the
+    /// rings); a payload sent one way at that size still takes the rings.
+    #[test]
+    fn a_rank_that_sends_while_it_receives_goes_single_copy_from_its_own_size() {
+        let n = 1 << 20;
+        let (w, counts) = shm_world(Tuning {
+            two_way_single_copy_min: n,
+            ..tuning()
+        });
+        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+        let desc = |seq: u64| Desc::new(OpKind::AllGather, seq).data(n, DType::Uint8);
+        let mine = [0u8, 1].map(|r| {
+            (0..n)
+                .map(|i| (i * 7 + r as usize) as u8)
+                .collect::<Vec<u8>>()
+        });
+        let carried = || {
+            counts
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
+        // One way: through the rings.
+        let mut got = vec![0u8; n];
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                t0.exchange(&mut [Xfer::send(1, &mine[0], desc(0))])
+                    .unwrap()
+            });
+            t1.exchange(&mut [Xfer::recv(0, &mut got, desc(0))])
+                .unwrap();
+        });
+        assert!(got == mine[0]);
+        assert!(
+            carried()[1] >= n,
+            "one way went single copy: {:?}",
+            carried()
+        );
+        // Both ways: single copy, a descriptor and its answer on the rings.
+        let before = carried();
+        let (mut got0, mut got1) = (vec![0u8; n], vec![0u8; n]);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                t0.exchange(&mut [
+                    Xfer::send(1, &mine[0], desc(1)),
+                    Xfer::recv(1, &mut got0, desc(1)),
+                ])
+                .unwrap()
+            });
+            t1.exchange(&mut [
+                Xfer::send(0, &mine[1], desc(1)),
+                Xfer::recv(0, &mut got1, desc(1)),
+            ])
+            .unwrap();
+        });
+        assert!(got0 == mine[1] && got1 == mine[0]);
+        let after = carried();
+        for r in 0..2 {
+            assert!(
+                after[r] - before[r] < 4096,
+                "rank {r} took {} bytes off the rings in a two-way exchange of {n}",
+                after[r] - before[r]
+            );
+        }
+    }
+
+    /// A tagged send to a peer this rank has a receive posted from (an
+    /// exchange) takes single copy from its own size; one sent with no
+    /// receive posted takes the rings.
+    #[test]
+    fn a_tagged_send_to_a_peer_it_awaits_goes_single_copy_from_its_own_size() {
+        use crate::call::RawBuf;
+        use crate::transport::tagged::{Done, Incoming, Outgoing};
+        let n = 1 << 20;
+        let (w, counts) = shm_world(Tuning {
+            two_way_single_copy_min: n,
+            ..tuning()
+        });
+        let carried = || {
+            counts
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
+        let mine = [0u8, 1].map(|r| {
+            (0..n)
+                .map(|i| (i * 5 + r as usize) as u8)
+                .collect::<Vec<u8>>()
+        });
+        let mut got = [vec![0u8; n], vec![0u8; n]];
+        // Each rank: its receive (if `recv_first`) and its send posted,
+        // then driven until both are done. Round 0: rank 0 sends, rank 1
+        // receives, no receive on rank 0. Round 1: both at once.
+        let run =
+            |t: &mut StreamTransport, me: usize, send: bool, recv: bool, got: &mut Vec<u8>| {
+                let peer = 1 - me;
+                let mut dones = Vec::new();
+                if recv {
+                    let r = Incoming {
+                        buf: RawBuf::of(got),
+                        dtype: DType::Uint8,
+                        count: n,
+                        peer: Some(peer),
+                        tag: Some(3),
+                        exact: true,
+                    };
+                    let d = Arc::new(Done::default());
+                    t.tagged.post_recv(r, d.clone(), 1).unwrap();
+                    dones.push(d);
+                }
+                if send {
+                    let m = Outgoing {
+                        buf: RawBuf::of(&mine[me]),
+                        dtype: DType::Uint8,
+                        count: n,
+                        peer,
+                        tag: 3,
+                    };
+                    let d = Arc::new(Done::default());
+                    t.tagged.post_send(m, d.clone(), 2).unwrap();
+                    dones.push(d);
+                }
+                let how = Drive {
+                    connect: false,
+                    thorough: true,
+                };
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while !dones.iter().all(|d| d.is_finished()) {
+                    assert!(
+                        Instant::now() < deadline,
+                        "rank {me}: the calls did not finish"
+                    );
+                    t.drive(None, how);
+                    std::thread::yield_now();
+                }
+                for d in dones {
+                    d.get().unwrap().unwrap();
+                }
+            };
+        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+        let [g0, g1] = &mut got;
+        std::thread::scope(|sc| {
+            sc.spawn(|| run(&mut t0, 0, true, false, g0));
+            run(&mut t1, 1, false, true, g1);
+        });
+        assert!(got[1] == mine[0]);
+        assert!(
+            carried()[1] >= n,
+            "a one-way send went single copy: {:?}",
+            carried()
+        );
+        let before = carried();
+        let [g0, g1] = &mut got;
+        std::thread::scope(|sc| {
+            sc.spawn(|| run(&mut t0, 0, true, true, g0));
+            run(&mut t1, 1, true, true, g1);
+        });
+        assert!(got[0] == mine[1] && got[1] == mine[0]);
+        let after = carried();
+        for r in 0..2 {
+            assert!(
+                after[r] - before[r] < 4096,
+                "rank {r} took {} bytes off the rings in a two-way exchange of {n}",
+                after[r] - before[r]
+            );
+        }
     }
 
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first

@@ -568,12 +568,20 @@ pub struct Tagged {
     closing: bool,
     /// Messages from this size go single-copy where a pair can.
     single_copy_min: usize,
+    /// The same for a message to a peer this rank has a receive posted
+    /// from (an exchange: see `stream::Tuning`).
+    two_way_single_copy_min: usize,
     /// Receives waiting in the peers' `copies`.
     copies: usize,
 }
 
 impl Tagged {
-    pub fn new(rank: usize, size: usize, single_copy_min: usize) -> Tagged {
+    pub fn new(
+        rank: usize,
+        size: usize,
+        single_copy_min: usize,
+        two_way_single_copy_min: usize,
+    ) -> Tagged {
         Tagged {
             rank,
             matching: Matching::default(),
@@ -583,8 +591,21 @@ impl Tagged {
             failed: None,
             closing: false,
             single_copy_min,
+            two_way_single_copy_min,
             copies: 0,
         }
+    }
+
+    /// Whether a message of `bytes` to `peer` goes single copy: from
+    /// `single_copy_min`, or sooner while a receive from that peer is
+    /// posted (both ways at once).
+    fn goes_single_copy(&self, peer: usize, bytes: usize, path: Path) -> bool {
+        let two_way = self.two_way_single_copy_min;
+        if !path.single_copy(bytes, two_way.min(self.single_copy_min)) {
+            return false;
+        }
+        path.single_copy(bytes, self.single_copy_min)
+            || (self.matching.posted.iter()).any(|r| r.source.is_none_or(|s| s == peer))
     }
 
     fn peer(&mut self, p: usize) -> &mut Peer {
@@ -664,7 +685,7 @@ impl Tagged {
         if self.usable().is_err()
             || msg.peer == self.rank
             || bytes > EAGER_MAX
-            || path.single_copy(bytes, self.single_copy_min)
+            || self.goes_single_copy(msg.peer, bytes, path)
         {
             return false;
         }
@@ -942,9 +963,9 @@ impl Tagged {
 
     /// Turns `peer`'s queued sends into frames, as the path allows.
     fn frame(&mut self, peer: usize, path: Path) {
-        let single_copy_min = self.single_copy_min;
-        let p = self.peer(peer);
-        while let Some(mut s) = p.queued.pop_front() {
+        while let Some(mut s) = self.peer(peer).queued.pop_front() {
+            let single_copy = self.goes_single_copy(peer, s.msg.buf.len(), path);
+            let p = self.peer(peer);
             let seq = p.next_out_seq;
             p.next_out_seq += 1;
             let bytes = s.msg.buf.len();
@@ -963,7 +984,7 @@ impl Tagged {
                     payload as u64,
                 )
             };
-            if path.single_copy(bytes, single_copy_min) {
+            if single_copy {
                 // Same host: the receiver copies it from here, one copy.
                 let mut d = [0u8; TAG_REMOTE_BYTES];
                 d[..8].copy_from_slice(&(s.msg.buf.addr() as u64).to_le_bytes());
