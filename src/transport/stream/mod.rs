@@ -258,10 +258,10 @@ pub struct Tuning {
     /// Payloads from this size travel single-copy where the channel allows;
     /// usize::MAX: never.
     pub single_copy_min: usize,
-    /// The same for payloads sent while this rank receives too (an
-    /// exchange with sends and receives, a tagged send to a peer this
-    /// rank has a receive posted from): through the rings its core then
-    /// copies both ways, single copy only its incoming bytes.
+    /// The same for payloads sent while this rank receives as much (an
+    /// exchange whose receives add up to this size, a tagged send to a
+    /// peer this rank has such a receive posted from): through the rings
+    /// its core then copies both ways, single copy only its incoming bytes.
     pub two_way_single_copy_min: usize,
     /// The same for payloads of reductions: a receiver that combines
     /// stages the single copy and reduces it on its own core, where the
@@ -411,7 +411,16 @@ impl StreamTransport {
                 .as_ref()
                 .is_some_and(|c| c.chan.caps().through_kernel)
         });
-        let two_way = xfers.iter().any(|x| !matches!(x.dir, Dir::Send(_)));
+        // Both ways: this rank also receives as much (a receive of a few
+        // bytes alongside, such as a rooted call's check, leaves the core
+        // free for the rings' second copy).
+        let receiving: usize = (xfers.iter())
+            .map(|x| match &x.dir {
+                Dir::Recv(buf) | Dir::RecvReduce(buf, ..) => buf.len(),
+                Dir::Send(_) => 0,
+            })
+            .sum();
+        let two_way = receiving >= self.two_way_single_copy_min;
         for (i, x) in xfers.iter().enumerate() {
             match &x.dir {
                 Dir::Send(data) => {

@@ -574,20 +574,43 @@ pub(super) mod tests {
             "one way went single copy: {:?}",
             carried()
         );
+        // With a few bytes received alongside (a rooted call's check): the
+        // core is free for the rings' second copy.
+        let before = carried();
+        let mut check = [0u8; 8];
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mut x = [
+                    Xfer::send(1, &mine[0], desc(1)),
+                    Xfer::recv(1, &mut check, desc(1)),
+                ];
+                t0.exchange(&mut x).unwrap()
+            });
+            let mut x = [
+                Xfer::recv(0, &mut got, desc(1)),
+                Xfer::send(0, &[7; 8], desc(1)),
+            ];
+            t1.exchange(&mut x).unwrap();
+        });
+        assert!(got == mine[0] && check == [7; 8]);
+        assert!(
+            carried()[1] - before[1] >= n,
+            "a send beside a small receive went single copy"
+        );
         // Both ways: single copy, a descriptor and its answer on the rings.
         let before = carried();
         let (mut got0, mut got1) = (vec![0u8; n], vec![0u8; n]);
         std::thread::scope(|sc| {
             sc.spawn(|| {
                 t0.exchange(&mut [
-                    Xfer::send(1, &mine[0], desc(1)),
-                    Xfer::recv(1, &mut got0, desc(1)),
+                    Xfer::send(1, &mine[0], desc(2)),
+                    Xfer::recv(1, &mut got0, desc(2)),
                 ])
                 .unwrap()
             });
             t1.exchange(&mut [
-                Xfer::send(0, &mine[1], desc(1)),
-                Xfer::recv(0, &mut got1, desc(1)),
+                Xfer::send(0, &mine[1], desc(2)),
+                Xfer::recv(0, &mut got1, desc(2)),
             ])
             .unwrap();
         });

@@ -597,15 +597,16 @@ impl Tagged {
     }
 
     /// Whether a message of `bytes` to `peer` goes single copy: from
-    /// `single_copy_min`, or sooner while a receive from that peer is
-    /// posted (both ways at once).
+    /// `single_copy_min`, or sooner while a receive of as much from that
+    /// peer is posted (both ways at once).
     fn goes_single_copy(&self, peer: usize, bytes: usize, path: Path) -> bool {
         let two_way = self.two_way_single_copy_min;
         if !path.single_copy(bytes, two_way.min(self.single_copy_min)) {
             return false;
         }
         path.single_copy(bytes, self.single_copy_min)
-            || (self.matching.posted.iter()).any(|r| r.source.is_none_or(|s| s == peer))
+            || (self.matching.posted.iter())
+                .any(|r| r.source.is_none_or(|s| s == peer) && r.buf.len() >= two_way)
     }
 
     fn peer(&mut self, p: usize) -> &mut Peer {
