@@ -259,8 +259,8 @@ pub struct Tuning {
     /// usize::MAX: never.
     pub single_copy_min: usize,
     /// The same for payloads sent while this rank receives as much (an
-    /// exchange whose receives add up to this size, a tagged send to a
-    /// peer this rank has such a receive posted from): through the rings
+    /// exchange whose receives add up to this size, a tagged send while
+    /// this rank has such a receive posted, from any peer): through the rings
     /// its core then copies both ways, single copy only its incoming bytes.
     pub two_way_single_copy_min: usize,
     /// The same for payloads of reductions: a receiver that combines

@@ -625,11 +625,11 @@ pub(super) mod tests {
         }
     }
 
-    /// A tagged send to a peer this rank has a receive posted from (an
+    /// A tagged send while this rank has a receive of as much posted (an
     /// exchange) takes single copy from its own size; one sent with no
     /// receive posted takes the rings.
     #[test]
-    fn a_tagged_send_to_a_peer_it_awaits_goes_single_copy_from_its_own_size() {
+    fn a_tagged_send_while_a_receive_waits_goes_single_copy_from_its_own_size() {
         use crate::call::RawBuf;
         use crate::transport::tagged::{Done, Incoming, Outgoing};
         let n = 1 << 20;

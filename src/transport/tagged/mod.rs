@@ -596,17 +596,17 @@ impl Tagged {
         }
     }
 
-    /// Whether a message of `bytes` to `peer` goes single copy: from
-    /// `single_copy_min`, or sooner while a receive of as much from that
-    /// peer is posted (both ways at once).
-    fn goes_single_copy(&self, peer: usize, bytes: usize, path: Path) -> bool {
+    /// Whether a message of `bytes` goes single copy: from
+    /// `single_copy_min`, or sooner while a receive of as much is posted
+    /// (this rank's core copies both ways at once: from any peer, as in a
+    /// ring's exchange).
+    fn goes_single_copy(&self, bytes: usize, path: Path) -> bool {
         let two_way = self.two_way_single_copy_min;
         if !path.single_copy(bytes, two_way.min(self.single_copy_min)) {
             return false;
         }
         path.single_copy(bytes, self.single_copy_min)
-            || (self.matching.posted.iter())
-                .any(|r| r.source.is_none_or(|s| s == peer) && r.buf.len() >= two_way)
+            || (self.matching.posted.iter()).any(|r| r.buf.len() >= two_way)
     }
 
     fn peer(&mut self, p: usize) -> &mut Peer {
@@ -686,7 +686,7 @@ impl Tagged {
         if self.usable().is_err()
             || msg.peer == self.rank
             || bytes > EAGER_MAX
-            || self.goes_single_copy(msg.peer, bytes, path)
+            || self.goes_single_copy(bytes, path)
         {
             return false;
         }
@@ -965,7 +965,7 @@ impl Tagged {
     /// Turns `peer`'s queued sends into frames, as the path allows.
     fn frame(&mut self, peer: usize, path: Path) {
         while let Some(mut s) = self.peer(peer).queued.pop_front() {
-            let single_copy = self.goes_single_copy(peer, s.msg.buf.len(), path);
+            let single_copy = self.goes_single_copy(s.msg.buf.len(), path);
             let p = self.peer(peer);
             let seq = p.next_out_seq;
             p.next_out_seq += 1;
