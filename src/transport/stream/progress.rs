@@ -535,6 +535,23 @@ pub(super) mod tests {
         (world, counts)
     }
 
+    /// What each rank's channel has brought in so far.
+    fn carried(counts: &[Arc<AtomicUsize>]) -> Vec<usize> {
+        counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+    }
+
+    /// Both ranks took only a descriptor and its answer off the rings in
+    /// an exchange of `n` bytes each way.
+    fn both_single_copy(before: &[usize], after: &[usize], n: usize) {
+        for r in 0..2 {
+            let took = after[r] - before[r];
+            assert!(
+                took < 4096,
+                "rank {r} took {took} bytes off the rings in a two-way exchange of {n}"
+            );
+        }
+    }
+
     /// A rank that sends while it receives takes single copy from its own
     /// size (each core then copies once instead of both ways through the
     /// rings); a payload sent one way at that size still takes the rings.
@@ -552,12 +569,7 @@ pub(super) mod tests {
                 .map(|i| (i * 7 + r as usize) as u8)
                 .collect::<Vec<u8>>()
         });
-        let carried = || {
-            counts
-                .iter()
-                .map(|c| c.load(Ordering::Relaxed))
-                .collect::<Vec<_>>()
-        };
+        let carried = || carried(&counts);
         // One way: through the rings.
         let mut got = vec![0u8; n];
         std::thread::scope(|sc| {
@@ -616,13 +628,7 @@ pub(super) mod tests {
         });
         assert!(got0 == mine[1] && got1 == mine[0]);
         let after = carried();
-        for r in 0..2 {
-            assert!(
-                after[r] - before[r] < 4096,
-                "rank {r} took {} bytes off the rings in a two-way exchange of {n}",
-                after[r] - before[r]
-            );
-        }
+        both_single_copy(&before, &after, n);
     }
 
     /// A tagged send while this rank has a receive of as much posted (an
@@ -637,12 +643,7 @@ pub(super) mod tests {
             two_way_single_copy_min: n,
             ..tuning()
         });
-        let carried = || {
-            counts
-                .iter()
-                .map(|c| c.load(Ordering::Relaxed))
-                .collect::<Vec<_>>()
-        };
+        let carried = || carried(&counts);
         let mine = [0u8, 1].map(|r| {
             (0..n)
                 .map(|i| (i * 5 + r as usize) as u8)
@@ -718,13 +719,7 @@ pub(super) mod tests {
         });
         assert!(got[0] == mine[1] && got[1] == mine[0]);
         let after = carried();
-        for r in 0..2 {
-            assert!(
-                after[r] - before[r] < 4096,
-                "rank {r} took {} bytes off the rings in a two-way exchange of {n}",
-                after[r] - before[r]
-            );
-        }
+        both_single_copy(&before, &after, n);
     }
 
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first
