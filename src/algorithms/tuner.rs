@@ -491,16 +491,19 @@ mod tests {
         assert!(plan(&shared).oversubscribed);
     }
 
+    /// As measured on the 2-core Sapphire Rapids VM.
+    const SAPPHIRE_RAPIDS_VM: Machine = Machine {
+        pass_mbs: 12_000,
+        cma_mbs: 9_000,
+        cma_call_ns: 300,
+        ..REFERENCE
+    };
+
     #[test]
     fn single_copy_where_one_core_copies_out_faster_than_two_pass_through_the_rings() {
-        // Measured on the 2-core Sapphire Rapids VM: the rings pass data
-        // just made faster than single copy copies it out: no change.
-        let spr = Machine {
-            pass_mbs: 12_000,
-            cma_mbs: 9_000,
-            cma_call_ns: 300,
-            ..REFERENCE
-        };
+        // The rings pass data just made faster than single copy copies it
+        // out: no change.
+        let spr = SAPPHIRE_RAPIDS_VM;
         let p = plan(&inputs(spr, 2, 2));
         assert_eq!(p.single_copy_min, usize::MAX);
         assert!(p.why.contains("the rings, unless"), "{}", p.why);
@@ -529,15 +532,10 @@ mod tests {
 
     #[test]
     fn single_copy_for_a_rank_that_sends_while_it_receives_where_one_copy_beats_two() {
-        // The Sapphire Rapids VM: one way, the rings; both ways at once,
-        // each core copies twice through them (12 GB/s a pass, 6 each way)
-        // and once with single copy (9 GB/s): from 4 MiB.
-        let spr = Machine {
-            pass_mbs: 12_000,
-            cma_mbs: 9_000,
-            cma_call_ns: 300,
-            ..REFERENCE
-        };
+        // One way, the rings; both ways at once, each core copies twice
+        // through them (12 GB/s a pass, 6 each way) and once with single
+        // copy (9 GB/s): from 4 MiB.
+        let spr = SAPPHIRE_RAPIDS_VM;
         let p = plan(&inputs(spr, 2, 2));
         assert_eq!(p.single_copy_min, usize::MAX);
         assert_eq!(p.two_way_single_copy_min, SINGLE_COPY_MIN);
