@@ -568,8 +568,8 @@ pub struct Tagged {
     closing: bool,
     /// Messages from this size go single-copy where a pair can.
     single_copy_min: usize,
-    /// The same for a message to a peer this rank has a receive posted
-    /// from (an exchange: see `stream::Tuning`).
+    /// The same for a message sent while a receive of as much is posted
+    /// (both ways at once: see `stream::Tuning`).
     two_way_single_copy_min: usize,
     /// Receives waiting in the peers' `copies`.
     copies: usize,
