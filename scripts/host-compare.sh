@@ -13,7 +13,9 @@
 # Without HOST_COMPARE_BUNDLE it builds the bundle first (cargo needed).
 # HOST_COMPARE_PYTHON: the Python with torch (default python3; here the
 # tests' venv, scripts/torch-env.sh, serves). HOST_COMPARE_WORLDS overrides
-# the worlds; QUICK=1 makes a smoke run. Takes under 5 minutes on 16 cores.
+# the worlds; QUICK=1 makes a smoke run. Takes under 5 minutes on 16 cores,
+# then the large cells again with data just made (a second table;
+# HOST_COMPARE_FRESH=0 skips it).
 # Writes build/host-compare/: tuning.txt (the tuning model's inputs and
 # choices), memory-model.txt (64 MiB allreduce against the model),
 # results-<date>.{json,md} (every number) and
@@ -90,7 +92,20 @@ PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
   "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
   --ar-sizes "$ar" --bc-sizes "$bc" --ag-sizes "$ag" --rs-sizes "$ag" --pp-sizes "$p2p" --ex-sizes "$p2p" \
   --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 --outdir "$out" | tail -3
-latest=$(ls -t "$out"/results-*.json | head -1)
+latest=$(ls -t "$out"/results-*.json | grep -v -- -fresh | head -1)
+# The large cells again with data just made (each call writes its input
+# first, as scripts/compare.sh's second table), unless HOST_COMPARE_FRESH=0.
+fresh_table=()
+if [ "${HOST_COMPARE_FRESH:-1}" != 0 ]; then
+  big=$((16 * mib)) fresh_p2p=$mib,$((16 * mib))
+  [ -n "${QUICK:-}" ] && big=$mib fresh_p2p=$mib
+  PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
+    "$py" bench/peers/peer_bench.py --fresh --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
+    --ar-sizes "$big" --bc-sizes "$big" --ag-sizes "$big" --rs-sizes "$big" \
+    --pp-sizes "$fresh_p2p" --ex-sizes "$fresh_p2p" \
+    --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 --outdir "$out" | tail -2
+  fresh_table=(--fresh "$(ls -t "$out"/results-*-fresh.json | head -1)")
+fi
 # Every peer measured every world, or the run says which did not.
 "$py" - "$latest" "$worlds" <<'CHECK'
 import json, sys
@@ -101,6 +116,6 @@ missing = [f"{p} at {w} ranks" for w in worlds for p in ("rdist", "rdist-tcp", "
 if missing:
     sys.exit("host-compare: no results from " + ", ".join(missing))
 CHECK
-"$py" scripts/compare.py "$latest" "$out/performance.md" "$out/busbw.png" \
+"$py" scripts/compare.py "$latest" "$out/performance.md" "$out/busbw.png" "${fresh_table[@]}" \
   --title "rdist vs. torch gloo on this machine" --producer scripts/host-compare.sh
 cat "$out/performance.md"
