@@ -155,14 +155,20 @@ def _torchrun(options, script, nproc, env, scratch, timeout):
     torchrun = Path(TORCH_PYTHON).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip(f"skipped: no torchrun beside {TORCH_PYTHON}")
-    command = [str(torchrun), "--nproc-per-node", str(nproc), *options,
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(WORKERS / script)]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                              cwd=scratch, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"torchrun did not finish in {timeout} s\n{expired.stdout}\n{expired.stderr}")
+    # The port was free when picked; an outgoing connection may take it as
+    # its own before torchrun's store binds it (it comes from the same
+    # range). Then nothing ran yet, and a new port is tried.
+    for _ in range(3):
+        command = [str(torchrun), "--nproc-per-node", str(nproc), *options,
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   str(WORKERS / script)]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                                  cwd=scratch, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"torchrun did not finish in {timeout} s\n{expired.stdout}\n{expired.stderr}")
+        if done.returncode == 0 or "EADDRINUSE" not in done.stderr:
+            break
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return [json.loads(Path(scratch, f"{r}.json").read_text()) for r in range(nproc)]
 
