@@ -493,7 +493,7 @@ mod tests {
             ),
             Algo::HalvingDoubling
         );
-        for (bytes, size) in [(4 << 20, 6), (4 << 20, 2), (1 << 20, 4)] {
+        for (bytes, size) in [(4 << 20, 6), (4 << 20, 2), (128 << 10, 4)] {
             assert_eq!(
                 choose(
                     OpKind::AllReduce,
@@ -639,7 +639,7 @@ mod tests {
             ),
             Algo::Binomial
         );
-        // Reduce mirrors broadcast: a chain over TCP from 16 MiB, between
+        // Reduce mirrors broadcast: a chain over TCP from 4 MiB, between
         // hosts from 64 KiB; the tree on shared memory and for small ones.
         for (bytes, over_tcp, across, want) in [
             (16 << 20, true, false, Algo::Chain),

@@ -22,22 +22,20 @@
 
 use crate::transport::machine::Machine;
 
-/// The machine the reference crossovers were measured on (2 cores; see
-/// docs/performance.md, "The tuning model"). The shared-memory ones were
-/// measured again on the Sapphire Rapids VM with its copies timed
-/// undisturbed (its one-core copy is this one), the TCP ones are the
-/// first reference's.
+/// The machine the reference crossovers were measured on: the Sapphire
+/// Rapids VM, 2 cores (see docs/performance.md, "The tuning model" and
+/// its 2026-11-29 remeasurement), its profile as measured undisturbed.
 pub const REFERENCE: Machine = Machine {
     cores: 2,
     copy_one_mbs: 12_500,
-    copy_all_mbs: 13000,
+    copy_all_mbs: 14_500,
     handoff_ns: 60,
-    tcp_latency_ns: 9000,
-    tcp_mbs: 2000,
+    tcp_latency_ns: 1_900,
+    tcp_mbs: 9_000,
     cache_kib: 32 << 10,
-    // Not measured there; its rings beat single copy (a 1 MiB ping-pong
-    // took 42 us through them, Open MPI's single copy 101 us), which is
-    // what a machine that cannot say gets.
+    // Left unknown: a machine that cannot say gets the rings (on the
+    // first reference, an AMD VM, a 1 MiB ping-pong took 42 us through
+    // them, Open MPI's single copy 101 us).
     pass_mbs: 0,
     cma_mbs: 0,
     cma_call_ns: 0,
@@ -75,8 +73,8 @@ pub const REFERENCE_CROSSOVERS: Crossovers = Crossovers {
     small_allreduce_tcp: 64 << 10,
     small_allgather_shm: 8 << 10,
     small_allgather_tcp: 64 << 10,
-    halving_doubling_tcp: 4 << 20,
-    chain_tcp: 16 << 20,
+    halving_doubling_tcp: 256 << 10,
+    chain_tcp: 4 << 20,
 };
 
 /// Single copy, when chosen, from this size at least, and from twice the
@@ -404,13 +402,13 @@ mod tests {
         // Measurement noise within a factor of 1.6 changes nothing.
         let noisy = Machine {
             copy_one_mbs: 19_500,
-            tcp_latency_ns: 14_000,
+            tcp_latency_ns: 2_900,
             ..REFERENCE
         };
         assert_eq!(crossovers(&noisy), REFERENCE_CROSSOVERS);
         let noisy = Machine {
             copy_one_mbs: 8_000,
-            tcp_latency_ns: 6_000,
+            tcp_latency_ns: 1_250,
             ..REFERENCE
         };
         assert_eq!(crossovers(&noisy), REFERENCE_CROSSOVERS);
@@ -426,7 +424,7 @@ mod tests {
         };
         let c = crossovers(&fast_tcp);
         assert_eq!(c.small_allreduce_tcp, 256 << 10);
-        assert_eq!(c.chain_tcp, 64 << 20);
+        assert_eq!(c.chain_tcp, 16 << 20);
         assert_eq!(c.small_allreduce_shm, 16 << 10, "shared memory unchanged");
         // A wildly slow measurement moves a choice at most 4x.
         let slow = Machine {
@@ -436,7 +434,7 @@ mod tests {
         };
         let c = crossovers(&slow);
         assert_eq!(c.small_allreduce_shm, 4 << 10);
-        assert_eq!(c.halving_doubling_tcp, 1 << 20);
+        assert_eq!(c.halving_doubling_tcp, 64 << 10);
     }
 
     #[test]

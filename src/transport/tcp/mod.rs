@@ -66,17 +66,24 @@ impl Channel for TcpChannel {
         // reply: the sender of a large payload then stalls on a full
         // send buffer. Quick acknowledgements last until this side next
         // writes, so the reader asks again as it goes.
-        let one: libc::c_int = 1;
-        // SAFETY: a valid socket and a c_int option of its size.
-        unsafe {
-            libc::setsockopt(
-                self.0.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_QUICKACK,
-                (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        ask_quick_acks(self.0.as_raw_fd());
+    }
+}
+
+/// Asks socket `fd` to acknowledge what it reads at once, until it next
+/// writes (TCP_QUICKACK).
+pub fn ask_quick_acks(fd: RawFd) {
+    let one: libc::c_int = 1;
+    // SAFETY: a socket descriptor and a c_int option of its size (on
+    // anything else the call fails, harmlessly).
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_QUICKACK,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
     }
 }
 
