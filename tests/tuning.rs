@@ -90,7 +90,7 @@ fn every_rank_chooses_from_rank_0s_profile_whatever_its_own_says() {
             line.contains("on shared memory and 256 KiB over TCP"),
             "every rank takes rank 0's crossovers: {line}"
         );
-        assert!(line.contains("chain over TCP from 64 MiB"), "{line}");
+        assert!(line.contains("chain over TCP from 16 MiB"), "{line}");
     }
     assert!(out.contains("# out of bounds values : 0 OK"), "{out}");
 }
