@@ -533,9 +533,8 @@ fn large_broadcasts_pipeline_along_a_chain() {
 /// Large reduces run along a chain that ends at the root (forced on
 /// shared memory and TCP; chosen by default over TCP from 4 MiB on the
 /// reference machine), with more chunks than ranks, not a multiple of
-/// one; every root position,
-/// sum and max on integral floats, avg on integers: exact against the
-/// reference, and the send buffers untouched.
+/// one; every root position, sum and max on integral floats, avg on
+/// integers: exact against the reference, and the send buffers untouched.
 #[test]
 fn large_reduces_pipeline_along_a_chain() {
     for (n, algo, transport, bytes) in [
