@@ -32,6 +32,8 @@ pub const REFERENCE: Machine = Machine {
     handoff_ns: 60,
     tcp_latency_ns: 1_900,
     tcp_mbs: 9_000,
+    // The first reference's: no crossover reads it, and this VM's sysfs
+    // lists a 480 MiB cache no machine has.
     cache_kib: 32 << 10,
     // Left unknown: a machine that cannot say gets the rings (on the
     // first reference, an AMD VM, a 1 MiB ping-pong took 42 us through
