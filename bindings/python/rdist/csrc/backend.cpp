@@ -1719,17 +1719,29 @@ void RdistBackend::monitoredBarrier(
   }
   std::vector<rdist_request_t*> pending{sent, answered};
   std::vector<int> peers{0, 0};
-  auto late = pollUntilDeadline(pending, peers, true);
+  // In gloo's words, whatever went wrong (programs and tests match them),
+  // with rdist's own account after.
+  const std::string told = c10::str(
+      "Rank ",
+      rank_,
+      " successfully reached monitoredBarrier, but received errors while "
+      "waiting for send/recv from rank 0. Please check rank 0 logs for "
+      "faulty rank. (rdist: ");
+  std::vector<int> late;
+  try {
+    late = pollUntilDeadline(pending, peers, true);
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(
+        DistBackendError, c10::str(told, e.what_without_backtrace(), ")"));
+  }
   if (!late.empty()) {
     C10_THROW_ERROR(
         DistBackendError,
         c10::str(
-            "Rank ",
-            rank_,
-            " timed out in monitoredBarrier after ",
+            told,
+            "rank 0 did not answer within ",
             timeout.count(),
-            " ms (rdist: rank 0 did not answer; it reports which ranks failed "
-            "to pass it)"));
+            " ms; it reports which ranks failed to pass it)"));
   }
 }
 

@@ -287,7 +287,8 @@ case("backend/names_itself_rdist", ddp_logging)
 
 def monitored():
     """Ranks other than 0 arrive late; rank 0's error names them (the
-    first, or all with wait_all_ranks), within the call's timeout."""
+    first, or all with wait_all_ranks), within the call's timeout; the late
+    ones, left without rank 0's answer, are told so in gloo's words."""
     late = list(range(1, SIZE))
     for wait_all in (False, True):
         dist.barrier()
@@ -313,6 +314,11 @@ def monitored():
                 if took > 5:
                     return f"wait_all_ranks={wait_all}: the error took {took:.1f} s"
                 facts[f"monitored_barrier_{wait_all}"] = text[:300]
+            else:
+                told = (f"Rank {RANK} successfully reached monitoredBarrier, but received errors"
+                        " while waiting for send/recv from rank 0")
+                if told not in text:
+                    return f"wait_all_ranks={wait_all}: rank {RANK} was told {text!r}"
         else:
             if RANK == 0:
                 return f"wait_all_ranks={wait_all}: no error while ranks {late} were late"
