@@ -22,6 +22,10 @@ use std::net::TcpStream;
 pub fn open(layout: Layout, wanted: Wanted) -> Vec<Box<dyn Medium>> {
     vec![
         Box::new(shm::SharedMemory::open(layout, wanted)),
+        Box::new(tcp::split::SplitTcp {
+            rank: layout.rank,
+            wanted: wanted.tcp_split,
+        }),
         Box::new(tcp::Tcp),
     ]
 }

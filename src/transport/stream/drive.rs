@@ -5,6 +5,7 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
+use crate::transport::channel::push_pollfds;
 use crate::transport::tagged::{Done, Outgoing, Path, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -299,11 +300,7 @@ impl StreamTransport {
                 events |= libc::POLLOUT;
             }
             if events != 0 {
-                out.push(libc::pollfd {
-                    fd: conn.chan.fd(),
-                    events,
-                    revents: 0,
-                });
+                push_pollfds(&*conn.chan, events, out);
             }
         }
     }

@@ -1,5 +1,8 @@
 //! TCP: the medium between any two ranks, and the one every pair falls
-//! back to. A channel is the pair's connection itself, non-blocking.
+//! back to. A channel is the pair's connection itself, non-blocking; or,
+//! where both sides take it, one connection for each direction (`split`).
+
+pub mod split;
 
 use crate::transport::channel::{writev, Caps, Channel};
 use crate::transport::medium::{Medium, Pair};
@@ -40,19 +43,7 @@ impl Channel for TcpChannel {
     }
 
     fn has_data(&self) -> bool {
-        // Only asked while spinning. poll() looks without taking the
-        // socket's lock, which a peek (recv) takes: a reader peeking in a
-        // loop holds off the kernel delivering the very segment it waits
-        // for (it goes to the socket's backlog, processed when the lock
-        // is released).
-        let mut p = libc::pollfd {
-            fd: self.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live pollfd, no wait.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n != 0
+        readable(self.0.as_raw_fd())
     }
 
     fn shutdown(&self, how: Shutdown) {
@@ -68,6 +59,22 @@ impl Channel for TcpChannel {
         // writes, so the reader asks again as it goes.
         ask_quick_acks(self.0.as_raw_fd());
     }
+}
+
+/// Whether socket `fd` has data (or its end) waiting. Only asked while
+/// spinning. poll() looks without taking the socket's lock, which a peek
+/// (recv) takes: a reader peeking in a loop holds off the kernel
+/// delivering the very segment it waits for (it goes to the socket's
+/// backlog, processed when the lock is released).
+pub(crate) fn readable(fd: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0
 }
 
 /// Asks socket `fd` to acknowledge what it reads at once, until it next
