@@ -119,3 +119,34 @@ CHECK
 "$py" scripts/compare.py "$latest" "$out/performance.md" "$out/busbw.png" "${fresh_table[@]}" \
   --title "rdist vs. torch gloo on this machine" --producer scripts/host-compare.sh
 cat "$out/performance.md"
+# TCP with one connection each way (RDIST_TCP_SPLIT=1, off by default: it
+# did not pay on the 2-core VM) against one connection, data just made,
+# unless HOST_COMPARE_SPLIT=0: both directions at once is where it may.
+if [ "${HOST_COMPARE_SPLIT:-1}" != 0 ]; then
+  # Two ranks, and the widest world.
+  split_p2p=65536,$mib,$((4 * mib)),$((16 * mib)) split_ar=$mib,$((64 * mib)) split_worlds=2
+  [ "${worlds##*,}" != 2 ] && split_worlds=2,${worlds##*,}
+  [ -n "${QUICK:-}" ] && split_p2p=$mib split_ar=$mib split_worlds=2
+  for mode in one split; do
+    mkdir -p "$out/tcp-$mode"
+    env $( [ $mode = split ] && echo RDIST_TCP_SPLIT=1 ) PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker \
+      PEERS_HOME=$out "$py" bench/peers/peer_bench.py --fresh --peers rdist-tcp --worlds "$split_worlds" \
+      --ar-sizes "$split_ar" --bc-sizes '' --ag-sizes '' --rs-sizes '' --pp-sizes "$split_p2p" \
+      --ex-sizes "$split_p2p" --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 \
+      --outdir "$out/tcp-$mode" >/dev/null
+  done
+  "$py" - "$out" <<'SPLIT' | tee "$out/tcp-split.md"
+import glob, json, os, sys
+out = sys.argv[1]
+def load(mode):
+    path = max(glob.glob(f"{out}/tcp-{mode}/results-*.json"), key=os.path.getmtime)
+    return {(r["op"], r["world"], r["bytes"]): r["t_med_s"] for r in json.load(open(path))["records"]}
+one, split = load("one"), load("split")
+print("| op | ranks | size | one connection | one each way | one / each way |")
+print("|---|---|---|---|---|---|")
+for key in sorted(one):
+    if key in split:
+        op, world, size = key
+        print(f"| {op} | {world} | {size} | {one[key] * 1e6:.1f} us | {split[key] * 1e6:.1f} us | {one[key] / split[key]:.2f} |")
+SPLIT
+fi
