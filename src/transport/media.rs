@@ -6,10 +6,11 @@
 //! agreement over that connection, until one gives both sides a channel.
 //! TCP, last, always does.
 //!
-//! A new medium (RDMA, a second TCP stream per pair) is a folder beside
-//! `tcp/` and `shm/` holding a `Medium` and a `Channel`, and one line in
-//! `open`: nothing above the transport changes, and the algorithms see it
-//! only through `Caps`.
+//! A new medium (RDMA) is a folder beside `tcp/` and `shm/` holding a
+//! `Medium` and a `Channel`, and one line in `open` (a variant of one, a
+//! file in its folder: `tcp/split.rs`, a connection each way): nothing
+//! above the transport changes, and the algorithms see it only through
+//! `Caps`.
 
 use super::channel::{Caps, Channel};
 use super::medium::{Layout, Medium, Pair, Wanted};
