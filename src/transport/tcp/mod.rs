@@ -10,6 +10,14 @@ use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 
+/// What a TCP channel can do: its bytes go through the kernel, nothing more.
+pub(crate) const CAPS: Caps = Caps {
+    through_kernel: true,
+    whole_messages: false,
+    lends: false,
+    single_copy: false,
+};
+
 /// A connected, non-blocking TCP stream.
 pub struct TcpChannel(pub TcpStream);
 
@@ -24,10 +32,7 @@ impl TcpChannel {
 
 impl Channel for TcpChannel {
     fn caps(&self) -> Caps {
-        Caps {
-            through_kernel: true,
-            ..Caps::default()
-        }
+        CAPS
     }
 
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -125,10 +130,7 @@ impl Medium for Tcp {
     }
 
     fn caps(&self) -> Caps {
-        Caps {
-            through_kernel: true,
-            ..Caps::default()
-        }
+        CAPS
     }
 
     fn applies(&self, _pair: &Pair) -> bool {

@@ -14,7 +14,7 @@
 //! fails on the way (a port a firewall refuses, a stranger's connection)
 //! leaves the pair on its one connection (plain TCP, next in the table).
 
-use super::{ask_quick_acks, readable};
+use super::{ask_quick_acks, readable, CAPS};
 use crate::transport::channel::{writev, Caps, Channel};
 use crate::transport::medium::{Medium, Pair};
 use crate::transport::mesh;
@@ -49,10 +49,7 @@ impl SplitChannel {
 
 impl Channel for SplitChannel {
     fn caps(&self) -> Caps {
-        Caps {
-            through_kernel: true,
-            ..Caps::default()
-        }
+        CAPS
     }
 
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -100,10 +97,7 @@ impl Medium for SplitTcp {
     }
 
     fn caps(&self) -> Caps {
-        Caps {
-            through_kernel: true,
-            ..Caps::default()
-        }
+        CAPS
     }
 
     fn applies(&self, _pair: &Pair) -> bool {
