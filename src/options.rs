@@ -125,9 +125,6 @@ pub struct Tuning {
     /// How long a waiting rank busy-waits before sleeping (RDIST_SPIN_US).
     pub spin: Duration,
     pub shm: ShmTuning,
-    /// One TCP connection for each direction of a pair (RDIST_TCP_SPLIT=1;
-    /// by default one connection both ways: see `transport::tcp::split`).
-    pub tcp_split: bool,
     /// NCCL_COMM_BLOCKING as set: NCCL reads it too, and rdist refuses
     /// NCCL when it makes calls block (see `backend::nccl`).
     pub nccl_comm_blocking: Option<String>,
@@ -145,7 +142,6 @@ impl Default for Tuning {
                 membarrier: true,
                 single_copy: true,
             },
-            tcp_split: false,
             nccl_comm_blocking: None,
         }
     }
@@ -164,7 +160,6 @@ impl Tuning {
         }
         t.shm.membarrier = lookup("RDIST_NO_MEMBARRIER").is_none();
         t.shm.single_copy = lookup("RDIST_NO_SINGLE_COPY").is_none();
-        t.tcp_split = lookup("RDIST_TCP_SPLIT").is_some_and(|v| v.trim() == "1");
         t.nccl_comm_blocking = lookup("NCCL_COMM_BLOCKING");
         Ok(t)
     }
@@ -274,8 +269,6 @@ impl Options {
     pub fn with_env_from(&self, lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let mut merged = self.clone();
         merged.tuning = Tuning::from_lookup(&lookup)?;
-        // Set in code (tests, embedders) or by the environment.
-        merged.tuning.tcp_split |= self.tuning.tcp_split;
         for (key, var) in KEYS {
             if self.explicit.contains(&key) {
                 continue;

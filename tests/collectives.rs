@@ -502,20 +502,6 @@ fn tcp_world_of_5() {
     every_collective_over(5, None, "tcp");
 }
 
-/// The same with one TCP connection for each direction of a pair
-/// (RDIST_TCP_SPLIT=1).
-#[test]
-fn tcp_world_of_3_with_a_connection_each_way() {
-    let mut o = common::opts(60_000);
-    o.set("transport", "tcp").unwrap();
-    o.tuning.tcp_split = true;
-    common::world(3, o, Duration::from_secs(240), move |comm| {
-        reductions(&comm, 70_000);
-        movement(&comm);
-        p2p(&comm);
-    });
-}
-
 #[test]
 fn large_broadcasts_pipeline_along_a_chain() {
     // (ranks, algo, transport, bytes): forced, and chosen by default (TCP,

@@ -34,8 +34,6 @@ pub struct Settings {
     pub spin: Duration,
     /// Developers' switches for shared memory (see `options::ShmTuning`).
     pub shm: ShmTuning,
-    /// One TCP connection for each direction of a pair (RDIST_TCP_SPLIT).
-    pub tcp_split: bool,
     /// Which shared-memory payloads travel single-copy (option
     /// `single_copy_min`), resolved per communicator at connect.
     pub single_copy: SingleCopy,
@@ -53,7 +51,6 @@ impl Settings {
             spin: options.tuning.spin,
             single_copy: options.single_copy_min,
             shm: options.tuning.shm,
-            tcp_split: options.tuning.tcp_split,
         }
     }
 }
@@ -159,7 +156,6 @@ impl SocketBackend {
         let wanted = Wanted {
             shm: settings.transport == TransportKind::Auto,
             tuning: settings.shm,
-            tcp_split: settings.tcp_split,
         };
         let endpoint = Endpoint::new(EndpointSpec {
             mesh: spec,

@@ -36,11 +36,6 @@ pub trait Channel: Send {
     /// The socket whose readiness poll() watches (for shared memory: the
     /// TCP connection kept to notice the peer's death).
     fn fd(&self) -> RawFd;
-    /// The socket poll() watches for room to write (POLLOUT): `fd` but
-    /// for channels that write on a connection of their own.
-    fn write_fd(&self) -> RawFd {
-        self.fd()
-    }
     /// True when data (or end of stream) is waiting, checked without
     /// blocking (cheaply for shared memory, with poll() for TCP).
     fn has_data(&self) -> bool;
@@ -82,41 +77,6 @@ pub trait Channel: Send {
     ) -> usize {
         0
     }
-}
-
-/// Adds what poll() should watch for `events` on `chan` to `out`: one
-/// entry, or two when the channel writes on a socket of its own (POLLOUT
-/// goes there). How many it added.
-pub fn push_pollfds(
-    chan: &dyn Channel,
-    events: libc::c_short,
-    out: &mut Vec<libc::pollfd>,
-) -> usize {
-    let (fd, write_fd) = (chan.fd(), chan.write_fd());
-    let outward = events & libc::POLLOUT;
-    if fd == write_fd || outward == 0 {
-        out.push(libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        });
-        return 1;
-    }
-    let mut added = 0;
-    if events & !outward != 0 {
-        out.push(libc::pollfd {
-            fd,
-            events: events & !outward,
-            revents: 0,
-        });
-        added += 1;
-    }
-    out.push(libc::pollfd {
-        fd: write_fd,
-        events: outward,
-        revents: 0,
-    });
-    added + 1
 }
 
 /// Copies `dest.len()` bytes at `addr` in process `pid` into `dest`.

@@ -6,11 +6,10 @@
 //! agreement over that connection, until one gives both sides a channel.
 //! TCP, last, always does.
 //!
-//! A new medium (RDMA) is a folder beside `tcp/` and `shm/` holding a
-//! `Medium` and a `Channel`, and one line in `open` (a variant of one, a
-//! file in its folder: `tcp/split.rs`, a connection each way): nothing
-//! above the transport changes, and the algorithms see it only through
-//! `Caps`.
+//! A new medium (RDMA, a second TCP stream per pair) is a folder beside
+//! `tcp/` and `shm/` holding a `Medium` and a `Channel`, and one line in
+//! `open`: nothing above the transport changes, and the algorithms see it
+//! only through `Caps`.
 
 use super::channel::{Caps, Channel};
 use super::medium::{Layout, Medium, Pair, Wanted};
@@ -23,10 +22,6 @@ use std::net::TcpStream;
 pub fn open(layout: Layout, wanted: Wanted) -> Vec<Box<dyn Medium>> {
     vec![
         Box::new(shm::SharedMemory::open(layout, wanted)),
-        Box::new(tcp::split::SplitTcp {
-            rank: layout.rank,
-            wanted: wanted.tcp_split,
-        }),
         Box::new(tcp::Tcp),
     ]
 }

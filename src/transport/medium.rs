@@ -69,6 +69,4 @@ pub struct Wanted {
     /// Shared memory with the ranks of this host (transport `auto`).
     pub shm: bool,
     pub tuning: ShmTuning,
-    /// One TCP connection for each direction of a pair (`tcp::split`).
-    pub tcp_split: bool,
 }

@@ -216,24 +216,13 @@ impl MeshSpec {
     /// Sets up a connection to `peer`: no delay, and keepalive when the
     /// peer is on another host.
     pub fn configure(&self, stream: &TcpStream, peer: usize) {
-        configure_more(
-            stream,
-            self.rank,
-            peer,
-            self.far.get(peer).copied().unwrap_or(true),
-        );
-    }
-}
-
-/// Sets up a pair's connection as `MeshSpec::configure` does (a medium's
-/// own connections too): no delay, keepalive when `far`.
-pub fn configure_more(stream: &TcpStream, rank: usize, peer: usize, far: bool) {
-    let _ = stream.set_nodelay(true);
-    if far {
-        // Spread over 5 s: a wide job makes its connections within a
-        // second, and probes all sent at once overflow a queue.
-        let idle = 10 + (rank * 31 + peer * 17) % 5;
-        keep_alive(stream, idle as i32);
+        let _ = stream.set_nodelay(true);
+        if self.far.get(peer).copied().unwrap_or(true) {
+            // Spread over 5 s: a wide job makes its connections within a
+            // second, and probes all sent at once overflow a queue.
+            let idle = 10 + (self.rank * 31 + peer * 17) % 5;
+            keep_alive(stream, idle as i32);
+        }
     }
 }
 

@@ -5,7 +5,6 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
-use crate::transport::channel::push_pollfds;
 use crate::transport::tagged::{Done, Outgoing, Path, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -300,7 +299,11 @@ impl StreamTransport {
                 events |= libc::POLLOUT;
             }
             if events != 0 {
-                push_pollfds(&*conn.chan, events, out);
+                out.push(libc::pollfd {
+                    fd: conn.chan.fd(),
+                    events,
+                    revents: 0,
+                });
             }
         }
     }

@@ -243,7 +243,7 @@ fn write_all_by(chan: &mut dyn Channel, mut bytes: &[u8], deadline: Instant) -> 
             return false;
         }
         let mut fd = libc::pollfd {
-            fd: chan.write_fd(),
+            fd: chan.fd(),
             events: libc::POLLOUT,
             revents: 0,
         };

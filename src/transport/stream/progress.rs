@@ -4,7 +4,6 @@
 
 use super::{Gone, Progress, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::channel::push_pollfds;
 use crate::transport::Xfer;
 use std::io;
 use std::time::{Duration, Instant};
@@ -250,9 +249,12 @@ impl StreamTransport {
                     }
                 }
                 if events != 0 {
-                    for _ in 0..push_pollfds(&*conn.chan, events, &mut fds) {
-                        peers_of.push(peer);
-                    }
+                    fds.push(libc::pollfd {
+                        fd: conn.chan.fd(),
+                        events,
+                        revents: 0,
+                    });
+                    peers_of.push(peer);
                 }
             }
             // Spinning transports sleep in short naps: shared memory has no

@@ -1,22 +1,11 @@
 //! TCP: the medium between any two ranks, and the one every pair falls
-//! back to. A channel is the pair's connection itself, non-blocking; or,
-//! where both sides take it, one connection for each direction (`split`).
-
-pub mod split;
+//! back to. A channel is the pair's connection itself, non-blocking.
 
 use crate::transport::channel::{writev, Caps, Channel};
 use crate::transport::medium::{Medium, Pair};
 use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-
-/// What a TCP channel can do: its bytes go through the kernel, nothing more.
-pub(crate) const CAPS: Caps = Caps {
-    through_kernel: true,
-    whole_messages: false,
-    lends: false,
-    single_copy: false,
-};
 
 /// A connected, non-blocking TCP stream.
 pub struct TcpChannel(pub TcpStream);
@@ -32,7 +21,10 @@ impl TcpChannel {
 
 impl Channel for TcpChannel {
     fn caps(&self) -> Caps {
-        CAPS
+        Caps {
+            through_kernel: true,
+            ..Caps::default()
+        }
     }
 
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -48,7 +40,19 @@ impl Channel for TcpChannel {
     }
 
     fn has_data(&self) -> bool {
-        readable(self.0.as_raw_fd())
+        // Only asked while spinning. poll() looks without taking the
+        // socket's lock, which a peek (recv) takes: a reader peeking in a
+        // loop holds off the kernel delivering the very segment it waits
+        // for (it goes to the socket's backlog, processed when the lock
+        // is released).
+        let mut p = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd, no wait.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n != 0
     }
 
     fn shutdown(&self, how: Shutdown) {
@@ -64,22 +68,6 @@ impl Channel for TcpChannel {
         // writes, so the reader asks again as it goes.
         ask_quick_acks(self.0.as_raw_fd());
     }
-}
-
-/// Whether socket `fd` has data (or its end) waiting. Only asked while
-/// spinning. poll() looks without taking the socket's lock, which a peek
-/// (recv) takes: a reader peeking in a loop holds off the kernel
-/// delivering the very segment it waits for (it goes to the socket's
-/// backlog, processed when the lock is released).
-pub(crate) fn readable(fd: RawFd) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one live pollfd, no wait.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n != 0
 }
 
 /// Asks socket `fd` to acknowledge what it reads at once, until it next
@@ -130,7 +118,10 @@ impl Medium for Tcp {
     }
 
     fn caps(&self) -> Caps {
-        CAPS
+        Caps {
+            through_kernel: true,
+            ..Caps::default()
+        }
     }
 
     fn applies(&self, _pair: &Pair) -> bool {
