@@ -5,9 +5,9 @@ backend through test/distributed/test_distributed_spawn.py; this drives it
 the same way (a TestCase spawning WORLD_SIZE ranks per test) with gloo's
 skip lists (BACKEND=gloo), and with RDIST_SUITE_BACKEND=rdist (the default)
 every gloo process group swapped for rdist: init_process_group and
-new_group get "rdist" where the test asks for gloo. Tests that compare the
-backend's name with their BACKEND are told rdist's (they fail here by
-name only), and the profiler checks look for rdist's event names. RDIST_SUITE_BACKEND=gloo runs the suite as torch
+new_group get "rdist" where the test asks for gloo. A test that compares the
+backend's name with its BACKEND (test_get_backend) is told rdist's, and
+the profiler checks look for rdist's event names. RDIST_SUITE_BACKEND=gloo runs the suite as torch
 does, for the counts to compare with.
 
     BACKEND=gloo WORLD_SIZE=2 python suite/torch_suite.py [unittest args]
