@@ -147,15 +147,22 @@ impl StreamTransport {
         if !output && !read {
             return;
         }
-        if !output && !how.thorough && self.take_tagged_wholes(peer) {
+        let taken = !output && !how.thorough && self.take_tagged_wholes(peer);
+        // What the messages taken answer (a single-copy message's TagAck)
+        // goes below, now: its sender waits for it, and the caller may
+        // not call again for a long time.
+        let answers = taken
+            && self.tagged.has_output(peer)
+            && self.conns[peer].as_ref().is_some_and(|c| c.gone.is_none());
+        if taken && !answers {
             return;
         }
         let mut idle = std::mem::take(&mut self.idle);
         let mut result = Ok(());
-        if output {
+        if output || answers {
             result = self.pump_sends(peer, &[], &mut idle);
         }
-        if read && result.is_ok() {
+        if read && !taken && result.is_ok() {
             result = self.pump_reads(peer, &mut [], &mut idle);
             // What the reads answer (a single-copy message's TagAck, a
             // large one's TagCts) goes now: the sender waits for it.
