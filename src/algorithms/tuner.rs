@@ -126,17 +126,28 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
 /// at once (an exchange, every step of a ring): through the rings its
 /// core copies its outgoing bytes in and its incoming bytes out, two
 /// copies, where single copy has it copy only the incoming ones out of the
-/// sender's memory. From `SINGLE_COPY_MIN`: smaller payloads still sit in
-/// the cores' own caches, where the rings pass them cheaply. None where
-/// one copy out of another's memory is not that much faster than half a
+/// sender's memory. The rings' extra copy is cheap while the rank's
+/// payload, the one it receives and the ring between them stay in its
+/// core's own cache: from half that cache on (`TWO_WAY_SINGLE_COPY_FLOOR`
+/// at least, for the system call and the answer's trip;
+/// `SINGLE_COPY_MIN` where sysfs names no such cache). None where one
+/// copy out of another's memory is not that much faster than half a
 /// ring's pass, or where that was not measured.
-fn two_way_single_copy_from(m: &Machine) -> Option<usize> {
+fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
     if !m.knows_single_copy() {
         return None;
     }
     let (pass, cma) = (f64::from(m.pass_mbs), f64::from(m.cma_mbs));
-    (cma >= pass / 2.0 * SINGLE_COPY_PER_BYTE_FACTOR).then_some(SINGLE_COPY_MIN)
+    let from = match core_cache_kib {
+        0 => SINGLE_COPY_MIN,
+        kib => ((kib as usize) << 9).clamp(TWO_WAY_SINGLE_COPY_FLOOR, SINGLE_COPY_MIN),
+    };
+    (cma >= pass / 2.0 * SINGLE_COPY_PER_BYTE_FACTOR).then_some(from)
 }
+
+/// The smallest payload a rank that sends while it receives sends single
+/// copy, whatever its cache.
+const TWO_WAY_SINGLE_COPY_FLOOR: usize = 256 << 10;
 
 /// The ranks' demand on the memory system (each rank's core copying at
 /// full speed) must exceed what all cores together copy by this factor
@@ -157,6 +168,9 @@ pub struct Inputs {
     /// Cores this process may use, and the machine's.
     pub cores: usize,
     pub machine_cores: usize,
+    /// The cache one of this host's cores has to itself, in KiB (0:
+    /// unknown; see `transport::machine::core_cache_kib`).
+    pub core_cache_kib: u32,
 }
 
 /// What the model chose, and why.
@@ -270,7 +284,7 @@ pub fn plan(i: &Inputs) -> Plan {
         usize::MAX
     }
     .min(per_byte.unwrap_or(usize::MAX));
-    let two_way = two_way_single_copy_from(&here);
+    let two_way = two_way_single_copy_from(&here, i.core_cache_kib);
     let two_way_single_copy_min = single_copy_min.min(two_way.unwrap_or(usize::MAX));
     why.push(if oversubscribed {
         format!(
@@ -321,10 +335,14 @@ pub fn plan(i: &Inputs) -> Plan {
         why.push(match two_way {
             Some(n) if n < single_copy_min => format!(
                 "a rank that sends while it receives copies both ways through the rings and one way \
-                 with single copy, which is {:.2}x as fast then: its payloads from {} that are not \
-                 reduced go single copy",
+                 with single copy, which is {:.2}x as fast then: its payloads from {} ({}) that are \
+                 not reduced go single copy",
                 f64::from(here.cma_mbs) / (f64::from(here.pass_mbs) / 2.0),
-                bytes(n)
+                bytes(n),
+                match i.core_cache_kib {
+                    0 => "no core's own cache listed".to_string(),
+                    k => format!("half a core's own {} cache", bytes((k as usize) << 10)),
+                }
             ),
             _ => "the same for a rank that sends while it receives".to_string(),
         });
@@ -377,6 +395,7 @@ mod tests {
             machine_ranks: host_ranks,
             cores,
             machine_cores: cores,
+            core_cache_kib: 0,
         }
     }
 
@@ -565,6 +584,28 @@ mod tests {
         assert_eq!(
             plan(&inputs(REFERENCE, 2, 2)).two_way_single_copy_min,
             usize::MAX
+        );
+        // From half a core's own cache, within 256 KiB..4 MiB.
+        for (kib, from) in [
+            (2048, 1 << 20),
+            (512, 256 << 10),
+            (128, 256 << 10),
+            (32 << 10, SINGLE_COPY_MIN),
+        ] {
+            let p = plan(&Inputs {
+                core_cache_kib: kib,
+                ..inputs(spr, 2, 2)
+            });
+            assert_eq!(p.two_way_single_copy_min, from, "{kib} KiB");
+        }
+        let p = plan(&Inputs {
+            core_cache_kib: 2048,
+            ..inputs(spr, 2, 2)
+        });
+        assert!(
+            p.why.contains("from 1 MiB (half a core's own 2 MiB cache)"),
+            "{}",
+            p.why
         );
     }
 }

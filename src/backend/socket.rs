@@ -147,6 +147,7 @@ impl SocketBackend {
             machine_ranks: place.machine_ranks,
             cores,
             machine_cores: machine_cores(),
+            core_cache_kib: crate::transport::machine::core_cache_kib(),
         });
         let oversubscribed = plan.oversubscribed;
         let single_copy_min = settings.single_copy.min_bytes(plan.single_copy_min);
