@@ -111,7 +111,7 @@ fn a_nonblocking_send_moves_data_before_it_is_waited_on() {
                     let bytes = f32_bytes(&data);
                     comm.barrier().unwrap();
                     let req = isend(&comm, &bytes, DType::Float32, 1, 3);
-                    std::thread::sleep(Duration::from_millis(400));
+                    std::thread::sleep(Duration::from_millis(1500));
                     req.wait().unwrap();
                     Duration::ZERO
                 } else {
@@ -537,7 +537,7 @@ fn single_copy_answer_worker() {
             let mine: Vec<u8> = (0..size).map(|i| (i * 7 + 3) as u8).collect();
             let mut got = vec![0u8; size];
             // Round 0 makes the connection.
-            for round in 0..6 {
+            for round in 0..10 {
                 comm.barrier().unwrap();
                 if me == 0 {
                     comm.send_tagged(&mine, 1, round).unwrap();
@@ -557,11 +557,11 @@ fn single_copy_answer_worker() {
             .collect();
         late.sort();
         // The answer left behind waited 20-250 ms for the endpoint's
-        // thread, or the 300 ms; sent at once, it reaches a spinning
-        // sender in microseconds. The median: one send held up by a busy
-        // machine is not the fault.
+        // thread, or the 300 ms, in every round; sent at once, it reaches
+        // a spinning sender in microseconds. The third quickest of nine:
+        // sends held up by a busy machine are not the fault.
         assert!(
-            late[late.len() / 2] < Duration::from_millis(16),
+            late[2] < Duration::from_millis(16),
             "{size} B: single-copy sends returned {late:?} after their receives: their answers waited"
         );
         println!("SINGLE COPY ANSWERED {size} B: sends returned {late:?} after their receives");

@@ -128,9 +128,9 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
 /// copies, where single copy has it copy only the incoming ones out of the
 /// sender's memory. The rings' extra copy is cheap while the rank's
 /// payload, the one it receives and the ring between them stay in its
-/// core's own cache: from half that cache on (`TWO_WAY_SINGLE_COPY_FLOOR`
-/// at least, for the system call and the answer's trip;
-/// `SINGLE_COPY_MIN` where sysfs names no such cache). None where one
+/// core's own cache: from half that cache on, within
+/// `TWO_WAY_SINGLE_COPY_FLOOR`..`SINGLE_COPY_MIN` (`SINGLE_COPY_MIN` where
+/// sysfs names no such cache). None where one
 /// copy out of another's memory is not that much faster than half a
 /// ring's pass, or where that was not measured.
 fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
@@ -146,8 +146,10 @@ fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
 }
 
 /// The smallest payload a rank that sends while it receives sends single
-/// copy, whatever its cache.
-const TWO_WAY_SINGLE_COPY_FLOOR: usize = 256 << 10;
+/// copy, whatever its cache: below it, single copy was not seen to pay
+/// (an exchange of 512 KiB with data just made: 64 us through the rings,
+/// 68 single copy, on a core with 2 MiB of its own).
+const TWO_WAY_SINGLE_COPY_FLOOR: usize = 1 << 20;
 
 /// The ranks' demand on the memory system (each rank's core copying at
 /// full speed) must exceed what all cores together copy by this factor
@@ -341,7 +343,10 @@ pub fn plan(i: &Inputs) -> Plan {
                 bytes(n),
                 match i.core_cache_kib {
                     0 => "no core's own cache listed".to_string(),
-                    k => format!("half a core's own {} cache", bytes((k as usize) << 10)),
+                    k => format!(
+                        "half a core's own {} cache, within 1 MiB..4 MiB",
+                        bytes((k as usize) << 10)
+                    ),
                 }
             ),
             _ => "the same for a rank that sends while it receives".to_string(),
@@ -556,7 +561,7 @@ mod tests {
     fn single_copy_for_a_rank_that_sends_while_it_receives_where_one_copy_beats_two() {
         // One way, the rings; both ways at once, each core copies twice
         // through them (12 GB/s a pass, 6 each way) and once with single
-        // copy (9 GB/s): from 4 MiB.
+        // copy (9 GB/s): from 4 MiB where no core's own cache is known.
         let spr = SAPPHIRE_RAPIDS_VM;
         let p = plan(&inputs(spr, 2, 2));
         assert_eq!(p.single_copy_min, usize::MAX);
@@ -585,11 +590,11 @@ mod tests {
             plan(&inputs(REFERENCE, 2, 2)).two_way_single_copy_min,
             usize::MAX
         );
-        // From half a core's own cache, within 256 KiB..4 MiB.
+        // From half a core's own cache, within 1 MiB..4 MiB.
         for (kib, from) in [
             (2048, 1 << 20),
-            (512, 256 << 10),
-            (128, 256 << 10),
+            (4096, 2 << 20),
+            (512, 1 << 20),
             (32 << 10, SINGLE_COPY_MIN),
         ] {
             let p = plan(&Inputs {
@@ -603,7 +608,8 @@ mod tests {
             ..inputs(spr, 2, 2)
         });
         assert!(
-            p.why.contains("from 1 MiB (half a core's own 2 MiB cache)"),
+            p.why
+                .contains("from 1 MiB (half a core's own 2 MiB cache, within 1 MiB..4 MiB)"),
             "{}",
             p.why
         );

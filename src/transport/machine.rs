@@ -431,30 +431,36 @@ fn copy_mbs(threads: usize, bytes: usize) -> Option<u32> {
 
 /// The largest cache sysfs lists for cpu0, in KiB (0 if none).
 fn last_level_cache_kib() -> u32 {
-    cpu0_caches().map(|(_, kib)| kib).max().unwrap_or(0)
+    cpu0_caches().max().unwrap_or(0)
 }
 
-/// The largest cache of cpu0 that is its core's own (level 1 or 2: the
-/// levels no core shares with another on today's x86 and Arm servers), in
-/// KiB (0 if sysfs lists none). Read, not measured, so not in the profile.
+/// The largest cache cpu0 shares with no other core (with its own
+/// hardware threads only: its level 1 and 2 on today's servers; not the
+/// level 2 that a cluster of small cores shares), in KiB (0 if sysfs
+/// lists none). Read, not measured, so not in the profile.
 pub fn core_cache_kib() -> u32 {
-    cpu0_caches()
-        .filter(|&(level, _)| level <= 2)
-        .map(|(_, kib)| kib)
+    let cpu0 = "/sys/devices/system/cpu/cpu0";
+    let read = |path: String| std::fs::read_to_string(path).map(|s| s.trim().to_string());
+    let Ok(threads) = read(format!("{cpu0}/topology/thread_siblings_list")) else {
+        return 0;
+    };
+    (0..8)
+        .map_while(|i| {
+            let dir = format!("{cpu0}/cache/index{i}");
+            let size = read(format!("{dir}/size")).ok()?;
+            let shared = read(format!("{dir}/shared_cpu_list")).unwrap_or_default();
+            Some(if shared == threads { kib_of(&size) } else { 0 })
+        })
         .max()
         .unwrap_or(0)
 }
 
-/// cpu0's caches as sysfs lists them: (level, KiB).
-fn cpu0_caches() -> impl Iterator<Item = (u32, u32)> {
+/// cpu0's caches as sysfs lists them, in KiB.
+fn cpu0_caches() -> impl Iterator<Item = u32> {
     (0..8).map_while(|i| {
         let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
         let size = std::fs::read_to_string(format!("{dir}/size")).ok()?;
-        let level = std::fs::read_to_string(format!("{dir}/level")).unwrap_or_default();
-        Some((
-            level.trim().parse().unwrap_or(u32::MAX),
-            kib_of(size.trim()),
-        ))
+        Some(kib_of(size.trim()))
     })
 }
 

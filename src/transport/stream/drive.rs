@@ -152,6 +152,7 @@ impl StreamTransport {
         // goes below, now: its sender waits for it, and the caller may
         // not call again for a long time.
         let answers = taken
+            && self.failed.is_none()
             && self.tagged.has_output(peer)
             && self.conns[peer].as_ref().is_some_and(|c| c.gone.is_none());
         if taken && !answers {
