@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import rdist.torch
-from _worker import report
+from _worker import exit_without_teardown, report
 
 torch.set_num_threads(1)
 dist.init_process_group("rdist", timeout=timedelta(seconds=60))
@@ -330,3 +330,4 @@ case("monitored_barrier/names_late_ranks", monitored)
 dist.barrier()
 report(rank=RANK, size=SIZE, cases=cases, failures=failures, facts=facts)
 dist.destroy_process_group()
+exit_without_teardown()

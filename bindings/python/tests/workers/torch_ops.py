@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import rdist
 import rdist.torch  # noqa: F401 - registers the backend
-from _worker import report
+from _worker import exit_without_teardown, report
 
 torch.set_num_threads(1)
 dist.init_process_group("rdist", timeout=timedelta(seconds=60))
@@ -471,3 +471,4 @@ backend = dist.group.WORLD._get_backend(torch.device("cpu"))
 report(rank=RANK, size=SIZE, cases=cases, cases_0_2=cases_0_2, failures=failures,
        unavailable=unavailable, compiled=bool(getattr(backend, "compiled", False)))
 dist.destroy_process_group()
+exit_without_teardown()

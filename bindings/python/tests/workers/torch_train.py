@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rdist.torch  # noqa: F401
-from _worker import report
+from _worker import exit_without_teardown, report
 
 torch.set_num_threads(1)
 dist.init_process_group("rdist", timeout=timedelta(seconds=60))
@@ -153,3 +153,4 @@ overlap()
 dist.barrier()
 report(rank=RANK, size=SIZE, cases=cases, failures=failures, buckets=buckets)
 dist.destroy_process_group()
+exit_without_teardown()
