@@ -130,9 +130,9 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
 /// payload, the one it receives and the ring between them stay in its
 /// core's own cache: from half that cache on, within
 /// `TWO_WAY_SINGLE_COPY_FLOOR`..`SINGLE_COPY_MIN` (`SINGLE_COPY_MIN` where
-/// sysfs names no such cache). None where one
-/// copy out of another's memory is not that much faster than half a
-/// ring's pass, or where that was not measured.
+/// sysfs names no such cache). None where one copy out of another's
+/// memory is not that much faster than half a ring's pass, or where that
+/// was not measured.
 fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
     if !m.knows_single_copy() {
         return None;

@@ -437,8 +437,14 @@ fn last_level_cache_kib() -> u32 {
 /// The largest cache cpu0 shares with no other core (with its own
 /// hardware threads only: its level 1 and 2 on today's servers; not the
 /// level 2 that a cluster of small cores shares), in KiB (0 if sysfs
-/// lists none). Read, not measured, so not in the profile.
+/// lists none). Read, not measured, so not in the profile; once per
+/// process (every communicator's tuning asks).
 pub fn core_cache_kib() -> u32 {
+    static KIB: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *KIB.get_or_init(read_core_cache_kib)
+}
+
+fn read_core_cache_kib() -> u32 {
     let cpu0 = "/sys/devices/system/cpu/cpu0";
     let read = |path: String| std::fs::read_to_string(path).map(|s| s.trim().to_string());
     let Ok(threads) = read(format!("{cpu0}/topology/thread_siblings_list")) else {
