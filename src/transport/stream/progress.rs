@@ -822,13 +822,34 @@ pub(super) mod tests {
 
     /// A large payload read over a connection that also carries replies
     /// leaves it acknowledging at once: the sender's buffer frees as the
-    /// reader goes, instead of when its reply is written.
+    /// reader goes, instead of when its reply is written. The kernel's
+    /// mode is its own state, moved by timers and by when segments leave:
+    /// about one run in twenty, beside the other tests, it reads
+    /// interactive again at the end. Up to three tries; a reader that
+    /// never asks fails them all.
     #[test]
     fn a_large_payload_is_read_with_quick_acknowledgements() {
+        let mut outcomes = Vec::new();
+        for _ in 0..3 {
+            match large_payload_then_quick_acks() {
+                Ok(true) => return,
+                Ok(false) => outcomes.push("interactive after the payload"),
+                Err(why) => outcomes.push(why),
+            }
+        }
+        panic!(
+            "the reader of a large payload left its acknowledgements waiting for a reply: {outcomes:?}"
+        );
+    }
+
+    /// One try: Ok(whether the socket acknowledges at once after the
+    /// payload), Err when the connection never became interactive.
+    fn large_payload_then_quick_acks() -> std::result::Result<bool, &'static str> {
         let mut w = tcp_world(2).into_iter();
         let (mut t0, mut t1) = (w.next().unwrap(), w.next().unwrap());
         let desc = |seq: u64, n: usize| Desc::new(OpKind::Broadcast, seq).data(n, DType::Uint8);
         let big = 1 << 20;
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
         let sender = std::thread::spawn(move || {
             for seq in 0..3 {
                 t0.exchange(&mut [Xfer::send(1, &[seq as u8; 8], desc(seq, 8))])
@@ -837,6 +858,8 @@ pub(super) mod tests {
                 t0.exchange(&mut [Xfer::recv(1, &mut back, desc(seq, 8))])
                     .unwrap();
             }
+            // Sent whatever the reader found: it waits for this payload.
+            let _ = go_rx.recv();
             t0.exchange(&mut [Xfer::send(1, &vec![9u8; big], desc(3, big))])
                 .unwrap();
         });
@@ -849,18 +872,17 @@ pub(super) mod tests {
             t1.exchange(&mut [Xfer::send(0, &got, desc(seq, 8))])
                 .unwrap();
         }
-        assert!(
-            acks_wait_for_a_reply(&t1, 0),
-            "no interactive mode to leave"
-        );
+        let interactive = acks_wait_for_a_reply(&t1, 0);
+        go_tx.send(()).unwrap();
         let mut got = vec![0u8; big];
         t1.exchange(&mut [Xfer::recv(0, &mut got, desc(3, big))])
             .unwrap();
         assert!(got.iter().all(|&b| b == 9));
-        assert!(
-            !acks_wait_for_a_reply(&t1, 0),
-            "the reader of a large payload left its acknowledgements waiting for a reply"
-        );
+        let quick = !acks_wait_for_a_reply(&t1, 0);
         sender.join().unwrap();
+        match interactive {
+            true => Ok(quick),
+            false => Err("no interactive mode to leave"),
+        }
     }
 }
