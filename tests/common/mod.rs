@@ -167,11 +167,20 @@ pub fn compile_c(src: &str, out: &Path, lib_dir: &Path) {
     assert!(status.success(), "compiling {src} failed");
 }
 
-/// A port the OS just handed out (and released), so tests run in parallel.
+/// A loopback port held for the job that is about to listen on it.
+///
+/// A port merely released after bind(0) goes back to the kernel's pool, where
+/// a parallel test's connect() or bind(0) can take it first. Closing an
+/// accepted connection from the listening side first leaves the port in
+/// TIME_WAIT for a minute: no bind(0) and no connect() is given it, while a
+/// listener that sets SO_REUSEADDR (std's, torch's TCPStore, libuv) binds it.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    drop(listener.accept().unwrap().0);
+    // Wait for the listening side's FIN so that side closed first.
+    let _ = client.read(&mut [0u8; 1]);
+    port
 }

@@ -53,10 +53,25 @@ def child_env(**extra):
 
 
 def free_port():
-    """A TCP port that was free a moment ago (the usual small race is fine)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A loopback TCP port held for the job that is about to listen on it.
+
+    A port merely released after bind(0) goes back to the kernel's pool: a
+    parallel test's connect() or bind(0) can take it before torch's store
+    listens (EADDRINUSE, then the other ranks wait out their timeout). Closing
+    an accepted connection from the listening side first leaves the port in
+    TIME_WAIT for a minute: the kernel hands it to no bind(0) and no connect(),
+    while a listener that sets SO_REUSEADDR (torch's TCPStore, libuv, Rust's
+    std, rdist's store) still binds it."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()
+            client.recv(1)
+    return port
 
 
 def parse_results(text):
