@@ -67,9 +67,14 @@ pub(super) struct Ring {
 /// Records start on cache lines, so a small one shares its line with its word.
 const RECORD_ALIGN: u64 = 64;
 const RECORD_WORD: usize = 8;
-/// Largest record: big payloads go as several, so the reader can start on
-/// the first while the writer fills the next.
+/// Largest record: a stream of records is cut into eighths of what is
+/// left, between `WHOLE_RECORD` and this (see `write2`).
 const MAX_RECORD: usize = 64 << 10;
+/// Largest message written whole, and smallest record of a stream: 16 KiB
+/// and a frame's header, so that a small message sent whole
+/// (`stream/small.rs`) fits. A larger one in one record made its reader
+/// wait for all of it (a copy in, then a copy out).
+const WHOLE_RECORD: usize = (16 << 10) + 56;
 
 // SAFETY: see Segment; each Ring is used by one side only.
 unsafe impl Send for Ring {}
@@ -225,10 +230,11 @@ impl Ring {
     }
 
     /// Publishes `a` then `b` as one record if all of it fits now; false
-    /// (nothing written) otherwise.
+    /// (nothing written) otherwise. Up to `WHOLE_RECORD` bytes: more goes
+    /// as a stream of records, which the reader empties as they come.
     pub(super) fn write_whole(&self, a: &[u8], b: &[u8]) -> bool {
         let len = a.len() + b.len();
-        if len == 0 || len > MAX_RECORD {
+        if len == 0 || len > WHOLE_RECORD {
             return false;
         }
         let need = record_end(0, len) as usize;
@@ -239,17 +245,30 @@ impl Ring {
                 return false;
             }
         }
-        self.write2(a, b) == len
+        self.write_record(a, b, WHOLE_RECORD) == len
     }
 
     /// Publishes as much of `a` then `b` as fits as one record; returns how
     /// many bytes.
     pub(super) fn write2(&self, a: &[u8], b: &[u8]) -> usize {
+        // An eighth of what is left, so the reader copies out of one record
+        // while this side fills the next, and the first, which it waits
+        // for, is short; large records cost less per byte. Whole lines, so
+        // that no element of a payload reduced straight out of the ring
+        // straddles two records (`combine` leaves those to a slower path).
+        let most = ((a.len() + b.len()) / 8).clamp(WHOLE_RECORD, MAX_RECORD)
+            & !(RECORD_ALIGN as usize - 1);
+        self.write_record(a, b, most)
+    }
+
+    /// Publishes as much of `a` then `b` as fits, up to `most` bytes, as one
+    /// record; returns how many bytes.
+    fn write_record(&self, a: &[u8], b: &[u8], most: usize) -> usize {
         if a.is_empty() && b.is_empty() {
             return 0;
         }
         let at = self.at.get();
-        let want = (RECORD_WORD + a.len() + b.len()).min(RECORD_WORD + MAX_RECORD);
+        let want = RECORD_WORD + (a.len() + b.len()).min(most);
         // The reader's tail lives on a line the reader keeps writing: read
         // it (one cache-line transfer) only when the last value seen leaves
         // too little room.
@@ -389,7 +408,7 @@ mod tests {
                     (laps_records + 1 + q / RECORD_ALIGN).to_le_bytes()
                 })
                 .collect();
-            assert_eq!(writer.write2(&payload, &[]), per);
+            assert_eq!(writer.write_record(&payload, &[], MAX_RECORD), per);
             assert_eq!(reader.read(&mut out), per);
             assert_eq!(&out[..per], &payload[..]);
         }
@@ -454,6 +473,29 @@ mod tests {
         assert!(wrapped_seen, "some record straddled the ring's end");
         assert!(reader.peek().is_none(), "an empty ring lends nothing");
         assert!(!writer.write_whole(&[], &[]));
-        assert!(!writer.write_whole(&vec![0u8; MAX_RECORD + 1], &[]));
+        assert!(!writer.write_whole(&vec![0u8; WHOLE_RECORD + 1], &[]));
+    }
+
+    #[test]
+    fn a_small_message_sent_whole_fits_one_record_and_larger_ones_stream() {
+        let (writer, reader) = ring_pair("sizes-");
+        let header = [7u8; crate::transport::frame::HEADER_BYTES];
+        let payload = vec![1u8; 16 << 10];
+        assert!(
+            writer.write_whole(&header, &payload),
+            "16 KiB and its header go whole"
+        );
+        assert_eq!(
+            reader.peek().map(<[u8]>::len),
+            Some(header.len() + payload.len())
+        );
+        reader.consumed(header.len() + payload.len(), header.len() + payload.len());
+        // More goes as records the reader can start on: an eighth of it,
+        // from `WHOLE_RECORD` to `MAX_RECORD`.
+        let big = vec![2u8; 1 << 20];
+        assert!(!writer.write_whole(&header, &big[..64 << 10]));
+        assert_eq!(writer.write2(&header, &big[..64 << 10]), 16 << 10);
+        assert_eq!(writer.write2(&big[..(256 << 10) + 100], &[]), 32 << 10);
+        assert_eq!(writer.write2(&big, &[]), MAX_RECORD);
     }
 }
