@@ -242,7 +242,17 @@ impl Links {
             Ok(mut chan) if sh.failure.is_some() => {
                 let report = sh.failure.as_deref().unwrap_or_default();
                 let header = Header::control(FrameKind::Failure, report.len()).encode();
-                let _ = chan.write2(&header, report);
+                // A fresh channel takes all of it, in several writes where
+                // shared memory cuts it into records; stop where one would
+                // block (nobody will wait on this channel).
+                let (mut head, mut body) = (&header[..], report);
+                while let Ok(n @ 1..) = chan.write2(head, body) {
+                    let from_head = n.min(head.len());
+                    (head, body) = (&head[from_head..], &body[n - from_head..]);
+                    if head.is_empty() && body.is_empty() {
+                        break;
+                    }
+                }
             }
             Ok(chan) => {
                 sh.arrived.push((rank, chan));

@@ -68,13 +68,16 @@ pub(super) struct Ring {
 const RECORD_ALIGN: u64 = 64;
 const RECORD_WORD: usize = 8;
 /// Largest record: a stream of records is cut into eighths of what is
-/// left, between `WHOLE_RECORD` and this (see `write2`).
+/// left, between `STREAM_RECORD` and this (see `write2`).
 const MAX_RECORD: usize = 64 << 10;
-/// Largest message written whole, and smallest record of a stream: 16 KiB
-/// and a frame's header, so that a small message sent whole
-/// (`stream/small.rs`) fits. A larger one in one record made its reader
-/// wait for all of it (a copy in, then a copy out).
+/// Largest message written whole: 16 KiB and a frame's header, so that a
+/// small message sent whole (`stream/small.rs`, `tagged`) fits. A larger
+/// one in one record made its reader wait for all of it (a copy in, then a
+/// copy out).
 const WHOLE_RECORD: usize = (16 << 10) + 56;
+/// Smallest record of a stream: whole lines, and no smaller than a message
+/// written whole, which would otherwise leave its last bytes to a second.
+const STREAM_RECORD: usize = WHOLE_RECORD.next_multiple_of(RECORD_ALIGN as usize);
 
 // SAFETY: see Segment; each Ring is used by one side only.
 unsafe impl Send for Ring {}
@@ -256,8 +259,8 @@ impl Ring {
         // for, is short; large records cost less per byte. Whole lines, so
         // that no element of a payload reduced straight out of the ring
         // straddles two records (`combine` leaves those to a slower path).
-        let most = ((a.len() + b.len()) / 8).clamp(WHOLE_RECORD, MAX_RECORD)
-            & !(RECORD_ALIGN as usize - 1);
+        let most = (((a.len() + b.len()) / 8) & !(RECORD_ALIGN as usize - 1))
+            .clamp(STREAM_RECORD, MAX_RECORD);
         self.write_record(a, b, most)
     }
 
@@ -490,11 +493,16 @@ mod tests {
             Some(header.len() + payload.len())
         );
         reader.consumed(header.len() + payload.len(), header.len() + payload.len());
-        // More goes as records the reader can start on: an eighth of it,
-        // from `WHOLE_RECORD` to `MAX_RECORD`.
+        // A message that small streamed is one record too; more goes as
+        // records the reader can start on: an eighth of it, from
+        // `STREAM_RECORD` to `MAX_RECORD`.
+        assert_eq!(
+            writer.write2(&header, &payload),
+            header.len() + payload.len()
+        );
         let big = vec![2u8; 1 << 20];
-        assert!(!writer.write_whole(&header, &big[..64 << 10]));
-        assert_eq!(writer.write2(&header, &big[..64 << 10]), 16 << 10);
+        assert!(!writer.write_whole(&header, &big[..32 << 10]));
+        assert_eq!(writer.write2(&header, &big[..64 << 10]), STREAM_RECORD);
         assert_eq!(writer.write2(&big[..(256 << 10) + 100], &[]), 32 << 10);
         assert_eq!(writer.write2(&big, &[]), MAX_RECORD);
     }
