@@ -179,6 +179,8 @@ pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    // Bounded: a stranger's connection accepted instead would never close.
+    let _ = client.set_read_timeout(Some(std::time::Duration::from_secs(5)));
     drop(listener.accept().unwrap().0);
     // Wait for the listening side's FIN so that side closed first.
     let _ = client.read(&mut [0u8; 1]);

@@ -67,10 +67,15 @@ def free_port():
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)) as client:
+        # Bounded: a stranger's connection accepted instead would never close.
+        listener.settimeout(5)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
             accepted, _ = listener.accept()
             accepted.close()
-            client.recv(1)
+            try:
+                client.recv(1)
+            except OSError:
+                pass
     return port
 
 
