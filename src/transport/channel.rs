@@ -39,6 +39,12 @@ pub trait Channel: Send {
     /// True when data (or end of stream) is waiting, checked without
     /// blocking (cheaply for shared memory, with poll() for TCP).
     fn has_data(&self) -> bool;
+    /// Bytes already read from `fd()` wait in the channel: poll() on it
+    /// would not wake for them, so nobody may sleep on it for reading
+    /// (a read takes them first).
+    fn buffered(&self) -> bool {
+        false
+    }
     fn shutdown(&self, how: Shutdown);
     /// Has the next read look whether the peer is gone, for a caller
     /// about to sleep (channels that look only now and then while

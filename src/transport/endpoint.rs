@@ -422,12 +422,12 @@ impl Endpoint {
                 _ => {
                     let moved = core.drive(None, THOROUGH);
                     fds.clear();
-                    core.tagged_fds(&mut fds);
+                    let buffered = core.tagged_fds(&mut fds);
                     drop(core);
                     if moved {
                         nap = Duration::from_millis(1);
                     }
-                    if moved || t.done.is_finished() {
+                    if moved || buffered || t.done.is_finished() {
                         continue;
                     }
                     fds.push(libc::pollfd {

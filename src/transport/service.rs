@@ -133,6 +133,8 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         // the core, which takes the tagged frames it meets).
         let mut others = busy;
         let mut holding = false;
+        // Bytes already read into a channel wake no poll(): look again at once.
+        let mut buffered = false;
         // Callers that drove since the last look may be back at once: the
         // thread stays out of their way (holding the core, it could be
         // preempted, and they would wait for it a whole time slice).
@@ -143,7 +145,7 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
                     core.drive(None, THOROUGH);
                     if core.tagged_busy() {
                         busy = true;
-                        core.tagged_fds(&mut fds);
+                        buffered = core.tagged_fds(&mut fds);
                     }
                 }
                 None => {
@@ -161,7 +163,9 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         // it looks every few milliseconds. Either way calls posted need
         // not ring it. Idle for a while: it sleeps long, and the first call
         // posted rings it.
-        let wait_ms = if others {
+        let wait_ms = if buffered {
+            0
+        } else if others {
             CALLERS_LOOK_MS
         } else if now.duration_since(last_busy) < ACTIVE_FOR {
             ACTIVE_LOOK_MS

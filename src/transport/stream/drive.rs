@@ -290,8 +290,11 @@ impl StreamTransport {
     }
 
     /// The descriptors to poll, and for what, while tagged calls wait on
-    /// connections that wake them (TCP).
-    pub fn tagged_fds(&self, out: &mut Vec<libc::pollfd>) {
+    /// connections that wake them (TCP). True when one of them holds
+    /// bytes already read (`Channel::buffered`): poll() would not wake for
+    /// those, so the caller must not sleep.
+    pub fn tagged_fds(&self, out: &mut Vec<libc::pollfd>) -> bool {
+        let mut ready = false;
         for (peer, conn) in self.conns.iter().enumerate() {
             let Some(conn) = conn else { continue };
             if conn.gone.is_some() {
@@ -300,6 +303,7 @@ impl StreamTransport {
             let mut events = 0;
             if self.tagged.wants(peer) || !conn.between_frames() {
                 events |= libc::POLLIN;
+                ready |= conn.chan.buffered();
             }
             // A shared-memory channel's descriptor only tells the peer's
             // exit (it is always writable, whatever room its ring has).
@@ -314,6 +318,7 @@ impl StreamTransport {
                 });
             }
         }
+        ready
     }
 
     /// The tagged calls pending on this rank, described.

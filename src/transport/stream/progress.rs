@@ -231,6 +231,8 @@ impl StreamTransport {
                 events: libc::POLLIN,
                 revents: 0,
             });
+            // Bytes already read into a channel wake no poll(): no sleep.
+            let mut buffered = false;
             for (peer, conn) in self.conns.iter().enumerate() {
                 let Some(conn) = conn else { continue };
                 let mut events = 0;
@@ -240,6 +242,7 @@ impl StreamTransport {
                     events |= libc::POLLRDHUP;
                     if mid_frame || p.reads_from(peer) || self.tagged.wants(peer) {
                         events |= libc::POLLIN;
+                        buffered |= conn.chan.buffered();
                     }
                     if !p.sends[peer].is_empty()
                         || !conn.acks_out.is_empty()
@@ -267,6 +270,9 @@ impl StreamTransport {
             if !p.read_ahead {
                 // Wake to allow reading ahead once stalled.
                 wait_ms = wait_ms.min(self.read_ahead_after.as_millis().min(1 << 20) as i32 + 1);
+            }
+            if buffered {
+                wait_ms = 0;
             }
             // SAFETY: fds is a live, correctly sized array of pollfd.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
@@ -413,7 +419,7 @@ pub(super) mod tests {
                 for (rank, peer, s) in [(a, b, ours), (b, a, theirs)] {
                     s.set_nonblocking(true).unwrap();
                     s.set_nodelay(true).unwrap();
-                    chans[rank][peer] = Some(Box::new(TcpChannel(s)));
+                    chans[rank][peer] = Some(Box::new(TcpChannel::of(s)));
                 }
             }
         }
@@ -472,6 +478,9 @@ pub(super) mod tests {
         }
         fn has_data(&self) -> bool {
             self.0.has_data()
+        }
+        fn buffered(&self) -> bool {
+            self.0.buffered()
         }
         fn shutdown(&self, how: Shutdown) {
             self.0.shutdown(how)
