@@ -13,7 +13,7 @@ use super::service::{self, Shared};
 use super::signal::{AbortSignal, Wake};
 use super::stream::{Drive, RecvNow, StreamTransport, Tuning};
 use super::tagged::Described;
-use super::tagged::{Incoming, Outgoing, Post, Status, Ticket};
+use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::{lock, try_lock};
 use std::net::TcpListener;
@@ -137,7 +137,7 @@ impl Endpoint {
         }
         let ticket = self.ticket(Described::Send(msg));
         let post = Post::Send(msg, Arc::clone(&ticket.done), ticket.id);
-        self.post(post, Some(msg.peer), blocking)?;
+        self.post(post, &ticket.done, Some(msg.peer), blocking)?;
         Ok(ticket)
     }
 
@@ -160,7 +160,7 @@ impl Endpoint {
         }
         let ticket = self.ticket(Described::Recv(r));
         let post = Post::Recv(r, Arc::clone(&ticket.done), ticket.id);
-        self.post(post, r.peer, blocking)?;
+        self.post(post, &ticket.done, r.peer, blocking)?;
         Ok(ticket)
     }
 
@@ -237,7 +237,8 @@ impl Endpoint {
 
     /// Takes a call in: directly when the core is free (and moves it as
     /// far as it goes now), else through the posts, waking the holder.
-    fn post(&self, post: Post, peer: Option<usize>, blocking: bool) -> Result<()> {
+    /// `done`: its ticket's completion.
+    fn post(&self, post: Post, done: &Done, peer: Option<usize>, blocking: bool) -> Result<()> {
         let sh = &self.shared;
         let Some(mut core) = try_lock(&sh.core) else {
             sh.posts.push(post);
@@ -248,10 +249,7 @@ impl Endpoint {
         };
         // Earlier posts first: messages of one pair keep their order.
         core.take_posts();
-        let (done, sending) = match &post {
-            Post::Send(_, done, _) => (done.clone(), true),
-            Post::Recv(_, done, _) => (done.clone(), false),
-        };
+        let sending = matches!(post, Post::Send(..));
         let taken = match post {
             Post::Send(msg, done, id) if core.send_at_once(msg, &done, id) => Ok(()),
             Post::Send(msg, done, id) => core.tagged.post_send(msg, done, id),
