@@ -285,14 +285,18 @@ impl StreamTransport {
             }
             for k in 2..fds.len() {
                 let revents = fds[k].revents;
-                if revents == 0 {
+                let peer = peers_of[k - 2];
+                // Bytes already in the channel set no revents: read them too.
+                let held = fds[k].events & libc::POLLIN != 0
+                    && self.conns[peer].as_ref().is_some_and(|c| c.chan.buffered());
+                if revents == 0 && !held {
                     continue;
                 }
-                let peer = peers_of[k - 2];
                 if revents & libc::POLLOUT != 0 {
                     self.pump_sends(peer, xfers, p)?;
                 }
-                if revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                let readable = libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+                if held || revents & readable != 0 {
                     self.pump_reads(peer, xfers, p)?;
                 }
             }
@@ -781,7 +785,8 @@ pub(super) mod tests {
     }
 
     /// While a collective's exchange makes progress (here: never counted
-    /// as stalled), the next call's frames stay in the socket.
+    /// as stalled), the next call's frames stay unread (in the socket, or
+    /// in the channel's buffer).
     #[test]
     fn collectives_leave_the_next_calls_frames_unread() {
         let rounds = 20;
@@ -796,6 +801,137 @@ pub(super) mod tests {
     fn stalled_collectives_read_ahead() {
         let n = read_ahead_rounds(2, Duration::from_millis(200), Duration::from_millis(1));
         assert_eq!(n, 2, "read ahead in {n} of 2 stalled rounds");
+    }
+
+    /// CPU time this thread has used.
+    fn thread_cpu() -> Duration {
+        // SAFETY: a zeroed rusage for the kernel to fill.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: RUSAGE_THREAD with a live rusage.
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) }, 0);
+        let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+        Duration::from_micros(us(ru.ru_utime) + us(ru.ru_stime))
+    }
+
+    /// Without spinning, an exchange stalled on one peer sleeps, and reads
+    /// ahead the frames another peer's channel already holds in its buffer
+    /// (they wake no poll(): a wait that only looked at revents saw none
+    /// and polled with no timeout until the late peer came, using a core).
+    #[test]
+    fn a_stalled_exchange_without_spinning_sleeps_and_reads_ahead() {
+        let mut w = tcp_world(3).into_iter();
+        let (mut t0, mut t1, mut t2) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
+        t1.read_ahead_after = Duration::from_millis(1);
+        t1.spin = Duration::ZERO;
+        let desc = |seq: u64| Desc::new(OpKind::Broadcast, seq).data(100, DType::Uint8);
+        let (go, gone) = std::sync::mpsc::channel::<()>();
+        let rank0 = std::thread::spawn(move || {
+            for seq in [0u64, 1] {
+                t0.exchange(&mut [Xfer::send(1, &[seq as u8; 100], desc(seq))])
+                    .unwrap();
+            }
+            // Kept open until rank 1 is done.
+            let _ = gone.recv();
+        });
+        let rank2 = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            t2.exchange(&mut [Xfer::send(1, &[7; 100], desc(0))])
+                .unwrap();
+        });
+        // Both of rank 0's frames are there: one read takes them both.
+        std::thread::sleep(Duration::from_millis(50));
+        let before = thread_cpu();
+        let (mut a, mut b) = ([0u8; 100], [0u8; 100]);
+        t1.exchange(&mut [
+            Xfer::recv(0, &mut a, desc(0)),
+            Xfer::recv(2, &mut b, desc(0)),
+        ])
+        .unwrap();
+        let cpu = thread_cpu() - before;
+        assert!(a == [0u8; 100] && b == [7u8; 100]);
+        let read_ahead = !t1.conns[0].as_ref().unwrap().inbox.is_empty();
+        t1.exchange(&mut [Xfer::recv(0, &mut a, desc(1))]).unwrap();
+        assert_eq!(a, [1u8; 100]);
+        go.send(()).unwrap();
+        rank0.join().unwrap();
+        rank2.join().unwrap();
+        assert!(read_ahead, "rank 0's second frame was not read ahead");
+        assert!(
+            cpu < Duration::from_millis(100),
+            "rank 1 used {cpu:?} of CPU waiting 250 ms"
+        );
+    }
+
+    /// A tagged message's announcement (request to send) that came in one
+    /// read with a collective's frame, and waits in the channel's buffer,
+    /// is answered while a later collective waits without spinning: the
+    /// collective depends on it (rank 2 sends only once rank 0's tagged
+    /// send is through).
+    #[test]
+    fn a_tagged_message_held_in_the_channel_moves_while_a_collective_sleeps() {
+        use crate::call::RawBuf;
+        use crate::transport::frame::EAGER_MAX;
+        use crate::transport::tagged::{Done, Incoming, Outgoing};
+        let n = EAGER_MAX + 8;
+        let mut w = tcp_world(3).into_iter();
+        let (mut t0, mut t1, mut t2) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
+        t1.spin = Duration::ZERO;
+        t1.timeout = Duration::from_secs(5);
+        let desc = |seq: u64| Desc::new(OpKind::Broadcast, seq).data(100, DType::Uint8);
+        let rank0 = std::thread::spawn(move || {
+            t0.exchange(&mut [Xfer::send(1, &[1u8; 100], desc(0))])
+                .unwrap();
+            let mine = vec![5u8; n];
+            let m = Outgoing {
+                buf: RawBuf::of(&mine),
+                dtype: DType::Uint8,
+                count: n,
+                peer: 1,
+                tag: 3,
+            };
+            let done = Arc::new(Done::default());
+            t0.tagged.post_send(m, done.clone(), 2).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(8);
+            while !done.is_finished() && Instant::now() < deadline {
+                let thorough = Drive {
+                    connect: false,
+                    thorough: true,
+                };
+                t0.drive(None, thorough);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            assert!(done.is_finished(), "rank 0's tagged send never went");
+            t0.exchange(&mut [Xfer::send(2, &[2u8; 100], desc(1))])
+                .unwrap();
+        });
+        let rank2 = std::thread::spawn(move || {
+            let mut a = [0u8; 100];
+            t2.exchange(&mut [Xfer::recv(0, &mut a, desc(1))]).unwrap();
+            t2.exchange(&mut [Xfer::send(1, &[7u8; 100], desc(2))])
+                .unwrap();
+        });
+        // Rank 0's frame and its tagged announcement are both there.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut a = [0u8; 100];
+        t1.exchange(&mut [Xfer::recv(0, &mut a, desc(0))]).unwrap();
+        assert_eq!(a, [1u8; 100]);
+        let mut got = vec![0u8; n];
+        let r = Incoming {
+            buf: RawBuf::new(got.as_mut_ptr(), got.len()),
+            dtype: DType::Uint8,
+            count: n,
+            peer: Some(0),
+            tag: Some(3),
+            exact: true,
+        };
+        let done = Arc::new(Done::default());
+        t1.tagged.post_recv(r, done.clone(), 1).unwrap();
+        let res = t1.exchange(&mut [Xfer::recv(2, &mut a, desc(2))]);
+        rank0.join().unwrap();
+        rank2.join().unwrap();
+        res.unwrap();
+        assert_eq!(a, [7u8; 100]);
+        assert!(done.is_finished() && got == vec![5u8; n]);
     }
 
     /// A receive-and-reduce of a partial element is refused (its leftover
