@@ -322,6 +322,74 @@ def test_tensors_default_communicator_new_group_and_init_from_store():
         assert not failed, f"rank {report['rank']}: {failed}"
 
 
+def test_the_flight_recorder_tells_finished_calls_from_a_hung_one(tmp_path):
+    """torch's flight recorder on rdist (torch with backend hooks, 2.15):
+    finished calls read "completed" with a duration, none reads active;
+    a call that times out (rank 1 never makes it) runs the abort hooks,
+    which write the trace to TORCH_FR_DUMP_TEMP_FILE<rank>, where it is
+    the one entry not completed."""
+    if not _torch_has("torch.distributed.distributed_c10d", "_maybe_attach_flight_recorder"):
+        pytest.skip("skipped: this torch has no backend hooks for its flight recorder (2.15 added them)")
+    reports = _run_snippet(
+        """
+        import json, os, pickle, time
+        from datetime import timedelta
+        import torch
+        import torch.distributed as dist
+        import rdist.torch  # noqa: F401
+        from _worker import report
+
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("rdist", timeout=timedelta(seconds=3))
+        store = dist.distributed_c10d._get_default_store()
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        if rank == 0:
+            dist.send(torch.ones(2), 1)
+        else:
+            dist.recv(torch.zeros(2), 0)
+        dist.broadcast(t, 0)
+        c10d = torch._C._distributed_c10d
+        trace = pickle.loads(c10d._dump_fr_trace(True, False, backend="rdist"))
+        entries = [(e["profiling_name"], e["state"], e.get("duration_ms")) for e in trace["entries"]]
+        active = json.loads(c10d._dump_fr_trace_json(True, True, backend="rdist"))
+        facts = {"entries": entries, "active": active.get("entries", [])}
+        if rank == 0:
+            try:
+                dist.all_reduce(t)
+                facts["error"] = None
+            except Exception as error:
+                facts["error"] = type(error).__name__
+            dump = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0"
+            deadline = time.monotonic() + 10
+            while not os.path.exists(dump) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if os.path.exists(dump):
+                with open(dump, "rb") as f:
+                    facts["dumped"] = [(e["profiling_name"], e["state"]) for e in pickle.load(f)["entries"]]
+            store.set("rank 0 is done", "1")
+        else:
+            store.wait(["rank 0 is done"], timedelta(seconds=60))
+        report(rank=rank, **facts)
+        """,
+        2,
+        env={"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_")},
+    )
+    for r in reports:
+        names = [name for name, _, _ in r["entries"]]
+        assert names[:2] == ["rdist:all_reduce"] * 2 and names[3] == "rdist:broadcast", names
+        assert len(names) == 4 and names[2].startswith("rdist:" + ("send" if r["rank"] == 0 else "recv"))
+        for name, state, ms in r["entries"]:
+            assert state == "completed" and ms is not None and ms >= 0, (r["rank"], name, state, ms)
+        assert r["active"] == [], r["active"]
+    first = reports[0]
+    assert first["error"] == "DistBackendError", first
+    assert first.get("dumped"), f"no trace at {tmp_path}: {sorted(os.listdir(tmp_path))}"
+    assert [s for _, s in first["dumped"]] == ["completed"] * 4 + ["scheduled"], first["dumped"]
+    assert first["dumped"][-1][0] == "rdist:all_reduce", first["dumped"]
+
+
 _AGENT_STORE = (
     "import sys, time, datetime, torch.distributed as d\n"
     "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False,"

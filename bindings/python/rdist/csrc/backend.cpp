@@ -453,7 +453,19 @@ RdistBackend::RdistBackend(
       libraryPath_(libraryPath),
       comm_(comm),
       timeout_(timeout),
-      waiter_(std::make_shared<Waiter>()) {}
+      waiter_(std::make_shared<Waiter>()),
+      hooks_(std::make_shared<Hooks>()) {}
+
+#ifdef C10D_BACKEND_HAS_HOOKS
+void RdistBackend::registerCompletionHook(int64_t id, c10d::CompletionHook hook) {
+  hooks_->addCompletion(id, [hook = std::move(hook)](uint64_t key, float ms) {
+    c10d::CompletionHookArgs args;
+    args.completionKey = key;
+    args.duration_ms = ms;
+    hook(args);
+  });
+}
+#endif
 
 RdistBackend::~RdistBackend() {
   try {
@@ -527,7 +539,7 @@ c10::intrusive_ptr<RdistBackend> RdistBackend::shrinkTo(
     if (code != RDIST_SUCCESS) {
       std::string detail = api_.lastError();
       api_.rdist_options_destroy(options);
-      std::rethrow_exception(errorFor(code, detail));
+      std::rethrow_exception(failure(code, detail));
     }
   }
   rdist_comm_t* child = nullptr;
@@ -543,7 +555,7 @@ c10::intrusive_ptr<RdistBackend> RdistBackend::shrinkTo(
     api_.rdist_options_destroy(options);
   }
   if (code != RDIST_SUCCESS) {
-    std::rethrow_exception(errorFor(code, detail));
+    std::rethrow_exception(failure(code, detail));
   }
   int childSize = 0;
   api_.rdist_comm_size(child, &childSize);
@@ -555,7 +567,7 @@ c10::intrusive_ptr<RdistBackend> RdistBackend::shrinkTo(
     for (size_t i = 0; i < excluded.size(); ++i) {
       list << (i ? ", " : "") << excluded[i];
     }
-    std::rethrow_exception(errorFor(
+    std::rethrow_exception(failure(
         RDIST_ERR_PEER_LOST,
         c10::str(
             "rdist: shrink_group left out more ranks than ranks_to_exclude [",
@@ -585,8 +597,15 @@ rdist_comm_t* RdistBackend::live(const char* what) const {
 
 void RdistBackend::check(rdist_result_t code) const {
   if (code != RDIST_SUCCESS) {
-    std::rethrow_exception(errorFor(code, api_.lastError()));
+    std::rethrow_exception(failure(code, api_.lastError()));
   }
+}
+
+std::exception_ptr RdistBackend::failure(
+    rdist_result_t code,
+    const std::string& detail) const {
+  hooks_->failed(code);
+  return errorFor(code, detail);
 }
 
 c10::intrusive_ptr<RdistWork> RdistBackend::newWork(
@@ -601,7 +620,7 @@ c10::intrusive_ptr<RdistWork> RdistBackend::newWork(
   all.insert(all.end(), outputs.begin(), outputs.end());
   auto devices = devicesOf(all);
   auto work = c10::make_intrusive<RdistWork>(
-      api_, rank_, opType, title, inputs, std::move(outputs), devices);
+      api_, rank_, opType, title, inputs, std::move(outputs), devices, hooks_);
   std::weak_ptr<Waiter> waiter = waiter_;
   work->watch = [waiter](c10::intrusive_ptr<RdistWork> w) {
     if (auto alive = waiter.lock()) {
@@ -699,7 +718,7 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::runGrouped(
     detail = api_.lastError();
   }
   if (failed != RDIST_SUCCESS) {
-    std::rethrow_exception(errorFor(failed, detail));
+    std::rethrow_exception(failure(failed, detail));
   }
   work->attach({}, {}, std::move(post));
   work->completeNow();
@@ -755,7 +774,7 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::endCoalescing() {
       }
     }
     if (code != RDIST_SUCCESS) {
-      error = errorFor(code, detail);
+      error = failure(code, detail);
     }
   }
   std::vector<at::Tensor> outputs;
@@ -950,7 +969,7 @@ c10::intrusive_ptr<c10d::Work> RdistBackend::allreduce_sparse(
     detail = code == RDIST_SUCCESS ? "" : api_.lastError();
   }
   if (code != RDIST_SUCCESS) {
-    std::rethrow_exception(errorFor(code, detail));
+    std::rethrow_exception(failure(code, detail));
   }
   std::vector<at::Tensor> indexBlocks, valueBlocks;
   for (int r = 0; r < size_; ++r) {
@@ -1626,7 +1645,7 @@ void RdistBackend::monitoredBarrier(
         if (code != RDIST_SUCCESS) {
           std::string detail = api_.lastError();
           waiter_->reap(api_, pending, buffers);
-          std::rethrow_exception(errorFor(code, detail));
+          std::rethrow_exception(failure(code, detail));
         }
         if (finished) {
           done[i] = true;
@@ -1672,7 +1691,7 @@ void RdistBackend::monitoredBarrier(
         // The receives posted so far still write into the buffers.
         std::string detail = api_.lastError();
         waiter_->reap(api_, pending, buffers);
-        std::rethrow_exception(errorFor(code, detail));
+        std::rethrow_exception(failure(code, detail));
       }
       pending.push_back(request);
       peers.push_back(r);
@@ -1700,7 +1719,7 @@ void RdistBackend::monitoredBarrier(
       std::string detail = code == RDIST_SUCCESS ? "" : api_.lastError();
       api_.rdist_request_free(request);
       if (code != RDIST_SUCCESS) {
-        std::rethrow_exception(errorFor(code, detail));
+        std::rethrow_exception(failure(code, detail));
       }
     }
     return;
@@ -1715,7 +1734,7 @@ void RdistBackend::monitoredBarrier(
   if (code != RDIST_SUCCESS) {
     std::string detail = api_.lastError();
     api_.rdist_request_free(sent);
-    std::rethrow_exception(errorFor(code, detail));
+    std::rethrow_exception(failure(code, detail));
   }
   std::vector<rdist_request_t*> pending{sent, answered};
   std::vector<int> peers{0, 0};

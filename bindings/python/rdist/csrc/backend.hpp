@@ -11,8 +11,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -38,6 +41,49 @@ std::exception_ptr errorFor(rdist_result_t code, const std::string& message);
 void markWaiterThread();
 bool onWaiterThread();
 
+// Whether a failure is the group's (a timeout, a lost or failed peer,
+// ranks that called differently), not one call's bad arguments: the
+// failures torch's abort hooks are for.
+bool groupFailure(rdist_result_t code);
+
+// The hooks torch registers on a backend (torch with
+// C10D_BACKEND_HAS_HOOKS; elsewhere nothing registers and these cost an
+// atomic load). Its flight recorder learns from the completion hooks
+// which calls finished, so that a dump tells a finished call from a hung
+// one, and writes its trace to disk from the abort hooks when a call
+// fails. Shared by the backend and its works (a work can outlive it).
+class Hooks {
+ public:
+  using Completion = std::function<void(uint64_t key, float ms)>;
+  using Abort = std::function<void()>;
+
+  void addCompletion(int64_t id, Completion hook);
+  void addAbort(int64_t id, Abort hook);
+  void removeCompletion(int64_t id);
+  void removeAbort(int64_t id);
+  // Whether completion hooks are registered (works are timed only then).
+  bool timing() const {
+    return anyCompletion_.load(std::memory_order_relaxed);
+  }
+  // A work finished successfully: `key` its completion key, `ms` its
+  // duration.
+  void completed(uint64_t key, float ms);
+  // A call failed with `code`: runs the abort hooks if it is the group's.
+  void failed(rdist_result_t code);
+
+ private:
+  // Replaced whole on each change, so that a call copies a pointer (not
+  // the hooks) under the lock and runs them after it.
+  template <typename Hook>
+  using Table = std::shared_ptr<const std::map<int64_t, Hook>>;
+
+  std::mutex mutex_;
+  std::atomic<bool> anyCompletion_{false};
+  std::atomic<bool> anyAbort_{false};
+  Table<Completion> completion_ = std::make_shared<std::map<int64_t, Completion>>();
+  Table<Abort> abort_ = std::make_shared<std::map<int64_t, Abort>>();
+};
+
 // A call on rdist, issued (non-blocking: its requests) or already done.
 class RdistWork : public c10d::Work {
  public:
@@ -48,7 +94,8 @@ class RdistWork : public c10d::Work {
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs,
-      std::vector<c10::Device> devices);
+      std::vector<c10::Device> devices,
+      std::shared_ptr<Hooks> hooks);
   ~RdistWork() override;
 
   // Requests to wait for, buffers to keep alive until then, and what to
@@ -81,6 +128,15 @@ class RdistWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // From issue to completion, in ms, once complete (timed while torch's
+  // completion hooks are registered, as its flight recorder does).
+  float getDuration() const override;
+#ifdef C10D_BACKEND_HAS_HOOKS
+  // Never reused in this process: torch's completion hooks key on it.
+  uint64_t getCompletionKey() const override {
+    return key_;
+  }
+#endif
 
   // Set by the backend: getFuture() asks it to complete this work from
   // its waiter thread, so that the future completes without a wait().
@@ -105,6 +161,10 @@ class RdistWork : public c10d::Work {
   std::atomic<bool> deferred_{false};
   std::atomic<int> source_{-1};
   rdist_request_t* statusOf_ = nullptr;
+  std::shared_ptr<Hooks> hooks_;
+  uint64_t key_ = 0;
+  std::chrono::steady_clock::time_point issued_;
+  std::atomic<float> ms_{-1.0f};
 };
 
 class RdistBackend : public c10d::Backend {
@@ -234,6 +294,25 @@ class RdistBackend : public c10d::Backend {
   void abort();
   void shutdown();
 
+#ifdef C10D_BACKEND_HAS_HOOKS
+  bool supportsCompletionHooks() const override {
+    return true;
+  }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t id) override {
+    hooks_->removeCompletion(id);
+  }
+  bool supportsAbortHooks() const override {
+    return true;
+  }
+  void registerAbortHook(int64_t id, c10d::AbortHook hook) override {
+    hooks_->addAbort(id, std::move(hook));
+  }
+  void unregisterAbortHook(int64_t id) override {
+    hooks_->removeAbort(id);
+  }
+#endif
+
   // The ranks this rank knows failed.
   std::vector<int> failedRanks() const;
   // The communicator, as an int for C code (0 after shutdown).
@@ -271,6 +350,9 @@ class RdistBackend : public c10d::Backend {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
   void check(rdist_result_t code) const;
+  // The exception for a failed call (`detail`: rdist_last_error()), after
+  // the abort hooks when the failure is the group's.
+  std::exception_ptr failure(rdist_result_t code, const std::string& detail) const;
   rdist_comm_t* live(const char* what) const;
   c10::intrusive_ptr<c10d::Work> p2p(
       std::vector<at::Tensor>& tensors,
@@ -297,6 +379,7 @@ class RdistBackend : public c10d::Backend {
   // Completes the works whose futures were asked for (getFuture), so
   // that those complete without a wait().
   std::shared_ptr<Waiter> waiter_;
+  std::shared_ptr<Hooks> hooks_;
 };
 
 }  // namespace rdist_torch

@@ -16,6 +16,10 @@ namespace {
 
 thread_local bool waiterThread = false;
 
+// Completion keys: unique in the process, so that a late completion can
+// never be taken for another work's.
+std::atomic<uint64_t> nextKey{1};
+
 c10::SourceLocation here(const char* function, const char* file, uint32_t line) {
   return c10::SourceLocation{function, file, line};
 }
@@ -77,6 +81,89 @@ std::exception_ptr errorFor(rdist_result_t code, const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError(where, message));
 }
 
+bool groupFailure(rdist_result_t code) {
+  return code != RDIST_SUCCESS && code != RDIST_ERR_INVALID_ARGUMENT &&
+      code != RDIST_ERR_INVALID_USAGE;
+}
+
+namespace {
+
+template <typename Hook>
+std::shared_ptr<const std::map<int64_t, Hook>> with(
+    const std::shared_ptr<const std::map<int64_t, Hook>>& table,
+    int64_t id,
+    Hook* hook) {
+  auto changed = std::make_shared<std::map<int64_t, Hook>>(*table);
+  if (hook != nullptr) {
+    (*changed)[id] = std::move(*hook);
+  } else {
+    changed->erase(id);
+  }
+  return changed;
+}
+
+}  // namespace
+
+void Hooks::addCompletion(int64_t id, Completion hook) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  completion_ = with(completion_, id, &hook);
+  anyCompletion_ = true;
+}
+
+void Hooks::addAbort(int64_t id, Abort hook) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  abort_ = with(abort_, id, &hook);
+  anyAbort_ = true;
+}
+
+void Hooks::removeCompletion(int64_t id) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  completion_ = with<Completion>(completion_, id, nullptr);
+  anyCompletion_ = !completion_->empty();
+}
+
+void Hooks::removeAbort(int64_t id) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  abort_ = with<Abort>(abort_, id, nullptr);
+  anyAbort_ = !abort_->empty();
+}
+
+// Hooks run outside the lock: torch's recorder unregisters while holding
+// its own lock, and a hook takes that lock.
+void Hooks::completed(uint64_t key, float ms) {
+  if (!anyCompletion_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  Table<Completion> table;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    table = completion_;
+  }
+  for (const auto& entry : *table) {
+    try {
+      entry.second(key, ms);
+    } catch (...) {
+    }
+  }
+}
+
+void Hooks::failed(rdist_result_t code) {
+  if (!groupFailure(code) || !anyAbort_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  Table<Abort> table;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    table = abort_;
+  }
+  for (const auto& entry : *table) {
+    try {
+      entry.second();
+    } catch (...) {
+    }
+  }
+}
+
 RdistWork::RdistWork(
     const Api& api,
     int rank,
@@ -84,7 +171,8 @@ RdistWork::RdistWork(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     std::vector<at::Tensor> outputs,
-    std::vector<c10::Device> devices)
+    std::vector<c10::Device> devices,
+    std::shared_ptr<Hooks> hooks)
     : c10d::Work(
           rank,
           opType,
@@ -92,7 +180,13 @@ RdistWork::RdistWork(
           std::optional<std::vector<at::Tensor>>(inputs)),
       api_(api),
       outputs_(std::move(outputs)),
-      devices_(std::move(devices)) {}
+      devices_(std::move(devices)),
+      hooks_(std::move(hooks)) {
+  if (hooks_ && hooks_->timing()) {
+    key_ = nextKey.fetch_add(1, std::memory_order_relaxed);
+    issued_ = std::chrono::steady_clock::now();
+  }
+}
 
 RdistWork::~RdistWork() {
   // A work dropped unwaited still owns its requests: wait for them, so
@@ -148,7 +242,11 @@ void RdistWork::complete() {
   for (rdist_request_t* request : requests_) {
     rdist_result_t code = api_.rdist_wait(request);
     if (code != RDIST_SUCCESS && !error) {
-      error = errorFor(code, api_.lastError());
+      std::string detail = api_.lastError();
+      if (hooks_) {
+        hooks_->failed(code);
+      }
+      error = errorFor(code, detail);
     }
   }
   if (!error && statusOf_ && api_.rdist_request_status) {
@@ -167,7 +265,17 @@ void RdistWork::complete() {
 }
 
 void RdistWork::finishWith(std::exception_ptr error) {
+  float ms = -1.0f;
+  if (key_ != 0) {
+    ms = std::chrono::duration<float, std::milli>(
+             std::chrono::steady_clock::now() - issued_)
+             .count();
+    ms_ = ms;
+  }
   finish(error);
+  if (!error && key_ != 0) {
+    hooks_->completed(key_, ms);
+  }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> guard(futureMutex_);
@@ -226,6 +334,15 @@ bool RdistWork::isCompleted() {
   guard.unlock();
   complete();
   return true;
+}
+
+float RdistWork::getDuration() const {
+  float ms = ms_.load();
+  TORCH_CHECK(
+      ms >= 0.0f,
+      "rdist: a work's duration is known once it completed, and only while "
+      "torch's completion hooks (its flight recorder) are registered");
+  return ms;
 }
 
 bool RdistWork::isSuccess() const {
