@@ -76,6 +76,9 @@ class Hooks {
   // the hooks) under the lock and runs them after it.
   template <typename Hook>
   using Table = std::shared_ptr<const std::map<int64_t, Hook>>;
+  // Runs every hook of `table` (read under the lock) with `args`.
+  template <typename Hook, typename... Args>
+  void runAll(const Table<Hook>& table, Args... args);
 
   std::mutex mutex_;
   std::atomic<bool> anyCompletion_{false};

@@ -130,37 +130,30 @@ void Hooks::removeAbort(int64_t id) {
 
 // Hooks run outside the lock: torch's recorder unregisters while holding
 // its own lock, and a hook takes that lock.
-void Hooks::completed(uint64_t key, float ms) {
-  if (!anyCompletion_.load(std::memory_order_relaxed)) {
-    return;
-  }
-  Table<Completion> table;
+template <typename Hook, typename... Args>
+void Hooks::runAll(const Table<Hook>& table, Args... args) {
+  Table<Hook> now;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    table = completion_;
+    now = table;
   }
-  for (const auto& entry : *table) {
+  for (const auto& entry : *now) {
     try {
-      entry.second(key, ms);
+      entry.second(args...);
     } catch (...) {
     }
   }
 }
 
+void Hooks::completed(uint64_t key, float ms) {
+  if (anyCompletion_.load(std::memory_order_relaxed)) {
+    runAll(completion_, key, ms);
+  }
+}
+
 void Hooks::failed(rdist_result_t code) {
-  if (!groupFailure(code) || !anyAbort_.load(std::memory_order_relaxed)) {
-    return;
-  }
-  Table<Abort> table;
-  {
-    std::lock_guard<std::mutex> guard(mutex_);
-    table = abort_;
-  }
-  for (const auto& entry : *table) {
-    try {
-      entry.second();
-    } catch (...) {
-    }
+  if (groupFailure(code) && anyAbort_.load(std::memory_order_relaxed)) {
+    runAll(abort_);
   }
 }
 
