@@ -324,10 +324,11 @@ def test_tensors_default_communicator_new_group_and_init_from_store():
 
 def test_the_flight_recorder_tells_finished_calls_from_a_hung_one(tmp_path):
     """torch's flight recorder on rdist (torch with backend hooks, 2.15):
-    finished calls read "completed" with a duration, none reads active;
-    a call that times out (rank 1 never makes it) runs the abort hooks,
-    which write the trace to TORCH_FR_DUMP_TEMP_FILE<rank>, where it is
-    the one entry not completed."""
+    finished calls read "completed" with their duration (a broadcast whose
+    root waited 0.3 s says so), none reads active; a non-blocking call
+    that times out (rank 1 never makes it) runs the abort hooks, which
+    write the trace to TORCH_FR_DUMP_TEMP_FILE<rank>, where it is the one
+    entry not completed."""
     if not _torch_has("torch.distributed.distributed_c10d", "_maybe_attach_flight_recorder"):
         pytest.skip("skipped: this torch has no backend hooks for its flight recorder (2.15 added them)")
     reports = _run_snippet(
@@ -349,6 +350,7 @@ def test_the_flight_recorder_tells_finished_calls_from_a_hung_one(tmp_path):
             dist.send(torch.ones(2), 1)
         else:
             dist.recv(torch.zeros(2), 0)
+            time.sleep(0.3)  # the root's broadcast waits for this rank to enter
         dist.broadcast(t, 0)
         c10d = torch._C._distributed_c10d
         trace = pickle.loads(c10d._dump_fr_trace(True, False, backend="rdist"))
@@ -357,17 +359,20 @@ def test_the_flight_recorder_tells_finished_calls_from_a_hung_one(tmp_path):
         facts = {"entries": entries, "active": active.get("entries", [])}
         if rank == 0:
             try:
-                dist.all_reduce(t)
+                # Non-blocking: the failure is met in the work's wait.
+                dist.all_reduce(t, async_op=True).wait()
                 facts["error"] = None
             except Exception as error:
                 facts["error"] = type(error).__name__
             dump = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0"
             deadline = time.monotonic() + 10
-            while not os.path.exists(dump) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if os.path.exists(dump):
-                with open(dump, "rb") as f:
-                    facts["dumped"] = [(e["profiling_name"], e["state"]) for e in pickle.load(f)["entries"]]
+            while "dumped" not in facts and time.monotonic() < deadline:
+                try:
+                    with open(dump, "rb") as f:
+                        entries = pickle.load(f)["entries"]
+                    facts["dumped"] = [(e["profiling_name"], e["state"]) for e in entries]
+                except (OSError, EOFError, pickle.UnpicklingError):
+                    time.sleep(0.05)  # not written yet, or not whole
             store.set("rank 0 is done", "1")
         else:
             store.wait(["rank 0 is done"], timedelta(seconds=60))
@@ -384,6 +389,7 @@ def test_the_flight_recorder_tells_finished_calls_from_a_hung_one(tmp_path):
             assert state == "completed" and ms is not None and ms >= 0, (r["rank"], name, state, ms)
         assert r["active"] == [], r["active"]
     first = reports[0]
+    assert first["entries"][3][2] >= 200, f"the root's broadcast waited 0.3 s: {first['entries']}"
     assert first["error"] == "DistBackendError", first
     assert first.get("dumped"), f"no trace at {tmp_path}: {sorted(os.listdir(tmp_path))}"
     assert [s for _, s in first["dumped"]] == ["completed"] * 4 + ["scheduled"], first["dumped"]

@@ -1705,6 +1705,7 @@ void RdistBackend::monitoredBarrier(
       }
       text << " failed to pass monitoredBarrier in " << timeout.count()
            << " ms (rdist: rank 0 waited for them)";
+      hooks_->failed(RDIST_ERR_TIMEOUT);
       C10_THROW_ERROR(DistBackendError, text.str());
     }
     std::vector<rdist_request_t*> acks;
@@ -1754,6 +1755,7 @@ void RdistBackend::monitoredBarrier(
         DistBackendError, c10::str(told, e.what_without_backtrace(), ")"));
   }
   if (!late.empty()) {
+    hooks_->failed(RDIST_ERR_TIMEOUT);
     C10_THROW_ERROR(
         DistBackendError,
         c10::str(

@@ -102,7 +102,9 @@ class RdistWork : public c10d::Work {
   ~RdistWork() override;
 
   // Requests to wait for, buffers to keep alive until then, and what to
-  // run after success (copies out of a temporary).
+  // run after success (copies out of a temporary). Like completeNow, says
+  // that the call was issued: only such a work reports its completion to
+  // torch's hooks (one refused before it is dropped after the exception).
   void attach(
       std::vector<rdist_request_t*> requests,
       std::vector<at::Tensor> keep,
@@ -136,6 +138,8 @@ class RdistWork : public c10d::Work {
   float getDuration() const override;
 #ifdef C10D_BACKEND_HAS_HOOKS
   // Never reused in this process: torch's completion hooks key on it.
+  // (torch 2.15 added the macro with the abort and completion hooks and
+  // this key alike.)
   uint64_t getCompletionKey() const override {
     return key_;
   }
@@ -165,8 +169,12 @@ class RdistWork : public c10d::Work {
   std::atomic<int> source_{-1};
   rdist_request_t* statusOf_ = nullptr;
   std::shared_ptr<Hooks> hooks_;
-  uint64_t key_ = 0;
-  std::chrono::steady_clock::time_point issued_;
+  uint64_t key_;
+  // Timed (torch's completion hooks were registered when it was made).
+  bool timed_ = false;
+  std::chrono::steady_clock::time_point made_;
+  // The call was issued or ran (attach, completeNow).
+  std::atomic<bool> issued_{false};
   std::atomic<float> ms_{-1.0f};
 };
 

@@ -82,8 +82,10 @@ std::exception_ptr errorFor(rdist_result_t code, const std::string& message) {
 }
 
 bool groupFailure(rdist_result_t code) {
+  // UNAVAILABLE is this rank's library lacking something (an NCCL without
+  // shrink): not worth the recorder's one dump per process.
   return code != RDIST_SUCCESS && code != RDIST_ERR_INVALID_ARGUMENT &&
-      code != RDIST_ERR_INVALID_USAGE;
+      code != RDIST_ERR_INVALID_USAGE && code != RDIST_ERR_UNAVAILABLE;
 }
 
 namespace {
@@ -174,10 +176,11 @@ RdistWork::RdistWork(
       api_(api),
       outputs_(std::move(outputs)),
       devices_(std::move(devices)),
-      hooks_(std::move(hooks)) {
+      hooks_(std::move(hooks)),
+      key_(nextKey.fetch_add(1, std::memory_order_relaxed)) {
   if (hooks_ && hooks_->timing()) {
-    key_ = nextKey.fetch_add(1, std::memory_order_relaxed);
-    issued_ = std::chrono::steady_clock::now();
+    timed_ = true;
+    made_ = std::chrono::steady_clock::now();
   }
 }
 
@@ -197,9 +200,11 @@ void RdistWork::attach(
   requests_ = std::move(requests);
   keep_ = std::move(keep);
   post_ = std::move(post);
+  issued_ = true;
 }
 
 void RdistWork::completeNow(std::exception_ptr error) {
+  issued_ = true;
   std::lock_guard<std::mutex> guard(completing_);
   if (done_.load()) {
     return;
@@ -236,6 +241,8 @@ void RdistWork::complete() {
     rdist_result_t code = api_.rdist_wait(request);
     if (code != RDIST_SUCCESS && !error) {
       std::string detail = api_.lastError();
+      // Before the error shows: a waiter on another thread may end the
+      // process on it, and the recorder's dump must be written first.
       if (hooks_) {
         hooks_->failed(code);
       }
@@ -259,21 +266,25 @@ void RdistWork::complete() {
 
 void RdistWork::finishWith(std::exception_ptr error) {
   float ms = -1.0f;
-  if (key_ != 0) {
+  if (timed_) {
     ms = std::chrono::duration<float, std::milli>(
-             std::chrono::steady_clock::now() - issued_)
+             std::chrono::steady_clock::now() - made_)
              .count();
     ms_ = ms;
   }
   finish(error);
-  if (!error && key_ != 0) {
-    hooks_->completed(key_, ms);
-  }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> guard(futureMutex_);
     done_ = true;
     future = future_;
+  }
+  // After done_: torch's recorder, missing a completion whose key it has
+  // not registered yet, asks isCompleted() next and must hear yes. Only
+  // for a call that was issued: one that failed before it (dropped after
+  // its exception) did not complete.
+  if (!error && timed_ && issued_.load()) {
+    hooks_->completed(key_, ms);
   }
   if (!future) {
     return;
