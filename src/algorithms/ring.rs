@@ -115,9 +115,31 @@ pub fn reduce_scatter(
 /// `buf` holds n blocks of `block_bytes`; this rank's own block is filled.
 /// Afterwards every block holds its rank's data.
 pub fn allgather(link: &mut Link<'_>, buf: &mut [u8], block_bytes: usize) -> Result<()> {
+    pass_on(link, buf, block_bytes, 0)
+}
+
+/// `allgather` of this rank's block `input` into `buf` (n blocks of
+/// `input.len()`, apart from `input`). The first step sends it from
+/// `input`, not from its copy in `buf`: lines this call just wrote are
+/// slower for another core to read (single copy reads them straight out
+/// of this rank's memory) than the caller's.
+pub fn allgather_from(link: &mut Link<'_>, input: &[u8], buf: &mut [u8]) -> Result<()> {
+    let (r, n, right, left) = neighbours(link);
+    let bb = input.len();
+    crate::copy::copy(&mut buf[r * bb..(r + 1) * bb], input);
+    if n > 1 {
+        let from = (r + n - 1) % n;
+        link.send_recv(right, input, left, &mut buf[from * bb..(from + 1) * bb])?;
+    }
+    pass_on(link, buf, bb, 1)
+}
+
+/// The ring's steps from `first` on: at step s this rank sends block r-s
+/// and receives block r-s-1.
+fn pass_on(link: &mut Link<'_>, buf: &mut [u8], block_bytes: usize, first: usize) -> Result<()> {
     let (r, n, right, left) = neighbours(link);
     let range = |i: usize| i * block_bytes..(i + 1) * block_bytes;
-    for s in 0..n.saturating_sub(1) {
+    for s in first..n.saturating_sub(1) {
         let (out, into) = split_pair(buf, range((r + n - s) % n), range((r + 2 * n - s - 1) % n));
         link.send_recv(right, out, left, into)?;
     }

@@ -239,12 +239,20 @@ unsafe fn allgather(link: &mut Link<'_>, call: &Call, ctx: &Context<'_>) -> Resu
         return Err(Error::internal("allgather entry for another call"));
     };
     let bb = send.len();
-    move_bytes(&send, recv.addr() + link.rank() * bb, bb);
-    let buf = recv.bytes_mut();
     match (ctx.algo, ctx.layers) {
-        (Algo::Hierarchical, Some(layers)) => hierarchical::allgather(link, buf, bb, layers),
-        (Algo::Bruck, _) => bruck::allgather(link, buf, bb),
-        _ => ring::allgather(link, buf, bb),
+        (Algo::Hierarchical, Some(layers)) => {
+            move_bytes(&send, recv.addr() + link.rank() * bb, bb);
+            hierarchical::allgather(link, recv.bytes_mut(), bb, layers)
+        }
+        (Algo::Bruck, _) => {
+            move_bytes(&send, recv.addr() + link.rank() * bb, bb);
+            bruck::allgather(link, recv.bytes_mut(), bb)
+        }
+        _ if !send.overlaps(&recv) => ring::allgather_from(link, send.bytes(), recv.bytes_mut()),
+        _ => {
+            move_bytes(&send, recv.addr() + link.rank() * bb, bb);
+            ring::allgather(link, recv.bytes_mut(), bb)
+        }
     }
 }
 
@@ -369,13 +377,19 @@ unsafe fn allgatherv(link: &mut Link<'_>, call: &Call, _: &Context<'_>) -> Resul
     };
     let (rank, size, es) = (link.rank(), link.size(), dtype.size());
     // This rank's block goes to every rank: into its own place in recvbuf
-    // first (unless sendbuf is that place), and from there to the others.
+    // (unless sendbuf is that place), and to the others from sendbuf when
+    // it lies apart (as ring::allgather_from, for the same reason).
     move_bytes(&send, recv.addr() + layout.displ(rank) * es, send.len());
     let mut blocks: Vec<Option<&mut [u8]>> = split_blocks(recv.bytes_mut(), &layout, es, size)?
         .into_iter()
         .map(Some)
         .collect();
-    let own: &[u8] = blocks[rank].take().expect("own block");
+    let placed: &[u8] = blocks[rank].take().expect("own block");
+    let own = if send.overlaps(&recv) {
+        placed
+    } else {
+        send.bytes()
+    };
     let sends: Vec<&[u8]> = vec![own; size];
     direct::exchange_v(link, &sends, blocks, es)
 }
