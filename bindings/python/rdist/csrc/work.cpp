@@ -131,7 +131,9 @@ void Hooks::removeAbort(int64_t id) {
 }
 
 // Hooks run outside the lock: torch's recorder unregisters while holding
-// its own lock, and a hook takes that lock.
+// its own lock, and a hook takes that lock. So a hook removed while
+// another thread runs the table it copied may run once more (torch's
+// hooks hold only a weak_ptr to their recorder, for that).
 template <typename Hook, typename... Args>
 void Hooks::runAll(const Table<Hook>& table, Args... args) {
   Table<Hook> now;
