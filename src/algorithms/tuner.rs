@@ -21,6 +21,7 @@
 //! a factor of four (a noisy measurement moves a choice by at most that).
 
 use crate::transport::machine::Machine;
+use crate::transport::tagged::ReadCost;
 
 /// The machine the reference crossovers were measured on: the Sapphire
 /// Rapids VM, 2 cores (see docs/performance.md, "The tuning model" and
@@ -122,6 +123,19 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
     Some(from.next_power_of_two().max(16 << 10))
 }
 
+/// Single copy against the rings on machine `m`, for weighing a copy's
+/// measured time: the rings' pass rate, and what single copy costs a
+/// message beyond the rings' own step (its system call, and its answer's
+/// trip: its descriptor's trip stands for the message's own).
+fn single_copy_read_cost(m: &Machine) -> ReadCost {
+    let handoff = if m.handoff_ns > 0 { m } else { &REFERENCE };
+    let fixed = u64::from(m.cma_call_ns) + SHM_STEP_WORK_NS + u64::from(handoff.handoff_ns);
+    ReadCost {
+        pass_mbs: m.pass_mbs,
+        fixed_ns: u32::try_from(fixed).unwrap_or(u32::MAX),
+    }
+}
+
 /// Where single copy beats the rings for a rank that sends and receives
 /// at once (an exchange, every step of a ring): through the rings its
 /// core copies its outgoing bytes in and its incoming bytes out, two
@@ -188,6 +202,10 @@ pub struct Plan {
     /// The same for payloads a rank sends while it also receives (see
     /// `two_way_single_copy_from`); never above `single_copy_min`.
     pub two_way_single_copy_min: usize,
+    /// Below those sizes, a tagged message goes single copy while its
+    /// buffer's receiver copies it faster than the rings pass it, by this
+    /// measure (`transport::tagged::choice`); None: not measured.
+    pub read_cost: Option<ReadCost>,
     /// The inputs and choices, one clause each, for the log.
     pub why: String,
 }
@@ -352,11 +370,24 @@ pub fn plan(i: &Inputs) -> Plan {
             _ => "the same for a rank that sends while it receives".to_string(),
         });
     }
+    let read_cost = here
+        .knows_single_copy()
+        .then(|| single_copy_read_cost(&here));
+    if let Some(c) = read_cost {
+        why.push(format!(
+            "below that, a tagged message goes single copy while its buffer's last copies by its \
+             receiver beat the rings' {:.1} GB/s by more than single copy's {} ns a message (a buffer \
+             sent unchanged, in the receiver's cache; not one just written)",
+            f64::from(c.pass_mbs) / 1000.0,
+            c.fixed_ns
+        ));
+    }
     Plan {
         crossovers,
         oversubscribed,
         single_copy_min,
         two_way_single_copy_min,
+        read_cost,
         why: why.join("; "),
     }
 }

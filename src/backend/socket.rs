@@ -176,6 +176,11 @@ impl SocketBackend {
                 // than two cores pass bytes through a ring, or the ranks
                 // outnumber the cores, or memory is the bound (the model).
                 tagged_single_copy_min: single_copy_min,
+                // Below it, by buffer, as its copies are measured: unless
+                // the option fixes the size.
+                tagged_read_cost: plan
+                    .read_cost
+                    .filter(|_| settings.single_copy == SingleCopy::Auto),
             },
             signal,
         })?;

@@ -66,7 +66,8 @@ pub enum FrameKind {
     /// A tagged message left in the sender's memory for the receiver to
     /// copy (single copy, same host); the payload is [address, length].
     TagRemote = 10,
-    /// The receiver copied tagged message `seq` (answer to `TagRemote`).
+    /// The receiver copied tagged message `seq` (answer to `TagRemote`);
+    /// its count is how long the copy took in ns (0: not timed).
     TagAck = 11,
 }
 

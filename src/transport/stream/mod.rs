@@ -30,7 +30,7 @@ use super::frame::{
 };
 use super::link::Links;
 use super::signal::AbortSignal;
-use super::tagged::{Path, Posts, Sink, Tagged};
+use super::tagged::{Path, Posts, ReadCost, Sink, Tagged};
 use super::{Dir, Shape, Transport, Xfer};
 use crate::descriptor::{Desc, OpKind};
 use crate::error::{describe_io, Error, ErrorKind, Result};
@@ -273,6 +273,10 @@ pub struct Tuning {
     /// Tagged messages from this size go single-copy where a pair can;
     /// usize::MAX: never.
     pub tagged_single_copy_min: usize,
+    /// Below it, a tagged message goes single copy when its buffer's last
+    /// copies by its receiver beat the rings by this measure (see
+    /// `tagged::choice`); None: never.
+    pub tagged_read_cost: Option<ReadCost>,
 }
 
 impl StreamTransport {
@@ -294,6 +298,7 @@ impl StreamTransport {
             reduced_single_copy_min,
             mixed,
             tagged_single_copy_min,
+            tagged_read_cost,
         } = tuning;
         let size = channels.len();
         let conns = channels
@@ -327,6 +332,7 @@ impl StreamTransport {
                 size,
                 tagged_single_copy_min,
                 two_way_single_copy_min.min(tagged_single_copy_min),
+                tagged_read_cost,
             ),
             posts: Arc::new(Posts::new()?),
             idle: Progress::sized(size),

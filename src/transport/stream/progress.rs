@@ -454,6 +454,7 @@ pub(super) mod tests {
             reduced_single_copy_min: usize::MAX,
             mixed: false,
             tagged_single_copy_min: usize::MAX,
+            tagged_read_cost: None,
         }
     }
 
@@ -733,6 +734,107 @@ pub(super) mod tests {
         assert!(got[0] == mine[1] && got[1] == mine[0]);
         let after = carried();
         both_single_copy(&before, &after, n);
+    }
+
+    /// Below the single-copy sizes, a tagged buffer sent again and again
+    /// goes single copy once its receiver's copy, timed and told in the
+    /// answer, beats the rings (`tagged::choice`); where no copy can, it
+    /// stays on the rings but for two tries. Every message arrives whole,
+    /// its bytes changed between sends or not.
+    #[test]
+    fn a_tagged_buffer_goes_single_copy_once_its_receivers_copies_beat_the_rings() {
+        use crate::call::RawBuf;
+        use crate::transport::tagged::{Done, Incoming, Outgoing, ReadCost};
+        let n = 64 << 10;
+        // Rings of 1 MB/s: any copy beats them (tried after 8 sends, and
+        // kept). Rings faster than any copy: the two tries, then the rings.
+        let slow_rings = ReadCost {
+            pass_mbs: 1,
+            fixed_ns: 0,
+        };
+        let fast_rings = ReadCost {
+            pass_mbs: u32::MAX,
+            fixed_ns: 0,
+        };
+        // Each send posted, or first offered to the connection at once (as
+        // a blocking send is: `send_at_once`).
+        let cases = [(slow_rings, 8..30), (fast_rings, 8..10)];
+        for ((cost, want), at_once) in cases
+            .iter()
+            .cloned()
+            .flat_map(|c| [(c.clone(), false), (c, true)])
+        {
+            let (w, counts) = shm_world(Tuning {
+                tagged_read_cost: Some(cost),
+                ..tuning()
+            });
+            let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+            let mut mine = vec![0u8; n];
+            let mut got = vec![0u8; n];
+            let mut single = Vec::new();
+            let drive = |t: &mut StreamTransport, d: &Arc<Done>| {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while !d.is_finished() {
+                    assert!(Instant::now() < deadline, "the call did not finish");
+                    let how = Drive {
+                        connect: false,
+                        thorough: true,
+                    };
+                    t.drive(None, how);
+                    std::thread::yield_now();
+                }
+                d.get().unwrap().unwrap();
+            };
+            for round in 0..30usize {
+                // Unchanged for 15 sends, then new bytes before each.
+                let fill = if round < 15 { 0 } else { round };
+                for (i, b) in mine.iter_mut().enumerate() {
+                    *b = (i * 7 + fill) as u8;
+                }
+                got.fill(0);
+                let before = carried(&counts)[1];
+                let r = Incoming {
+                    buf: RawBuf::of(&got),
+                    dtype: DType::Uint8,
+                    count: n,
+                    peer: Some(0),
+                    tag: Some(5),
+                    exact: true,
+                };
+                std::thread::scope(|sc| {
+                    sc.spawn(|| {
+                        let m = Outgoing {
+                            buf: RawBuf::of(&mine),
+                            dtype: DType::Uint8,
+                            count: n,
+                            peer: 1,
+                            tag: 5,
+                        };
+                        let d = Arc::new(Done::default());
+                        if !(at_once && t0.send_at_once(m, &d, 2)) {
+                            t0.tagged.post_send(m, d.clone(), 2).unwrap();
+                        }
+                        drive(&mut t0, &d);
+                    });
+                    let d = Arc::new(Done::default());
+                    t1.tagged.post_recv(r, d.clone(), 1).unwrap();
+                    drive(&mut t1, &d);
+                });
+                assert!(got == mine, "round {round}: arrived wrong");
+                let took = carried(&counts)[1] - before;
+                if took < 4096 {
+                    single.push(round);
+                } else {
+                    assert!(took >= n, "round {round}: {took} bytes off the rings");
+                }
+            }
+            assert_eq!(
+                single,
+                want.collect::<Vec<_>>(),
+                "the rounds that went single copy, rings at {} MB/s, sent at once: {at_once}",
+                cost.pass_mbs
+            );
+        }
     }
 
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first

@@ -29,6 +29,7 @@
 //! moves its bytes (a waiting caller, the endpoint's thread, or a
 //! collective's exchange, which also takes the tagged frames it meets).
 
+mod choice;
 mod matching;
 
 use crate::call::RawBuf;
@@ -38,6 +39,8 @@ use crate::sync::lock;
 use crate::transport::channel::{read_remote, Channel};
 use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, TAG_REMOTE_BYTES};
 use crate::transport::signal::Wake;
+use choice::Choices;
+pub use choice::ReadCost;
 use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
 use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};
@@ -504,6 +507,9 @@ struct Peer {
     /// peer withdrawn before the peer answered: the peer reads it here
     /// (its descriptor says where; `Peer` is boxed, so it stays put).
     withdrawn: AtomicU64,
+    /// Which of this rank's buffers go to the peer single copy below the
+    /// single-copy sizes (see `choice`).
+    choices: Choices,
 }
 
 impl Peer {
@@ -573,6 +579,9 @@ pub struct Tagged {
     two_way_single_copy_min: usize,
     /// Receives waiting in the peers' `copies`.
     copies: usize,
+    /// Below those sizes, single copy is chosen per buffer from its
+    /// receiver's copy times, weighed with this (None: never).
+    read_cost: Option<ReadCost>,
 }
 
 impl Tagged {
@@ -581,6 +590,7 @@ impl Tagged {
         size: usize,
         single_copy_min: usize,
         two_way_single_copy_min: usize,
+        read_cost: Option<ReadCost>,
     ) -> Tagged {
         Tagged {
             rank,
@@ -593,6 +603,7 @@ impl Tagged {
             single_copy_min,
             two_way_single_copy_min,
             copies: 0,
+            read_cost,
         }
     }
 
@@ -600,13 +611,37 @@ impl Tagged {
     /// `single_copy_min`, or sooner while a receive of as much is posted
     /// (this rank's core copies both ways at once: from any peer, as in a
     /// ring's exchange).
-    fn goes_single_copy(&self, bytes: usize, path: Path) -> bool {
-        let two_way = self.two_way_single_copy_min;
-        if !path.single_copy(bytes, two_way.min(self.single_copy_min)) {
-            return false;
+    fn goes_single_copy(&self, msg: &Outgoing, path: Path) -> bool {
+        match self.sized_single_copy(msg.buf.len(), path) {
+            Some(single) => single,
+            None => self
+                .peer_ref(msg.peer)
+                .is_some_and(|p| p.choices.single(msg.buf.addr(), msg.buf.len())),
         }
-        path.single_copy(bytes, self.single_copy_min)
-            || (self.matching.posted.iter()).any(|r| r.buf.len() >= two_way)
+    }
+
+    /// Counts a send framed or written, single copy or not, where its
+    /// buffer's path is chosen (see `choice`).
+    fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) {
+        if self.sized_single_copy(msg.buf.len(), path).is_none() {
+            (self.peer(msg.peer).choices).sent(msg.buf.addr(), msg.buf.len(), single);
+        }
+    }
+
+    /// Whether a message of `bytes` goes single copy by its size (see
+    /// `goes_single_copy`); None: below those sizes, where it could pay
+    /// (the peer's `choices` decide).
+    fn sized_single_copy(&self, bytes: usize, path: Path) -> Option<bool> {
+        let two_way = self.two_way_single_copy_min;
+        if path.single_copy(bytes, two_way.min(self.single_copy_min))
+            && (path.single_copy(bytes, self.single_copy_min)
+                || (self.matching.posted.iter()).any(|r| r.buf.len() >= two_way))
+        {
+            return Some(true);
+        }
+        let chosen =
+            path.single_copy(bytes, 1) && (self.read_cost).is_some_and(|c| c.could_pay(bytes));
+        (!chosen).then_some(false)
     }
 
     fn peer(&mut self, p: usize) -> &mut Peer {
@@ -686,7 +721,7 @@ impl Tagged {
         if self.usable().is_err()
             || msg.peer == self.rank
             || bytes > EAGER_MAX
-            || self.goes_single_copy(bytes, path)
+            || self.goes_single_copy(msg, path)
         {
             return false;
         }
@@ -714,6 +749,7 @@ impl Tagged {
             return None;
         }
         p.next_out_seq += 1;
+        self.count_sent(&msg, path, false);
         Some(msg.status())
     }
 
@@ -753,6 +789,8 @@ impl Tagged {
             return false;
         }
         p.next_out_seq += 1;
+        self.count_sent(&msg, path, false);
+        let p = self.peer(msg.peer);
         let status = msg.status();
         if written == HEADER_BYTES + bytes {
             done.complete(Ok(status));
@@ -965,7 +1003,8 @@ impl Tagged {
     /// Turns `peer`'s queued sends into frames, as the path allows.
     fn frame(&mut self, peer: usize, path: Path) {
         while let Some(mut s) = self.peer(peer).queued.pop_front() {
-            let single_copy = self.goes_single_copy(s.msg.buf.len(), path);
+            let single_copy = self.goes_single_copy(&s.msg, path);
+            self.count_sent(&s.msg, path, single_copy);
             let p = self.peer(peer);
             let seq = p.next_out_seq;
             p.next_out_seq += 1;
@@ -1110,6 +1149,7 @@ impl Tagged {
                 Ok(Some(target))
             }
             FrameKind::TagCts | FrameKind::TagAck => {
+                let read_cost = self.read_cost;
                 let p = self.peer(peer);
                 let s = p
                     .awaiting
@@ -1121,7 +1161,12 @@ impl Tagged {
                     count: s.msg.count,
                 };
                 if h.kind == FrameKind::TagAck {
-                    // The receiver copied it from here: done.
+                    // The receiver copied it from here (in `count` ns):
+                    // done.
+                    if let Some(cost) = &read_cost {
+                        let (addr, len) = (s.msg.buf.addr(), s.msg.buf.len());
+                        p.choices.heard(addr, len, env.count, cost);
+                    }
                     s.done.complete(Ok(status));
                     return Ok(None);
                 }
@@ -1258,7 +1303,19 @@ impl Tagged {
 
     /// Queues an answer (TagAck, TagCts) to the sender of `env`.
     fn answer(&mut self, env: Envelope, kind: FrameKind) {
-        let h = Header::tagged(kind, env.seq, 0, 0, DType::Uint8, 0);
+        self.answer_counting(env, kind, 0);
+    }
+
+    /// The TagAck of a single-copy message that its receive copied in
+    /// `read_ns` (the sender's `choices` weigh it).
+    fn answer_copied(&mut self, env: Envelope, read_ns: u64) {
+        self.answer_counting(env, FrameKind::TagAck, read_ns);
+    }
+
+    /// An answer whose `count` carries `count` (a TagAck's copy time in
+    /// ns, 0: not timed).
+    fn answer_counting(&mut self, env: Envelope, kind: FrameKind, count: u64) {
+        let h = Header::tagged(kind, env.seq, 0, count, DType::Uint8, 0);
         self.peer(env.source)
             .push_answer(OutFrame::new(h, &[], RawBuf::EMPTY, None, 0));
     }
@@ -1293,7 +1350,9 @@ impl Tagged {
                 let len = env.count as usize * env.dtype.size();
                 // SAFETY: as above.
                 let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
+                let start = Instant::now();
                 if read_remote(remote.pid, remote.addr, dst).is_ok() {
+                    let read_ns = start.elapsed().as_nanos().max(1) as u64;
                     r.done.complete(match withdrawn(&remote, env.seq) {
                         false => Ok(status),
                         true => Err(Error::new(
@@ -1304,7 +1363,7 @@ impl Tagged {
                             ),
                         )),
                     });
-                    self.answer(env, FrameKind::TagAck);
+                    self.answer_copied(env, read_ns);
                 } else {
                     self.peer(env.source)
                         .receiving

@@ -1,0 +1,264 @@
+//! Which path a same-host tagged message below the single-copy sizes
+//! takes, the rings or single copy, chosen per buffer from how long its
+//! receiver took to copy it out of this rank's memory the last times.
+//!
+//! Why: single copy is fast when the receiver finds the sender's bytes
+//! in its own cache (a buffer sent again unchanged: the receiver's last
+//! copy left them there), and slow when the sender has just written them
+//! (the lines come out of the writer's cache, and the writer's next write
+//! takes them back): there the rings are about twice as fast. No size
+//! tells the two apart; the receiver's copy time does. A buffer starts on
+//! the rings. Now and then (less often each time it did not pay) two of
+//! its sends in a row go single copy, since the first read of lines the
+//! sender wrote last is slow whatever follows; while the receiver's
+//! copies beat what the rings would take, the buffer stays single copy.
+
+/// What a single copy costs against the rings on this machine (the
+/// tuning model's measured inputs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReadCost {
+    /// Two cores passing bytes through a ring, MB/s of payload.
+    pub pass_mbs: u32,
+    /// A single-copy message's fixed cost (its system call, its
+    /// descriptor's and answer's trips), ns.
+    pub fixed_ns: u32,
+}
+
+impl ReadCost {
+    fn rings_ns(&self, bytes: usize) -> f64 {
+        bytes as f64 * 1000.0 / f64::from(self.pass_mbs.max(1))
+    }
+
+    /// Whether single copy could pay for `bytes` at all (a copy taking no
+    /// time), so that trying it is worth a send.
+    pub fn could_pay(&self, bytes: usize) -> bool {
+        f64::from(self.fixed_ns) < self.rings_ns(bytes)
+    }
+
+    /// Whether a copy of `bytes` that took `read_ns` beat the rings.
+    pub fn paid(&self, bytes: usize, read_ns: u64) -> bool {
+        read_ns > 0 && (read_ns as f64 + f64::from(self.fixed_ns)) < self.rings_ns(bytes)
+    }
+}
+
+/// Buffers remembered per peer (the least recently sent is forgotten).
+const SLOTS: usize = 4;
+/// Sends through the rings before a buffer's first try of single copy.
+const FIRST_TRY_AFTER: u32 = 8;
+/// The most sends through the rings between two tries.
+const LAST_TRY_AFTER: u32 = 1024;
+/// How much longer the rings go on after each try that did not pay (a
+/// try costs up to twice a send, a written buffer's copy being slow).
+const TRY_LESS_OFTEN: u32 = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Through the rings; single copy is tried once `until_try` sends went.
+    Rings { until_try: u32 },
+    /// Trying single copy: `sends` more go so, then `answers` more copy
+    /// times are awaited.
+    Trying { sends: u8, answers: u8 },
+    /// Single copy while it pays.
+    Single,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    addr: usize,
+    len: usize,
+    /// When it was last sent (for forgetting the oldest).
+    stamp: u64,
+    mode: Mode,
+    /// Sends through the rings before the next try.
+    wait: u32,
+}
+
+/// One peer's remembered buffers.
+#[derive(Default)]
+pub struct Choices {
+    slots: Vec<Slot>,
+    clock: u64,
+}
+
+impl Choices {
+    fn find(&self, addr: usize, len: usize) -> Option<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.addr == addr && s.len == len)
+    }
+
+    /// Whether the next send of the `len` bytes at `addr` goes single copy.
+    pub fn single(&self, addr: usize, len: usize) -> bool {
+        self.find(addr, len)
+            .is_some_and(|i| match self.slots[i].mode {
+                Mode::Rings { until_try } => until_try == 0,
+                Mode::Trying { sends, .. } => sends > 0,
+                Mode::Single => true,
+            })
+    }
+
+    /// A send of the `len` bytes at `addr` was framed, single copy or not
+    /// (as `single` said).
+    pub fn sent(&mut self, addr: usize, len: usize, single: bool) {
+        self.clock += 1;
+        let i = match self.find(addr, len) {
+            Some(i) => i,
+            None => self.remember(addr, len),
+        };
+        let s = &mut self.slots[i];
+        s.stamp = self.clock;
+        s.mode = match (s.mode, single) {
+            (Mode::Rings { .. }, true) => Mode::Trying {
+                sends: 1,
+                answers: 2,
+            },
+            (Mode::Rings { until_try }, false) => Mode::Rings {
+                until_try: until_try.saturating_sub(1),
+            },
+            (Mode::Trying { sends, answers }, true) => Mode::Trying {
+                sends: sends.saturating_sub(1),
+                answers,
+            },
+            (m, _) => m,
+        };
+    }
+
+    /// The receiver of a single-copy send of the `len` bytes at `addr`
+    /// copied it in `read_ns` (0: it did not time it).
+    pub fn heard(&mut self, addr: usize, len: usize, read_ns: u64, cost: &ReadCost) {
+        let Some(i) = self.find(addr, len) else {
+            return;
+        };
+        let s = &mut self.slots[i];
+        let paid = cost.paid(len, read_ns);
+        match s.mode {
+            Mode::Single if !paid => s.mode = Mode::Rings { until_try: s.wait },
+            Mode::Trying { .. } if paid => {
+                s.mode = Mode::Single;
+                s.wait = FIRST_TRY_AFTER;
+            }
+            Mode::Trying { sends, answers } if answers > 1 => {
+                s.mode = Mode::Trying {
+                    sends,
+                    answers: answers - 1,
+                }
+            }
+            Mode::Trying { .. } => {
+                s.wait = (s.wait * TRY_LESS_OFTEN).min(LAST_TRY_AFTER);
+                s.mode = Mode::Rings { until_try: s.wait };
+            }
+            _ => {}
+        }
+    }
+
+    fn remember(&mut self, addr: usize, len: usize) -> usize {
+        let slot = Slot {
+            addr,
+            len,
+            stamp: self.clock,
+            mode: Mode::Rings {
+                until_try: FIRST_TRY_AFTER,
+            },
+            wait: FIRST_TRY_AFTER,
+        };
+        if self.slots.len() < SLOTS {
+            self.slots.push(slot);
+            return self.slots.len() - 1;
+        }
+        let oldest = (0..SLOTS)
+            .min_by_key(|&i| self.slots[i].stamp)
+            .expect("slots");
+        self.slots[oldest] = slot;
+        oldest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // 10 GB/s through the rings, 2 us fixed: 64 KiB takes 6.6 us there.
+    const COST: ReadCost = ReadCost {
+        pass_mbs: 10_000,
+        fixed_ns: 2_000,
+    };
+    const LEN: usize = 64 << 10;
+    const FAST: u64 = 2_000;
+    const SLOW: u64 = 8_000;
+
+    /// Sends the buffer once, the receiver taking `read_ns` when it goes
+    /// single copy; whether it did.
+    fn send(c: &mut Choices, addr: usize, read_ns: u64) -> bool {
+        let single = c.single(addr, LEN);
+        c.sent(addr, LEN, single);
+        if single {
+            c.heard(addr, LEN, read_ns, &COST);
+        }
+        single
+    }
+
+    #[test]
+    fn the_cost_tells_a_copy_from_cache_from_one_out_of_the_writers() {
+        assert!(COST.paid(LEN, FAST));
+        assert!(!COST.paid(LEN, SLOW));
+        assert!(!COST.paid(LEN, 0), "an untimed copy proves nothing");
+        assert!(COST.could_pay(LEN));
+        assert!(!COST.could_pay(16 << 10), "1.6 us through the rings: never");
+    }
+
+    #[test]
+    fn a_buffer_sent_unchanged_goes_single_copy_after_two_tries() {
+        let mut c = Choices::default();
+        let paths: Vec<bool> = (0..12)
+            .map(|i| send(&mut c, 0x1000, if i == 8 { SLOW } else { FAST }))
+            .collect();
+        // 8 through the rings, a try whose first read is slow (the lines
+        // were the sender's), a second that pays, then single copy.
+        assert_eq!(paths[..8], [false; 8]);
+        assert_eq!(paths[8..], [true; 4]);
+    }
+
+    #[test]
+    fn a_buffer_written_before_every_send_stays_on_the_rings_and_is_tried_less_often() {
+        let mut c = Choices::default();
+        let tries: Vec<usize> = (0..3000).filter(|_| send(&mut c, 0x1000, SLOW)).collect();
+        // Pairs of tries, after 8, 32, 128, 512, 1024 ... sends through
+        // the rings.
+        assert_eq!(&tries[..6], &[8, 9, 42, 43, 172, 173]);
+        let gaps: Vec<usize> = tries.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps
+            .iter()
+            .all(|&g| g == 1 || g <= LAST_TRY_AFTER as usize + 1));
+        assert!(tries.len() <= 12, "{} tries in 3000 sends", tries.len());
+    }
+
+    #[test]
+    fn a_buffer_that_starts_being_written_goes_back_to_the_rings_at_once() {
+        let mut c = Choices::default();
+        for _ in 0..12 {
+            send(&mut c, 0x1000, FAST);
+        }
+        assert!(c.single(0x1000, LEN));
+        assert!(send(&mut c, 0x1000, SLOW), "this one went single copy");
+        assert!(!c.single(0x1000, LEN), "the next goes through the rings");
+    }
+
+    #[test]
+    fn each_buffer_is_judged_alone_and_the_oldest_is_forgotten() {
+        let mut c = Choices::default();
+        for _ in 0..12 {
+            send(&mut c, 0x1000, FAST);
+            send(&mut c, 0x9000, SLOW);
+        }
+        assert!(c.single(0x1000, LEN));
+        assert!(!c.single(0x9000, LEN));
+        assert!(
+            !c.single(0x1000, LEN / 2),
+            "another length is another buffer"
+        );
+        for b in 1..=SLOTS {
+            send(&mut c, 0x100000 * b, FAST);
+        }
+        assert!(!c.single(0x1000, LEN), "forgotten: back to the rings");
+    }
+}
