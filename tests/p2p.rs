@@ -443,35 +443,47 @@ fn a_receive_posted_after_its_single_copy_message_came_copies_it_later_not_in_th
     // exchange would copy in turn instead of at once) but at its wait, or
     // on the endpoint's thread meanwhile. 128 MiB copies for tens of
     // milliseconds; posting a receive takes microseconds.
+    // A receive posted more than 200 us after its message came finds it
+    // copied out of the sender's memory already (its sender released, see
+    // `REMOTE_PATIENCE`), and copies it from there: on a loaded machine
+    // that can happen to any one round, so the best of three counts.
     let mut o = common::opts(30_000);
     o.set("single_copy_min", "1").unwrap();
-    common::world(2, o, Duration::from_secs(120), |comm| {
+    let rounds = common::world(2, o, Duration::from_secs(120), |comm| {
         let n = 128 << 20;
-        if comm.rank() == 0 {
-            let mine: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
-            let big = isend(&comm, &mine, DType::Uint8, 1, 5);
-            comm.send_tagged(&[1u8], 1, 6).unwrap();
-            big.wait().unwrap();
-        } else {
-            let mut got = vec![0u8; n];
-            // Receiving the small message reads the large one's descriptor,
-            // which came first, and keeps it (its sender's buffer stays
-            // until the copy is done).
-            let mut small = [0u8; 1];
-            comm.recv_tagged(&mut small, Some(0), Some(6)).unwrap();
-            let t = Instant::now();
-            let r = irecv(&comm, &mut got, DType::Uint8, Some(0), Some(5));
-            let posted = t.elapsed();
-            r.wait().unwrap();
-            let all = t.elapsed();
-            assert!(
-                posted * 4 < all,
-                "the receive was copied while it was posted: posting took {posted:?} of {all:?}"
-            );
-            assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        let mut rounds = Vec::new();
+        for round in 0..3 {
+            if comm.rank() == 0 {
+                let mine: Vec<u8> = (0..n).map(|i| ((i + round) % 251) as u8).collect();
+                let big = isend(&comm, &mine, DType::Uint8, 1, 5);
+                comm.send_tagged(&[1u8], 1, 6).unwrap();
+                big.wait().unwrap();
+            } else {
+                let mut got = vec![0u8; n];
+                // Receiving the small message reads the large one's
+                // descriptor, which came first, and keeps it (its sender's
+                // buffer stays until the copy is done).
+                let mut small = [0u8; 1];
+                comm.recv_tagged(&mut small, Some(0), Some(6)).unwrap();
+                let t = Instant::now();
+                let r = irecv(&comm, &mut got, DType::Uint8, Some(0), Some(5));
+                let posted = t.elapsed();
+                r.wait().unwrap();
+                rounds.push((posted, t.elapsed()));
+                assert!(got
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == ((i + round) % 251) as u8));
+            }
+            comm.barrier().unwrap();
         }
-        comm.barrier().unwrap();
+        rounds
     });
+    let rounds = &rounds[1];
+    assert!(
+        rounds.iter().any(|&(posted, all)| posted * 4 < all),
+        "the receive was copied while it was posted (posting, all): {rounds:?}"
+    );
 }
 
 #[test]

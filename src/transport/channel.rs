@@ -116,6 +116,65 @@ pub fn read_remote(pid: i32, addr: u64, dest: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// `read_remote` of `dest`, then the 8-byte word at `word` in the same
+/// process, in the system call that reads the last piece: the kernel
+/// reads a call's remote pieces in their order, so the word is read after
+/// every byte of `dest` (one system call fewer than reading it alone).
+/// The word, or None where it could not be read (the bytes were).
+pub fn read_remote_then_word(
+    pid: i32,
+    addr: u64,
+    dest: &mut [u8],
+    word: u64,
+) -> io::Result<Option<u64>> {
+    const PIECE: usize = 1 << 20;
+    let last = dest.len().saturating_sub(1) / PIECE * PIECE;
+    read_remote(pid, addr, &mut dest[..last])?;
+    let mut w = [0u8; 8];
+    let mut done = last;
+    while done < dest.len() {
+        let len = dest.len() - done;
+        let local = [
+            libc::iovec {
+                iov_base: dest[done..].as_mut_ptr().cast(),
+                iov_len: len,
+            },
+            libc::iovec {
+                iov_base: w.as_mut_ptr().cast(),
+                iov_len: 8,
+            },
+        ];
+        let remote = [
+            libc::iovec {
+                iov_base: (addr as usize + done) as *mut libc::c_void,
+                iov_len: len,
+            },
+            libc::iovec {
+                iov_base: word as usize as *mut libc::c_void,
+                iov_len: 8,
+            },
+        ];
+        // SAFETY: as in `read_remote`; both local pieces are live.
+        let n = unsafe { libc::process_vm_readv(pid, local.as_ptr(), 2, remote.as_ptr(), 2, 0) };
+        if n <= 0 {
+            return Err(if n == 0 {
+                io::ErrorKind::UnexpectedEof.into()
+            } else {
+                io::Error::last_os_error()
+            });
+        }
+        let n = n as usize;
+        if n == len + 8 {
+            return Ok(Some(u64::from_le_bytes(w)));
+        }
+        done += n.min(len);
+    }
+    // The bytes came, the word not with them: read alone, after them.
+    Ok(read_remote(pid, word, &mut w)
+        .ok()
+        .map(|_| u64::from_le_bytes(w)))
+}
+
 /// One writev of `a` then `b` (either may be empty).
 pub fn writev(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<usize> {
     let iov = [
@@ -141,5 +200,30 @@ pub fn writev(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<usize> {
         Err(io::Error::last_os_error())
     } else {
         Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_read_brings_the_bytes_and_then_the_word_or_says_it_could_not() {
+        let pid = std::process::id() as i32;
+        let word = 0x0123_4567_89ab_cdefu64;
+        // Under one piece, whole pieces, and pieces and a rest.
+        for n in [0usize, 5, 1 << 20, 2 << 20, (3 << 20) + 5] {
+            let src: Vec<u8> = (0..n).map(|i| (i * 7 + 1) as u8).collect();
+            let mut dst = vec![0u8; n];
+            let w = &word as *const u64 as u64;
+            let got = read_remote_then_word(pid, src.as_ptr() as u64, &mut dst, w).unwrap();
+            assert_eq!(got, Some(word), "{n} B");
+            assert!(dst == src, "{n} B arrived wrong");
+            // A word that cannot be read: the bytes still come.
+            dst.fill(0);
+            let got = read_remote_then_word(pid, src.as_ptr() as u64, &mut dst, 8).unwrap();
+            assert_eq!(got, None, "{n} B");
+            assert!(dst == src, "{n} B arrived wrong without its word");
+        }
     }
 }

@@ -738,16 +738,20 @@ pub(super) mod tests {
 
     /// Below the single-copy sizes, a tagged buffer sent again and again
     /// goes single copy once its receiver's copy, timed and told in the
-    /// answer, beats the rings (`tagged::choice`); where no copy can, it
-    /// stays on the rings but for two tries. Every message arrives whole,
-    /// its bytes changed between sends or not.
+    /// answer, beats the rings (`tagged::choice`), and back to the rings
+    /// when its sender waited longer than the rings take (its receiver
+    /// came late); where no copy can beat them, it stays on the rings but
+    /// for two tries. Every message arrives whole, its bytes changed
+    /// between sends or not.
     #[test]
     fn a_tagged_buffer_goes_single_copy_once_its_receivers_copies_beat_the_rings() {
         use crate::call::RawBuf;
         use crate::transport::tagged::{Done, Incoming, Outgoing, ReadCost};
         let n = 64 << 10;
         // Rings of 1 MB/s: any copy beats them (tried after 8 sends, and
-        // kept). Rings faster than any copy: the two tries, then the rings.
+        // kept), but a receive posted 300 ms late does not (the rings for
+        // 8 sends, then a try that pays). Rings faster than any copy: the
+        // two tries, then the rings.
         let slow_rings = ReadCost {
             pass_mbs: 1,
             fixed_ns: 0,
@@ -758,7 +762,9 @@ pub(super) mod tests {
         };
         // Each send posted, or first offered to the connection at once (as
         // a blocking send is: `send_at_once`).
-        let cases = [(slow_rings, 8..30), (fast_rings, 8..10)];
+        let late = 20;
+        let slow_paths: Vec<usize> = (8..=late).chain([late + 9]).collect();
+        let cases = [(slow_rings, slow_paths), (fast_rings, vec![8, 9])];
         for ((cost, want), at_once) in cases
             .iter()
             .cloned()
@@ -816,6 +822,9 @@ pub(super) mod tests {
                         }
                         drive(&mut t0, &d);
                     });
+                    if round == late {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
                     let d = Arc::new(Done::default());
                     t1.tagged.post_recv(r, d.clone(), 1).unwrap();
                     drive(&mut t1, &d);
@@ -829,8 +838,7 @@ pub(super) mod tests {
                 }
             }
             assert_eq!(
-                single,
-                want.collect::<Vec<_>>(),
+                single, want,
                 "the rounds that went single copy, rings at {} MB/s, sent at once: {at_once}",
                 cost.pass_mbs
             );

@@ -7,8 +7,10 @@
 //! copy left them there), and slow when the sender has just written them
 //! (the lines come out of the writer's cache, and the writer's next write
 //! takes them back): there the rings are about twice as fast. No size
-//! tells the two apart; the receiver's copy time does. A buffer starts on
-//! the rings. Now and then (less often each time it did not pay) two of
+//! tells the two apart; the receiver's copy time does. Nor must the
+//! sender wait for a receiver that comes late, where the rings would have
+//! taken its bytes at once: its wait for the answer counts too. A buffer
+//! starts on the rings. Now and then (less often each time it did not pay) two of
 //! its sends in a row go single copy, since the first read of lines the
 //! sender wrote last is slow whatever follows; while the receiver's
 //! copies beat what the rings would take, the buffer stays single copy.
@@ -19,8 +21,8 @@
 pub struct ReadCost {
     /// Two cores passing bytes through a ring, MB/s of payload.
     pub pass_mbs: u32,
-    /// A single-copy message's fixed cost (its system call, its
-    /// descriptor's and answer's trips), ns.
+    /// What a single-copy message costs beyond its copy and the step a
+    /// ring message takes too (its answer's trip), ns.
     pub fixed_ns: u32,
 }
 
@@ -35,9 +37,15 @@ impl ReadCost {
         f64::from(self.fixed_ns) < self.rings_ns(bytes)
     }
 
-    /// Whether a copy of `bytes` that took `read_ns` beat the rings.
-    pub fn paid(&self, bytes: usize, read_ns: u64) -> bool {
-        read_ns > 0 && (read_ns as f64 + f64::from(self.fixed_ns)) < self.rings_ns(bytes)
+    /// Whether a single-copy send of `bytes` beat the rings: its
+    /// receiver's copy took `read_ns` (0: not timed), and its sender
+    /// waited `waited_ns` for the answer (for the receiver to come, to
+    /// copy, and to answer) no longer than twice what the rings take (in
+    /// an exchange the answer waits while its sender copies the other
+    /// way; a receiver that came late costs more).
+    pub fn paid(&self, bytes: usize, read_ns: u64, waited_ns: u64) -> bool {
+        let (rings, fixed) = (self.rings_ns(bytes), f64::from(self.fixed_ns));
+        read_ns > 0 && (read_ns as f64 + fixed) < rings && (waited_ns as f64) < 2.0 * rings + fixed
     }
 }
 
@@ -124,13 +132,21 @@ impl Choices {
     }
 
     /// The receiver of a single-copy send of the `len` bytes at `addr`
-    /// copied it in `read_ns` (0: it did not time it).
-    pub fn heard(&mut self, addr: usize, len: usize, read_ns: u64, cost: &ReadCost) {
+    /// copied it in `read_ns` (0: it did not time it), its sender having
+    /// waited `waited_ns` for that answer.
+    pub fn heard(
+        &mut self,
+        addr: usize,
+        len: usize,
+        read_ns: u64,
+        waited_ns: u64,
+        cost: &ReadCost,
+    ) {
         let Some(i) = self.find(addr, len) else {
             return;
         };
         let s = &mut self.slots[i];
-        let paid = cost.paid(len, read_ns);
+        let paid = cost.paid(len, read_ns, waited_ns);
         match s.mode {
             Mode::Single if !paid => s.mode = Mode::Rings { until_try: s.wait },
             Mode::Trying { .. } if paid => {
@@ -192,16 +208,24 @@ mod tests {
         let single = c.single(addr, LEN);
         c.sent(addr, LEN, single);
         if single {
-            c.heard(addr, LEN, read_ns, &COST);
+            c.heard(addr, LEN, read_ns, read_ns + 1_000, &COST);
         }
         single
     }
 
     #[test]
     fn the_cost_tells_a_copy_from_cache_from_one_out_of_the_writers() {
-        assert!(COST.paid(LEN, FAST));
-        assert!(!COST.paid(LEN, SLOW));
-        assert!(!COST.paid(LEN, 0), "an untimed copy proves nothing");
+        assert!(COST.paid(LEN, FAST, FAST + 1_000));
+        assert!(!COST.paid(LEN, SLOW, SLOW + 1_000));
+        assert!(!COST.paid(LEN, 0, 1_000), "an untimed copy proves nothing");
+        assert!(
+            COST.paid(LEN, FAST, 12_000),
+            "an exchange: the answer waited while its sender copied"
+        );
+        assert!(
+            !COST.paid(LEN, FAST, 100_000),
+            "a sender that waited for its receiver to come lost its time"
+        );
         assert!(COST.could_pay(LEN));
         assert!(!COST.could_pay(16 << 10), "1.6 us through the rings: never");
     }

@@ -36,7 +36,7 @@ use crate::call::RawBuf;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::lock;
-use crate::transport::channel::{read_remote, Channel};
+use crate::transport::channel::{read_remote, read_remote_then_word, Channel};
 use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, TAG_REMOTE_BYTES};
 use crate::transport::signal::Wake;
 use choice::Choices;
@@ -418,6 +418,8 @@ struct SendOp {
     done: Arc<Done>,
     /// Sent single copy (the receiver reads `msg.buf` itself).
     remote: bool,
+    /// When it went single copy by its buffer's choice (see `choice`).
+    chosen_at: Option<Instant>,
     /// The payload copied out of a withdrawn send's buffer (`msg.buf`
     /// points here then).
     kept: Option<Box<[u8]>>,
@@ -621,11 +623,13 @@ impl Tagged {
     }
 
     /// Counts a send framed or written, single copy or not, where its
-    /// buffer's path is chosen (see `choice`).
-    fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) {
-        if self.sized_single_copy(msg.buf.len(), path).is_none() {
+    /// buffer's path is chosen (see `choice`); whether it is.
+    fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) -> bool {
+        let chosen = self.sized_single_copy(msg.buf.len(), path).is_none();
+        if chosen {
             (self.peer(msg.peer).choices).sent(msg.buf.addr(), msg.buf.len(), single);
         }
+        chosen
     }
 
     /// Whether a message of `bytes` goes single copy by its size (see
@@ -708,6 +712,7 @@ impl Tagged {
             msg,
             done,
             remote: false,
+            chosen_at: None,
             kept: None,
         });
         Ok(())
@@ -1004,7 +1009,7 @@ impl Tagged {
     fn frame(&mut self, peer: usize, path: Path) {
         while let Some(mut s) = self.peer(peer).queued.pop_front() {
             let single_copy = self.goes_single_copy(&s.msg, path);
-            self.count_sent(&s.msg, path, single_copy);
+            let chosen = self.count_sent(&s.msg, path, single_copy);
             let p = self.peer(peer);
             let seq = p.next_out_seq;
             p.next_out_seq += 1;
@@ -1035,6 +1040,7 @@ impl Tagged {
                 p.out
                     .push_back(OutFrame::new(h, &d, RawBuf::EMPTY, None, s.id));
                 s.remote = true;
+                s.chosen_at = chosen.then(Instant::now);
                 p.awaiting.insert(seq, s);
             } else if bytes <= EAGER_MAX {
                 let h = header(FrameKind::TagEager, bytes);
@@ -1163,9 +1169,10 @@ impl Tagged {
                 if h.kind == FrameKind::TagAck {
                     // The receiver copied it from here (in `count` ns):
                     // done.
-                    if let Some(cost) = &read_cost {
+                    if let (Some(cost), Some(at)) = (&read_cost, s.chosen_at) {
                         let (addr, len) = (s.msg.buf.addr(), s.msg.buf.len());
-                        p.choices.heard(addr, len, env.count, cost);
+                        let waited = at.elapsed().as_nanos() as u64;
+                        p.choices.heard(addr, len, env.count, waited, cost);
                     }
                     s.done.complete(Ok(status));
                     return Ok(None);
@@ -1351,9 +1358,12 @@ impl Tagged {
                 // SAFETY: as above.
                 let dst = unsafe { &mut r.buf.bytes_mut()[..len] };
                 let start = Instant::now();
-                if read_remote(remote.pid, remote.addr, dst).is_ok() {
+                // With the sender's word saying what it withdrew, read
+                // after the bytes (see `withdrawn`).
+                let read = read_remote_then_word(remote.pid, remote.addr, dst, remote.withdrawn);
+                if let Ok(word) = read {
                     let read_ns = start.elapsed().as_nanos().max(1) as u64;
-                    r.done.complete(match withdrawn(&remote, env.seq) {
+                    r.done.complete(match word.is_none_or(|w| w > env.seq) {
                         false => Ok(status),
                         true => Err(Error::new(
                             ErrorKind::Timeout,
