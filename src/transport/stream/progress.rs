@@ -741,17 +741,18 @@ pub(super) mod tests {
     /// answer, beats the rings (`tagged::choice`), and back to the rings
     /// when its sender waited longer than the rings take (its receiver
     /// came late); where no copy can beat them, it stays on the rings but
-    /// for two tries. Every message arrives whole, its bytes changed
+    /// for two tries; with no message coming back (one-way traffic), it
+    /// is never tried. Every message arrives whole, its bytes changed
     /// between sends or not.
     #[test]
     fn a_tagged_buffer_goes_single_copy_once_its_receivers_copies_beat_the_rings() {
         use crate::call::RawBuf;
         use crate::transport::tagged::{Done, Incoming, Outgoing, ReadCost};
-        let n = 64 << 10;
-        // Rings of 1 MB/s: any copy beats them (tried after 8 sends, and
-        // kept), but a receive posted 300 ms late does not (the rings for
-        // 8 sends, then a try that pays). Rings faster than any copy: the
-        // two tries, then the rings.
+        let n = 256 << 10;
+        // Rings of 1 MB/s (262 ms for the message): any copy beats them
+        // (tried after 8 sends, and kept), but a receive posted 800 ms
+        // late does not (the rings for 8 sends, then a try that pays).
+        // Rings faster than any copy: the two tries, then the rings.
         let slow_rings = ReadCost {
             pass_mbs: 1,
             fixed_ns: 0,
@@ -764,8 +765,12 @@ pub(super) mod tests {
         // a blocking send is: `send_at_once`).
         let late = 20;
         let slow_paths: Vec<usize> = (8..=late).chain([late + 9]).collect();
-        let cases = [(slow_rings, slow_paths), (fast_rings, vec![8, 9])];
-        for ((cost, want), at_once) in cases
+        let cases = [
+            (slow_rings, true, slow_paths),
+            (fast_rings, true, vec![8, 9]),
+            (slow_rings, false, vec![]),
+        ];
+        for ((cost, talk_back, want), at_once) in cases
             .iter()
             .cloned()
             .flat_map(|c| [(c.clone(), false), (c, true)])
@@ -821,13 +826,40 @@ pub(super) mod tests {
                             t0.tagged.post_send(m, d.clone(), 2).unwrap();
                         }
                         drive(&mut t0, &d);
+                        if talk_back {
+                            let mut back = [0u8; 8];
+                            let r = Incoming {
+                                buf: RawBuf::new(back.as_mut_ptr(), back.len()),
+                                dtype: DType::Uint8,
+                                count: 8,
+                                peer: Some(1),
+                                tag: Some(6),
+                                exact: true,
+                            };
+                            let d = Arc::new(Done::default());
+                            t0.tagged.post_recv(r, d.clone(), 3).unwrap();
+                            drive(&mut t0, &d);
+                            assert_eq!(back, [7u8; 8]);
+                        }
                     });
                     if round == late {
-                        std::thread::sleep(Duration::from_millis(300));
+                        std::thread::sleep(Duration::from_millis(800));
                     }
                     let d = Arc::new(Done::default());
                     t1.tagged.post_recv(r, d.clone(), 1).unwrap();
                     drive(&mut t1, &d);
+                    if talk_back {
+                        let m = Outgoing {
+                            buf: RawBuf::of(&[7u8; 8]),
+                            dtype: DType::Uint8,
+                            count: 8,
+                            peer: 0,
+                            tag: 6,
+                        };
+                        let d = Arc::new(Done::default());
+                        t1.tagged.post_send(m, d.clone(), 4).unwrap();
+                        drive(&mut t1, &d);
+                    }
                 });
                 assert!(got == mine, "round {round}: arrived wrong");
                 let took = carried(&counts)[1] - before;
@@ -839,10 +871,96 @@ pub(super) mod tests {
             }
             assert_eq!(
                 single, want,
-                "the rounds that went single copy, rings at {} MB/s, sent at once: {at_once}",
+                "the rounds that went single copy, rings at {} MB/s, sent at once: {at_once}, \
+                 talking back: {talk_back}",
                 cost.pass_mbs
             );
         }
+    }
+
+    /// A single-copy send withdrawn (its timeout) and its buffer gone:
+    /// the receiver's copy fails and it asks for the payload over the
+    /// connection (TagCts); the sender sends the copy it kept when it
+    /// withdrew, never the caller's memory (unmapped here: reading it
+    /// would crash).
+    #[test]
+    fn a_withdrawn_single_copy_send_asked_for_later_sends_what_it_kept() {
+        use crate::call::RawBuf;
+        use crate::transport::tagged::{Done, Incoming, Outgoing};
+        use std::sync::atomic::AtomicBool;
+        let n = 64 << 10;
+        let (w, _) = shm_world(Tuning {
+            tagged_single_copy_min: 1,
+            ..tuning()
+        });
+        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+        let how = Drive {
+            connect: false,
+            thorough: true,
+        };
+        // SAFETY: a fresh private mapping, unmapped below once withdrawn.
+        let mem = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(mem, libc::MAP_FAILED);
+        let pattern: Vec<u8> = (0..n).map(|i| (i * 11 + 5) as u8).collect();
+        // SAFETY: `mem` holds `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), mem.cast::<u8>(), n) };
+        let m = Outgoing {
+            buf: RawBuf::new(mem.cast(), n),
+            dtype: DType::Uint8,
+            count: n,
+            peer: 1,
+            tag: 9,
+        };
+        let sent = Arc::new(Done::default());
+        t0.tagged.post_send(m, sent.clone(), 2).unwrap();
+        for _ in 0..100 {
+            t0.drive(None, how);
+        }
+        assert!(
+            !sent.is_finished(),
+            "a single-copy send waits for its answer"
+        );
+        assert_eq!(t0.tagged.withdraw(2, &mut |_| false), None);
+        // SAFETY: the send was withdrawn: nothing reads `mem` any more.
+        assert_eq!(unsafe { libc::munmap(mem, n) }, 0);
+        let mut got = vec![0u8; n];
+        let r = Incoming {
+            buf: RawBuf::new(got.as_mut_ptr(), n),
+            dtype: DType::Uint8,
+            count: n,
+            peer: Some(0),
+            tag: Some(9),
+            exact: true,
+        };
+        let received = Arc::new(Done::default());
+        let done = AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    t0.drive(None, how);
+                    std::thread::yield_now();
+                }
+            });
+            t1.tagged.post_recv(r, received.clone(), 1).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !received.is_finished() && Instant::now() < deadline {
+                t1.drive(None, how);
+                std::thread::yield_now();
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        let status = received.get().expect("the receive finished");
+        assert_eq!(status.unwrap().count, n);
+        assert!(got == pattern, "the kept copy arrived wrong");
     }
 
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first

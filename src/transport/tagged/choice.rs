@@ -10,10 +10,14 @@
 //! tells the two apart; the receiver's copy time does. Nor must the
 //! sender wait for a receiver that comes late, where the rings would have
 //! taken its bytes at once: its wait for the answer counts too. A buffer
-//! starts on the rings. Now and then (less often each time it did not pay) two of
-//! its sends in a row go single copy, since the first read of lines the
-//! sender wrote last is slow whatever follows; while the receiver's
-//! copies beat what the rings would take, the buffer stays single copy.
+//! starts on the rings. Now and then (less often each time it did not
+//! pay) two of its sends in a row go single copy, since the first read of
+//! lines the sender wrote last is slow whatever follows; while the
+//! receiver's copies beat what the rings would take, the buffer stays
+//! single copy. A try is made only while the peer talks back (a message
+//! from it came since the last send to it: a ping-pong, an exchange), so
+//! that a sender whose receiver is busy elsewhere (one-way traffic) is
+//! never held by a try the rings would have let go.
 
 /// What a single copy costs against the rings on this machine (the
 /// tuning model's measured inputs).
@@ -86,6 +90,8 @@ struct Slot {
 pub struct Choices {
     slots: Vec<Slot>,
     clock: u64,
+    /// How many messages had come from the peer at the last send to it.
+    heard_at_send: u64,
 }
 
 impl Choices {
@@ -95,20 +101,22 @@ impl Choices {
             .position(|s| s.addr == addr && s.len == len)
     }
 
-    /// Whether the next send of the `len` bytes at `addr` goes single copy.
-    pub fn single(&self, addr: usize, len: usize) -> bool {
+    /// Whether the next send of the `len` bytes at `addr` goes single
+    /// copy, `heard` messages having come from the peer so far.
+    pub fn single(&self, addr: usize, len: usize, heard: u64) -> bool {
         self.find(addr, len)
             .is_some_and(|i| match self.slots[i].mode {
-                Mode::Rings { until_try } => until_try == 0,
+                Mode::Rings { until_try } => until_try == 0 && heard != self.heard_at_send,
                 Mode::Trying { sends, .. } => sends > 0,
                 Mode::Single => true,
             })
     }
 
     /// A send of the `len` bytes at `addr` was framed, single copy or not
-    /// (as `single` said).
-    pub fn sent(&mut self, addr: usize, len: usize, single: bool) {
+    /// (as `single` said), `heard` messages having come from the peer.
+    pub fn sent(&mut self, addr: usize, len: usize, single: bool, heard: u64) {
         self.clock += 1;
+        self.heard_at_send = heard;
         let i = match self.find(addr, len) {
             Some(i) => i,
             None => self.remember(addr, len),
@@ -205,12 +213,25 @@ mod tests {
     /// Sends the buffer once, the receiver taking `read_ns` when it goes
     /// single copy; whether it did.
     fn send(c: &mut Choices, addr: usize, read_ns: u64) -> bool {
-        let single = c.single(addr, LEN);
-        c.sent(addr, LEN, single);
+        // A ping-pong: a message from the peer came since the last send.
+        let heard = c.heard_at_send + 1;
+        let single = c.single(addr, LEN, heard);
+        c.sent(addr, LEN, single, heard);
         if single {
             c.heard(addr, LEN, read_ns, read_ns + 1_000, &COST);
         }
         single
+    }
+
+    #[test]
+    fn one_way_traffic_is_never_held_by_a_try() {
+        let mut c = Choices::default();
+        for _ in 0..100 {
+            assert!(!c.single(0x1000, LEN, 0));
+            c.sent(0x1000, LEN, false, 0);
+        }
+        // The peer talks back: the try comes with the next send.
+        assert!(c.single(0x1000, LEN, 1));
     }
 
     #[test]
@@ -262,9 +283,10 @@ mod tests {
         for _ in 0..12 {
             send(&mut c, 0x1000, FAST);
         }
-        assert!(c.single(0x1000, LEN));
+        let h = u64::MAX;
+        assert!(c.single(0x1000, LEN, h));
         assert!(send(&mut c, 0x1000, SLOW), "this one went single copy");
-        assert!(!c.single(0x1000, LEN), "the next goes through the rings");
+        assert!(!c.single(0x1000, LEN, h), "the next goes through the rings");
     }
 
     #[test]
@@ -274,15 +296,16 @@ mod tests {
             send(&mut c, 0x1000, FAST);
             send(&mut c, 0x9000, SLOW);
         }
-        assert!(c.single(0x1000, LEN));
-        assert!(!c.single(0x9000, LEN));
+        let h = u64::MAX;
+        assert!(c.single(0x1000, LEN, h));
+        assert!(!c.single(0x9000, LEN, h));
         assert!(
-            !c.single(0x1000, LEN / 2),
+            !c.single(0x1000, LEN / 2, h),
             "another length is another buffer"
         );
         for b in 1..=SLOTS {
             send(&mut c, 0x100000 * b, FAST);
         }
-        assert!(!c.single(0x1000, LEN), "forgotten: back to the rings");
+        assert!(!c.single(0x1000, LEN, h), "forgotten: back to the rings");
     }
 }

@@ -618,7 +618,7 @@ impl Tagged {
             Some(single) => single,
             None => self
                 .peer_ref(msg.peer)
-                .is_some_and(|p| p.choices.single(msg.buf.addr(), msg.buf.len())),
+                .is_some_and(|p| (p.choices).single(msg.buf.addr(), msg.buf.len(), p.next_in_seq)),
         }
     }
 
@@ -627,7 +627,9 @@ impl Tagged {
     fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) -> bool {
         let chosen = self.sized_single_copy(msg.buf.len(), path).is_none();
         if chosen {
-            (self.peer(msg.peer).choices).sent(msg.buf.addr(), msg.buf.len(), single);
+            let p = self.peer(msg.peer);
+            let heard = p.next_in_seq;
+            (p.choices).sent(msg.buf.addr(), msg.buf.len(), single, heard);
         }
         chosen
     }
@@ -1166,14 +1168,20 @@ impl Tagged {
                     tag: s.msg.tag,
                     count: s.msg.count,
                 };
+                if let (Some(cost), Some(at)) = (&read_cost, s.chosen_at) {
+                    // How its copy went (a TagCts: not at all).
+                    let read_ns = if h.kind == FrameKind::TagAck {
+                        env.count
+                    } else {
+                        0
+                    };
+                    let (addr, len) = (s.msg.buf.addr(), s.msg.buf.len());
+                    let waited = at.elapsed().as_nanos() as u64;
+                    p.choices.heard(addr, len, read_ns, waited, cost);
+                }
                 if h.kind == FrameKind::TagAck {
                     // The receiver copied it from here (in `count` ns):
                     // done.
-                    if let (Some(cost), Some(at)) = (&read_cost, s.chosen_at) {
-                        let (addr, len) = (s.msg.buf.addr(), s.msg.buf.len());
-                        let waited = at.elapsed().as_nanos() as u64;
-                        p.choices.heard(addr, len, env.count, waited, cost);
-                    }
                     s.done.complete(Ok(status));
                     return Ok(None);
                 }
@@ -1438,8 +1446,12 @@ impl Tagged {
                 found = true;
                 if s.remote {
                     p.withdrawn.fetch_max(seq + 1, Ordering::SeqCst);
-                } else if s.kept.is_none() {
-                    // Its receiver asks for the payload later.
+                }
+                if s.kept.is_none() {
+                    // Its receiver asks for the payload later (a
+                    // single-copy one too, when its copy failed or was
+                    // given up: TagCts), from here, never from the
+                    // caller's buffer again.
                     let Some((buf, kept)) = keep(s.msg.buf) else {
                         return Some(peer);
                     };
