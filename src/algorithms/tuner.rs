@@ -127,12 +127,18 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
 /// measured time (its system call included): the rings' pass rate, and
 /// what single copy costs a message beyond the copy and the rings' own
 /// step: its answer's trip (its descriptor's stands for the message's).
-fn single_copy_read_cost(m: &Machine) -> ReadCost {
+/// Messages up to a core's own cache (`SINGLE_COPY_MIN` where sysfs
+/// names none): a larger one cannot wait whole in the receiver's cache.
+fn single_copy_read_cost(m: &Machine, core_cache_kib: u32) -> ReadCost {
     let handoff = if m.handoff_ns > 0 { m } else { &REFERENCE };
     let fixed = SHM_STEP_WORK_NS + u64::from(handoff.handoff_ns);
     ReadCost {
         pass_mbs: m.pass_mbs,
         fixed_ns: u32::try_from(fixed).unwrap_or(u32::MAX),
+        max_bytes: match core_cache_kib {
+            0 => SINGLE_COPY_MIN,
+            kib => (kib as usize) << 10,
+        },
     }
 }
 
@@ -372,13 +378,15 @@ pub fn plan(i: &Inputs) -> Plan {
     }
     let read_cost = here
         .knows_single_copy()
-        .then(|| single_copy_read_cost(&here));
+        .then(|| single_copy_read_cost(&here, i.core_cache_kib));
     if let Some(c) = read_cost {
         why.push(format!(
-            "below that, a tagged message goes single copy while its buffer's last copy by its \
-             receiver (timed) and its answer's {} ns trip beat the rings' {:.1} GB/s, and its sender \
-             waited no more than twice the rings' time for the answer (a buffer sent unchanged, in the \
-             receiver's cache; not one just written, nor to a receiver that comes late)",
+            "below that, a tagged message up to {} (a core's own cache) goes single copy while its \
+             buffer's last copy by its receiver (timed) and its answer's {} ns trip beat the rings' \
+             {:.1} GB/s, and its sender waited no more than twice the rings' time for the answer (a \
+             buffer sent unchanged, in the receiver's cache; not one just written, nor to a receiver \
+             that comes late); tried while the peer talks back",
+            bytes(c.max_bytes),
             c.fixed_ns,
             f64::from(c.pass_mbs) / 1000.0,
         ));

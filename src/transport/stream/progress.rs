@@ -756,10 +756,12 @@ pub(super) mod tests {
         let slow_rings = ReadCost {
             pass_mbs: 1,
             fixed_ns: 0,
+            max_bytes: n,
         };
         let fast_rings = ReadCost {
             pass_mbs: u32::MAX,
             fixed_ns: 0,
+            max_bytes: n,
         };
         // Each send posted, or first offered to the connection at once (as
         // a blocking send is: `send_at_once`).

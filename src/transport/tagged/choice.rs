@@ -28,6 +28,9 @@ pub struct ReadCost {
     /// What a single-copy message costs beyond its copy and the step a
     /// ring message takes too (its answer's trip), ns.
     pub fixed_ns: u32,
+    /// The largest message chosen for: a core's own cache (a larger one
+    /// cannot wait whole in the receiver's cache for the next send).
+    pub max_bytes: usize,
 }
 
 impl ReadCost {
@@ -38,7 +41,7 @@ impl ReadCost {
     /// Whether single copy could pay for `bytes` at all (a copy taking no
     /// time), so that trying it is worth a send.
     pub fn could_pay(&self, bytes: usize) -> bool {
-        f64::from(self.fixed_ns) < self.rings_ns(bytes)
+        bytes <= self.max_bytes && f64::from(self.fixed_ns) < self.rings_ns(bytes)
     }
 
     /// Whether a single-copy send of `bytes` beat the rings: its
@@ -205,6 +208,7 @@ mod tests {
     const COST: ReadCost = ReadCost {
         pass_mbs: 10_000,
         fixed_ns: 2_000,
+        max_bytes: 1 << 20,
     };
     const LEN: usize = 64 << 10;
     const FAST: u64 = 2_000;
@@ -249,6 +253,10 @@ mod tests {
         );
         assert!(COST.could_pay(LEN));
         assert!(!COST.could_pay(16 << 10), "1.6 us through the rings: never");
+        assert!(
+            !COST.could_pay(2 << 20),
+            "larger than a core's cache: never"
+        );
     }
 
     #[test]
