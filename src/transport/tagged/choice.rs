@@ -38,10 +38,11 @@ impl ReadCost {
         bytes as f64 * 1000.0 / f64::from(self.pass_mbs.max(1))
     }
 
-    /// Whether single copy could pay for `bytes` at all (a copy taking no
-    /// time), so that trying it is worth a send.
-    pub fn could_pay(&self, bytes: usize) -> bool {
-        bytes <= self.max_bytes && f64::from(self.fixed_ns) < self.rings_ns(bytes)
+    /// The sizes for which single copy could pay at all (a copy taking
+    /// no time beats the rings), so that trying it is worth a send.
+    pub fn sizes(&self) -> std::ops::RangeInclusive<usize> {
+        let lo = u64::from(self.fixed_ns) * u64::from(self.pass_mbs) / 1000 + 1;
+        usize::try_from(lo).unwrap_or(usize::MAX)..=self.max_bytes
     }
 
     /// Whether a single-copy send of `bytes` beat the rings: its
@@ -251,10 +252,15 @@ mod tests {
             !COST.paid(LEN, FAST, 100_000),
             "a sender that waited for its receiver to come lost its time"
         );
-        assert!(COST.could_pay(LEN));
-        assert!(!COST.could_pay(16 << 10), "1.6 us through the rings: never");
+        let sizes = COST.sizes();
+        assert!(sizes.contains(&LEN));
         assert!(
-            !COST.could_pay(2 << 20),
+            !sizes.contains(&(16 << 10)),
+            "1.6 us through the rings: never"
+        );
+        assert!(sizes.contains(&20_001) && !sizes.contains(&20_000));
+        assert!(
+            !sizes.contains(&(2 << 20)),
             "larger than a core's cache: never"
         );
     }

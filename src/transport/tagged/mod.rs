@@ -582,8 +582,10 @@ pub struct Tagged {
     /// Receives waiting in the peers' `copies`.
     copies: usize,
     /// Below those sizes, single copy is chosen per buffer from its
-    /// receiver's copy times, weighed with this (None: never).
+    /// receiver's copy times, weighed with this (None: never)...
     read_cost: Option<ReadCost>,
+    /// ... for messages of these sizes (empty: never).
+    chosen_sizes: std::ops::RangeInclusive<usize>,
 }
 
 impl Tagged {
@@ -606,6 +608,8 @@ impl Tagged {
             two_way_single_copy_min,
             copies: 0,
             read_cost,
+            #[allow(clippy::reversed_empty_ranges)]
+            chosen_sizes: read_cost.map_or(1..=0, |c| c.sizes()),
         }
     }
 
@@ -625,6 +629,9 @@ impl Tagged {
     /// Counts a send framed or written, single copy or not, where its
     /// buffer's path is chosen (see `choice`); whether it is.
     fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) -> bool {
+        if !self.chosen_sizes.contains(&msg.buf.len()) {
+            return false;
+        }
         let chosen = self.sized_single_copy(msg.buf.len(), path).is_none();
         if chosen {
             let p = self.peer(msg.peer);
@@ -645,8 +652,7 @@ impl Tagged {
         {
             return Some(true);
         }
-        let chosen =
-            path.single_copy(bytes, 1) && (self.read_cost).is_some_and(|c| c.could_pay(bytes));
+        let chosen = self.chosen_sizes.contains(&bytes) && path.single_copy(bytes, 1);
         (!chosen).then_some(false)
     }
 
