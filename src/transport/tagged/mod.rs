@@ -21,7 +21,8 @@
 //! cannot be taken back from a receiver that may be reading it: the sender
 //! marks it withdrawn in its memory, and the receiver, after its copy,
 //! looks there and fails the receive rather than keep bytes that may have
-//! changed under it.
+//! changed under it; the sender keeps a copy too, sent if the receiver's
+//! copy fails and it asks for the bytes over the connection.
 //!
 //! This is the context's state: the posted sends and receives, matching,
 //! and each pair's protocol. The stream core (`stream`) reads and writes
