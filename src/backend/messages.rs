@@ -100,7 +100,7 @@ impl Messages {
     pub(crate) unsafe fn send_now(&self, msg: Outgoing) -> Option<Status> {
         let started = self.ledger.tracing().then(Instant::now);
         let status = self.endpoint.send_now(msg)?;
-        self.note_now("send", msg.buf.len(), started);
+        self.note_now("send", msg.buf.len(), started, true);
         Some(status)
     }
 
@@ -115,9 +115,9 @@ impl Messages {
         // Not taken: posted, and waited for within the timeout from when
         // the wait began (the look counts), traced from the call's start.
         let since = match self.endpoint.recv_now(r) {
-            Ok(status) => {
-                self.note_now("recv", r.buf.len(), started);
-                return Ok(status);
+            Ok(result) => {
+                self.note_now("recv", r.buf.len(), started, result.is_ok());
+                return result;
             }
             Err(since) => since,
         };
@@ -130,10 +130,10 @@ impl Messages {
 
     /// Numbers and traces a call that completed without being posted
     /// (when tracing).
-    fn note_now(&self, name: &'static str, bytes: usize, started: Option<Instant>) {
+    fn note_now(&self, name: &'static str, bytes: usize, started: Option<Instant>, ok: bool) {
         if let Some(started) = started {
             let seq = self.ledger.next_tagged();
-            self.ledger.record_tagged(name, seq, bytes, started, true);
+            self.ledger.record_tagged(name, seq, bytes, started, ok);
         }
     }
 

@@ -190,7 +190,7 @@ impl Endpoint {
     ///
     /// # Safety
     /// `r.buf` valid for writes, and untouched, until this returns.
-    pub unsafe fn recv_now(&self, r: Incoming) -> std::result::Result<Status, Instant> {
+    pub unsafe fn recv_now(&self, r: Incoming) -> std::result::Result<Result<Status>, Instant> {
         if r.tag.is_some_and(|t| t < 0) {
             return Err(Instant::now());
         }
@@ -202,7 +202,7 @@ impl Endpoint {
             if let Some(mut core) = try_lock(&sh.core) {
                 core.take_posts();
                 match core.recv_whole_now(&r) {
-                    RecvNow::Taken(status) => break Ok(status),
+                    RecvNow::Taken(result) => break Ok(result),
                     RecvNow::Post => break Err(began.unwrap_or_else(Instant::now)),
                     RecvNow::NotYet => {}
                 }

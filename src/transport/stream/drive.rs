@@ -177,6 +177,23 @@ impl StreamTransport {
         }
     }
 
+    /// Writes the answers (TagAck, TagCts) owed to `peer` now: its sender
+    /// waits for them.
+    pub(super) fn send_answers(&mut self, peer: usize) {
+        if self.failed.is_some()
+            || !self.tagged.has_output(peer)
+            || self.conns[peer].as_ref().is_none_or(|c| c.gone.is_some())
+        {
+            return;
+        }
+        let mut idle = std::mem::take(&mut self.idle);
+        let result = self.pump_sends(peer, &[], &mut idle);
+        self.idle = idle;
+        if let Err(e) = result {
+            self.drive_failed(peer, e);
+        }
+    }
+
     /// A spinning caller's pass over `peer` when only whole tagged
     /// messages wait there (shared memory, between frames): taken straight
     /// from the channel while the tagged calls want them, with none of a

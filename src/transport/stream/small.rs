@@ -186,8 +186,9 @@ impl StreamTransport {
 
 /// What a blocking receive found on its peer's connection.
 pub enum RecvNow {
-    /// Its message, copied into its buffer.
-    Taken(Status),
+    /// Its message, copied into its buffer (an error: a single-copy
+    /// message its sender withdrew while it was copied).
+    Taken(Result<Status>),
     /// Nothing yet; looking again may find it.
     NotYet,
     /// It must be posted (something else is next, or pending, or the
@@ -225,7 +226,10 @@ impl StreamTransport {
                 false => RecvNow::NotYet,
             };
         };
-        if record.len() < HEADER_BYTES || record[2] != FrameKind::TagEager as u8 {
+        let kind = record.get(2).copied();
+        let single_copy = kind == Some(FrameKind::TagRemote as u8);
+        if record.len() < HEADER_BYTES || !(single_copy || kind == Some(FrameKind::TagEager as u8))
+        {
             return RecvNow::Post;
         }
         let head: &[u8; HEADER_BYTES] = record[..HEADER_BYTES].try_into().expect("a header");
@@ -233,20 +237,42 @@ impl StreamTransport {
         let Ok(header) = Header::decode(head, peer) else {
             return RecvNow::Post;
         };
-        if header.payload != (record.len() - HEADER_BYTES) as u64 {
+        let len = record.len();
+        if header.payload != (len - HEADER_BYTES) as u64 {
             return RecvNow::Post;
         }
-        let Some(status) = self.tagged.take_eager_now(r, &header) else {
-            return RecvNow::Post;
+        let taken = if single_copy {
+            // Copied out of the sender's memory here, its TagAck written
+            // below: no ticket, no matching, no pass over the peers.
+            let (Some(pid), Ok(descriptor)) = (
+                conn.chan.peer_pid(),
+                <&[u8; TAG_REMOTE_BYTES]>::try_from(&record[HEADER_BYTES..]),
+            ) else {
+                return RecvNow::Post;
+            };
+            let descriptor = *descriptor;
+            match self.tagged.take_remote_now(r, &header, pid, &descriptor) {
+                Some(result) => result,
+                None => return RecvNow::Post,
+            }
+        } else {
+            let Some(status) = self.tagged.take_eager_now(r, &header) else {
+                return RecvNow::Post;
+            };
+            // SAFETY: the caller keeps the buffer valid and untouched until
+            // this returns; `take_eager_now` checked that the payload fits.
+            let dest = unsafe { r.buf.bytes_mut() };
+            crate::copy::copy(&mut dest[..len - HEADER_BYTES], &record[HEADER_BYTES..]);
+            Ok(status)
         };
-        let len = record.len();
-        // SAFETY: the caller keeps the buffer valid and untouched until
-        // this returns; `take_eager_now` checked that the payload fits.
-        let dest = unsafe { r.buf.bytes_mut() };
-        crate::copy::copy(&mut dest[..len - HEADER_BYTES], &record[HEADER_BYTES..]);
+        let conn = self.conns[peer].as_mut().expect("peer is not this rank");
         conn.chan.consume_whole(len);
         self.moved = self.moved.wrapping_add(1);
-        RecvNow::Taken(status)
+        if single_copy {
+            // Its sender waits for the answer.
+            self.send_answers(peer);
+        }
+        RecvNow::Taken(taken)
     }
 }
 

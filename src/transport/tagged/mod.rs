@@ -447,6 +447,17 @@ fn withdrawn(remote: &Remote, seq: u64) -> bool {
         .map_or(true, |_| u64::from_le_bytes(word) > seq)
 }
 
+/// The error of a receive whose single-copy message `sender` withdrew
+/// (its send timed out) while this rank copied it.
+fn withdrawn_while_copied(sender: usize, me: usize) -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "rank {sender} withdrew this message (its send timed out) while rank {me} copied it"
+        ),
+    )
+}
+
 /// A frame waiting to be written: its header (and a single-copy
 /// descriptor), its payload in the sender's buffer, and the send it
 /// completes once written (eager and rendezvous payloads).
@@ -867,6 +878,67 @@ impl Tagged {
             source: peer,
             tag,
             count: h.desc.count as usize,
+        })
+    }
+
+    /// Blocking receive `r` (`receivable_now`) takes single-copy frame
+    /// `h`, next from its peer, when the message is its own (as
+    /// `take_eager_now`): copies it out of the sender's memory at `pid`
+    /// (`descriptor`: where), counts the frame in and queues its TagAck,
+    /// as `deliver` would, with no ticket and no matching. None, with
+    /// nothing changed: the frame goes the usual way (a misfit, or a copy
+    /// the kernel refused, which the usual way asks for over the
+    /// connection).
+    pub fn take_remote_now(
+        &mut self,
+        r: &Incoming,
+        h: &Header,
+        pid: i32,
+        descriptor: &[u8; TAG_REMOTE_BYTES],
+    ) -> Option<Result<Status>> {
+        let peer = r.peer?;
+        let word =
+            |at: usize| u64::from_le_bytes(descriptor[at..at + 8].try_into().expect("8 bytes"));
+        let tag = h.tag();
+        let len = h.desc.count.checked_mul(h.desc.dtype.size() as u64)?;
+        let p = self.peers.get(peer)?.as_deref()?;
+        let fits = h.kind == FrameKind::TagRemote
+            && h.desc.seq == p.next_in_seq
+            && r.tag.is_none_or(|t| t == tag)
+            && h.desc.dtype == r.dtype
+            && if r.exact {
+                h.desc.count == r.count as u64
+            } else {
+                h.desc.count <= r.count as u64
+            }
+            && len <= r.buf.len() as u64
+            && word(8) == len;
+        if !fits {
+            return None;
+        }
+        // SAFETY: the caller keeps the buffer valid and untouched until
+        // it returns; it holds the message (checked above).
+        let dst = unsafe { &mut r.buf.bytes_mut()[..len as usize] };
+        let start = Instant::now();
+        let read = read_remote_then_word(pid, word(0), dst, word(16)).ok()?;
+        let read_ns = start.elapsed().as_nanos().max(1) as u64;
+        let env = Envelope {
+            source: peer,
+            tag,
+            seq: h.desc.seq,
+            dtype: h.desc.dtype,
+            count: h.desc.count,
+        };
+        self.peer(peer).next_in_seq += 1;
+        self.answer_copied(env, read_ns);
+        let status = Status {
+            source: peer,
+            tag,
+            count: h.desc.count as usize,
+        };
+        Some(match read.is_none_or(|w| w > env.seq) {
+            false => Ok(status),
+            true => Err(withdrawn_while_copied(env.source, self.rank)),
         })
     }
 
@@ -1380,13 +1452,7 @@ impl Tagged {
                     let read_ns = start.elapsed().as_nanos().max(1) as u64;
                     r.done.complete(match word.is_none_or(|w| w > env.seq) {
                         false => Ok(status),
-                        true => Err(Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "rank {} withdrew this message (its send timed out) while rank {} copied it",
-                                env.source, self.rank
-                            ),
-                        )),
+                        true => Err(withdrawn_while_copied(env.source, self.rank)),
                     });
                     self.answer_copied(env, read_ns);
                 } else {
