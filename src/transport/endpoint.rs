@@ -202,7 +202,16 @@ impl Endpoint {
             if let Some(mut core) = try_lock(&sh.core) {
                 core.take_posts();
                 match core.recv_whole_now(&r) {
-                    RecvNow::Taken(result) => break Ok(result),
+                    RecvNow::Taken(result) => {
+                        // An answer a full ring did not take yet (a
+                        // single-copy message's TagAck) goes with the
+                        // endpoint's thread: its sender waits for it.
+                        if r.peer.is_some_and(|p| core.tagged.has_output(p)) {
+                            sh.driven_lately.store(true, Ordering::Relaxed);
+                            sh.nudge();
+                        }
+                        break Ok(result.map_err(|e| named_call(&Described::Recv(r), e)));
+                    }
                     RecvNow::Post => break Err(began.unwrap_or_else(Instant::now)),
                     RecvNow::NotYet => {}
                 }
@@ -515,7 +524,12 @@ const THOROUGH: Drive = Drive {
 
 /// A call's error says which call failed, when it does not already.
 fn named(t: &Ticket, e: Error) -> Error {
-    let call = t.call.to_string();
+    named_call(&t.call, e)
+}
+
+/// `e`, saying which call failed.
+fn named_call(call: &Described, e: Error) -> Error {
+    let call = call.to_string();
     match e.message().contains(&call) {
         true => e,
         false => Error::new(e.kind(), format!("{call} failed: {}", e.message())),

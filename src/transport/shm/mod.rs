@@ -15,6 +15,7 @@ mod ring;
 mod segment;
 
 pub use attach::{answer, offer, Home};
+pub use ring::WHOLE_PAYLOAD;
 
 use crate::transport::channel::{Caps, Channel};
 use crate::transport::doorbell::Doorbell;

@@ -74,7 +74,9 @@ const MAX_RECORD: usize = 64 << 10;
 /// small message sent whole (`stream/small.rs`, `tagged`) fits. A larger
 /// one in one record made its reader wait for all of it (a copy in, then a
 /// copy out).
-const WHOLE_RECORD: usize = (16 << 10) + 56;
+const WHOLE_RECORD: usize = WHOLE_PAYLOAD + 56;
+/// The largest payload of a message written whole (see `WHOLE_RECORD`).
+pub const WHOLE_PAYLOAD: usize = 16 << 10;
 /// Smallest record of a stream: whole lines, and no smaller than a message
 /// written whole, which would otherwise leave its last bytes to a second.
 const STREAM_RECORD: usize = WHOLE_RECORD.next_multiple_of(RECORD_ALIGN as usize);

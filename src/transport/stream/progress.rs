@@ -966,6 +966,113 @@ pub(super) mod tests {
         assert!(got == pattern, "the kept copy arrived wrong");
     }
 
+    /// A blocking receive that finds a single-copy message next copies it
+    /// itself (`recv_whole_now`): a receive it does not fit leaves the
+    /// message where it is; the one it fits gets the bytes, and the
+    /// sender's answer is written before it returns (the sender finishes
+    /// driving alone); a message its sender withdrew while it was copied
+    /// fails the receive, naming the sender.
+    #[test]
+    fn a_blocking_receive_copies_a_single_copy_message_itself_and_answers_at_once() {
+        use super::super::RecvNow;
+        use crate::call::RawBuf;
+        use crate::transport::tagged::{Done, Incoming, Outgoing};
+        let n = 64 << 10;
+        let (w, _) = shm_world(Tuning {
+            tagged_single_copy_min: 1,
+            ..tuning()
+        });
+        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+        let how = Drive {
+            connect: false,
+            thorough: true,
+        };
+        let pattern: Vec<u8> = (0..n).map(|i| (i * 13 + 1) as u8).collect();
+        let mut got = vec![0u8; n];
+        let receive = |tag: i32, got: &mut Vec<u8>| Incoming {
+            buf: RawBuf::new(got.as_mut_ptr(), n),
+            dtype: DType::Uint8,
+            count: n,
+            peer: Some(0),
+            tag: Some(tag),
+            exact: true,
+        };
+        // A first message the usual way: rank 1 knows its peer from then
+        // on (a receive from a peer never heard of is posted).
+        let hello = [1u8; 8];
+        let mut heard = [0u8; 8];
+        let sent = Arc::new(Done::default());
+        let m = Outgoing {
+            buf: RawBuf::of(&hello),
+            dtype: DType::Uint8,
+            count: 8,
+            peer: 1,
+            tag: 1,
+        };
+        t0.tagged.post_send(m, sent.clone(), 1).unwrap();
+        let r = Incoming {
+            buf: RawBuf::new(heard.as_mut_ptr(), 8),
+            dtype: DType::Uint8,
+            count: 8,
+            peer: Some(0),
+            tag: Some(1),
+            exact: true,
+        };
+        let received = Arc::new(Done::default());
+        t1.tagged.post_recv(r, received.clone(), 1).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(sent.is_finished() && received.is_finished()) {
+            assert!(
+                Instant::now() < deadline,
+                "the first message did not arrive"
+            );
+            t0.drive(None, how);
+            t1.drive(None, how);
+        }
+        assert_eq!(heard, hello);
+        for (id, withdrawn) in [(2, false), (3, true)] {
+            let m = Outgoing {
+                buf: RawBuf::of(&pattern),
+                dtype: DType::Uint8,
+                count: n,
+                peer: 1,
+                tag: 9,
+            };
+            let sent = Arc::new(Done::default());
+            t0.tagged.post_send(m, sent.clone(), id).unwrap();
+            for _ in 0..100 {
+                t0.drive(None, how);
+            }
+            assert!(
+                !sent.is_finished(),
+                "a single-copy send waits for its answer"
+            );
+            if withdrawn {
+                assert_eq!(t0.tagged.withdraw(id, &mut |_| false), None);
+            }
+            got.fill(0);
+            let misfit = receive(8, &mut got);
+            assert!(matches!(t1.recv_whole_now(&misfit), RecvNow::Post));
+            assert!(got.iter().all(|b| *b == 0), "a misfit touched nothing");
+            let r = receive(9, &mut got);
+            let RecvNow::Taken(result) = t1.recv_whole_now(&r) else {
+                panic!("the single-copy message was not taken");
+            };
+            if withdrawn {
+                let e = result.expect_err("withdrawn while copied");
+                assert!(e.message().contains("rank 0 withdrew"), "{e}");
+                continue;
+            }
+            assert_eq!(result.unwrap().count, n);
+            assert!(got == pattern, "the copy arrived wrong");
+            for _ in 0..100 {
+                t0.drive(None, how);
+            }
+            assert!(sent.is_finished(), "the answer was not written at once");
+            sent.get().unwrap().unwrap();
+        }
+    }
+
     /// Rank 0 sends two broadcast frames to rank 1 at once; rank 1's first
     /// call also waits for rank 2, who sends after `delay`. Returns in how
     /// many of `rounds` rounds rank 1 had read the second frame ahead into
