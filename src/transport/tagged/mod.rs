@@ -858,27 +858,32 @@ impl Tagged {
     /// usual way (which also reports a misfit or a protocol error).
     pub fn take_eager_now(&mut self, r: &Incoming, h: &Header) -> Option<Status> {
         let peer = r.peer?;
-        let tag = h.tag();
-        let p = self.peers.get_mut(peer)?.as_deref_mut()?;
-        let fits = h.kind == FrameKind::TagEager
-            && h.desc.seq == p.next_in_seq
-            && r.tag.is_none_or(|t| t == tag)
+        if h.kind != FrameKind::TagEager || !self.next_is_for(r, h, h.payload) {
+            return None;
+        }
+        self.peer(peer).next_in_seq += 1;
+        Some(Status {
+            source: peer,
+            tag: h.tag(),
+            count: h.desc.count as usize,
+        })
+    }
+
+    /// Whether frame `h`, of `bytes` payload, is the next from `r`'s
+    /// peer and `r`'s own message (tag, type, count and size fit).
+    fn next_is_for(&self, r: &Incoming, h: &Header, bytes: u64) -> bool {
+        let Some(p) = r.peer.and_then(|peer| self.peer_ref(peer)) else {
+            return false;
+        };
+        h.desc.seq == p.next_in_seq
+            && r.tag.is_none_or(|t| t == h.tag())
             && h.desc.dtype == r.dtype
             && if r.exact {
                 h.desc.count == r.count as u64
             } else {
                 h.desc.count <= r.count as u64
             }
-            && h.payload <= r.buf.len() as u64;
-        if !fits {
-            return None;
-        }
-        p.next_in_seq += 1;
-        Some(Status {
-            source: peer,
-            tag,
-            count: h.desc.count as usize,
-        })
+            && bytes <= r.buf.len() as u64
     }
 
     /// Blocking receive `r` (`receivable_now`) takes single-copy frame
@@ -901,19 +906,7 @@ impl Tagged {
             |at: usize| u64::from_le_bytes(descriptor[at..at + 8].try_into().expect("8 bytes"));
         let tag = h.tag();
         let len = h.desc.count.checked_mul(h.desc.dtype.size() as u64)?;
-        let p = self.peers.get(peer)?.as_deref()?;
-        let fits = h.kind == FrameKind::TagRemote
-            && h.desc.seq == p.next_in_seq
-            && r.tag.is_none_or(|t| t == tag)
-            && h.desc.dtype == r.dtype
-            && if r.exact {
-                h.desc.count == r.count as u64
-            } else {
-                h.desc.count <= r.count as u64
-            }
-            && len <= r.buf.len() as u64
-            && word(8) == len;
-        if !fits {
+        if h.kind != FrameKind::TagRemote || word(8) != len || !self.next_is_for(r, h, len) {
             return None;
         }
         // SAFETY: the caller keeps the buffer valid and untouched until
