@@ -881,6 +881,21 @@ pub(super) mod tests {
         }
     }
 
+    /// Two ranks of one host whose tagged messages all go single copy.
+    fn single_copy_pair() -> [StreamTransport; 2] {
+        let (w, _) = shm_world(Tuning {
+            tagged_single_copy_min: 1,
+            ..tuning()
+        });
+        w.try_into().ok().unwrap()
+    }
+
+    /// A pass that reads every connection a call waits on.
+    const THOROUGH: Drive = Drive {
+        connect: false,
+        thorough: true,
+    };
+
     /// A single-copy send withdrawn (its timeout) and its buffer gone:
     /// the receiver's copy fails and it asks for the payload over the
     /// connection (TagCts); the sender sends the copy it kept when it
@@ -892,15 +907,8 @@ pub(super) mod tests {
         use crate::transport::tagged::{Done, Incoming, Outgoing};
         use std::sync::atomic::AtomicBool;
         let n = 64 << 10;
-        let (w, _) = shm_world(Tuning {
-            tagged_single_copy_min: 1,
-            ..tuning()
-        });
-        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
-        let how = Drive {
-            connect: false,
-            thorough: true,
-        };
+        let [mut t0, mut t1] = single_copy_pair();
+        let how = THOROUGH;
         // SAFETY: a fresh private mapping, unmapped below once withdrawn.
         let mem = unsafe {
             libc::mmap(
@@ -978,15 +986,8 @@ pub(super) mod tests {
         use crate::call::RawBuf;
         use crate::transport::tagged::{Done, Incoming, Outgoing};
         let n = 64 << 10;
-        let (w, _) = shm_world(Tuning {
-            tagged_single_copy_min: 1,
-            ..tuning()
-        });
-        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
-        let how = Drive {
-            connect: false,
-            thorough: true,
-        };
+        let [mut t0, mut t1] = single_copy_pair();
+        let how = THOROUGH;
         let pattern: Vec<u8> = (0..n).map(|i| (i * 13 + 1) as u8).collect();
         let mut got = vec![0u8; n];
         let receive = |tag: i32, got: &mut Vec<u8>| Incoming {
