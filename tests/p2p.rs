@@ -775,6 +775,35 @@ fn a_blocking_receive_never_overtakes_one_posted_before_it() {
 }
 
 #[test]
+fn receives_posted_one_after_another_match_in_order_whichever_is_waited_first() {
+    // A small irecv waits beside the posted calls for its wait (deferred):
+    // the next irecv posts it first, so the first receive still gets the
+    // first message, although the second one is waited for first.
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        for round in 0..20i32 {
+            if comm.rank() == 0 {
+                comm.barrier().unwrap();
+                comm.send_tagged(&[round], 1, 5).unwrap();
+                comm.send_tagged(&[round + 100], 1, 5).unwrap();
+            } else {
+                let (mut first, mut second) = ([0u8; 4], [0u8; 4]);
+                let a = irecv(&comm, &mut first, DType::Int32, Some(0), Some(5));
+                let b = irecv(&comm, &mut second, DType::Int32, Some(0), Some(5));
+                comm.barrier().unwrap();
+                b.wait().unwrap();
+                a.wait().unwrap();
+                assert_eq!(
+                    (i32::from_le_bytes(first), i32::from_le_bytes(second)),
+                    (round, round + 100),
+                    "round {round}"
+                );
+            }
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
 fn a_receive_posted_after_its_message_came_has_its_data_and_status() {
     // Its message is already on the connection when it is posted (it may
     // complete there and then): the data, who sent it, the tag and the

@@ -99,14 +99,20 @@ impl Endpoint {
         })
     }
 
-    /// The core, for a collective (held until the guard goes).
+    /// The core, for a collective (held until the guard goes), with the
+    /// tagged calls posted meanwhile taken in: a deferred receive (see
+    /// `Posts`) is then pending, and named, while the collective runs.
     pub fn core(&self) -> MutexGuard<'_, StreamTransport> {
-        lock(&self.shared.core)
+        let mut core = lock(&self.shared.core);
+        core.take_posts();
+        core
     }
 
-    /// The core when no call holds it.
+    /// The core when no call holds it (as `core`).
     pub fn try_core(&self) -> Option<MutexGuard<'_, StreamTransport>> {
-        try_lock(&self.shared.core)
+        let mut core = try_lock(&self.shared.core)?;
+        core.take_posts();
+        Some(core)
     }
 
     /// The pairs' connections, and the media they are made on.
@@ -159,7 +165,19 @@ impl Endpoint {
             )));
         }
         let ticket = self.ticket(Described::Recv(r));
-        let post = Post::Recv(r, Arc::clone(&ticket.done), ticket.id);
+        let mut post = Post::Recv(r, Arc::clone(&ticket.done), ticket.id);
+        // A small one from one rank waits for its wait, which receives it
+        // as a blocking receive does (`wait`); any other call posts it
+        // first, and so does the endpoint's thread when it looks.
+        if !blocking && r.peer.is_some() && r.buf.len() <= DEFERRED_MAX {
+            match self.shared.posts.defer(post) {
+                None => {
+                    self.shared.nudge();
+                    return Ok(ticket);
+                }
+                Some(back) => post = back,
+            }
+        }
         self.post(post, &ticket.done, r.peer, blocking)?;
         Ok(ticket)
     }
@@ -176,7 +194,7 @@ impl Endpoint {
             return None;
         }
         let mut core = try_lock(&self.shared.core)?;
-        core.take_posts();
+        core.take_posts_but_deferred();
         core.send_whole_now(msg)
     }
 
@@ -291,12 +309,46 @@ impl Endpoint {
     /// it. On timeout the call is withdrawn (its buffer is no longer
     /// touched) and the error names it and what else is pending here.
     pub fn wait(&self, t: &Ticket) -> Result<Status> {
+        if let Some(post) = self.shared.posts.reclaim(t.id) {
+            return self.receive_deferred(t, post).map_err(|e| named(t, e));
+        }
         self.wait_for(t, None).map_err(|e| named(t, e))
+    }
+
+    /// Waits for deferred receive `t` as a blocking receive: straight from
+    /// its peer's connection when it is next there, else posted and
+    /// waited for (bounded from when the look began).
+    fn receive_deferred(&self, t: &Ticket, post: Post) -> Result<Status> {
+        let Post::Recv(r, done, _) = &post else {
+            return Err(Error::internal("a deferred call that is not a receive"));
+        };
+        // SAFETY: the ticket's contract: the buffer stays valid and
+        // untouched until it completes.
+        match unsafe { self.recv_now(*r) } {
+            Ok(result) => {
+                done.complete(result.clone());
+                result
+            }
+            Err(since) => {
+                let peer = r.peer;
+                self.post(post, &t.done, peer, true)?;
+                self.wait_for(t, Some(since))
+            }
+        }
+    }
+
+    /// A deferred ticket's receive, posted (for a caller that only looks).
+    fn post_deferred(&self, t: &Ticket) -> Result<()> {
+        match self.shared.posts.reclaim(t.id) {
+            Some(post) => self.post(post, &t.done, None, false),
+            None => Ok(()),
+        }
     }
 
     /// `wait` for a call whose wait began at `since` (before it was
     /// posted): bounded by the timeout from then.
     pub fn wait_since(&self, t: &Ticket, since: Instant) -> Result<Status> {
+        self.post_deferred(t).map_err(|e| named(t, e))?;
         self.wait_for(t, Some(since)).map_err(|e| named(t, e))
     }
 
@@ -456,6 +508,9 @@ impl Endpoint {
         if let Some(r) = t.done.get() {
             return Some(r.map_err(|e| named(t, e)));
         }
+        if let Err(e) = self.post_deferred(t) {
+            return Some(Err(named(t, e)));
+        }
         if let Some(mut core) = try_lock(&self.shared.core) {
             core.drive(None, CALLER);
         }
@@ -508,6 +563,10 @@ impl Endpoint {
         self.core().close();
     }
 }
+
+/// The largest receive that is deferred (see `Posts`): a small one, whose
+/// posting and matching are most of its cost.
+const DEFERRED_MAX: usize = crate::transport::shm::WHOLE_PAYLOAD;
 
 /// How a caller moves its calls: it may dial, and reads what has come.
 const CALLER: Drive = Drive {

@@ -24,10 +24,21 @@ pub struct Drive {
     pub thorough: bool,
 }
 impl StreamTransport {
-    /// Takes in the tagged calls posted while the core was held elsewhere
-    /// and the channels that arrived.
+    /// Takes in the tagged calls posted while the core was held elsewhere,
+    /// then a deferred receive (see `Posts`), and the channels that
+    /// arrived.
     #[inline]
     pub fn take_posts(&mut self) {
+        self.take_posts_but_deferred();
+        if self.posts.has_deferred() {
+            self.posts.take_deferred_into(&mut self.tagged);
+        }
+    }
+
+    /// `take_posts`, leaving a deferred receive deferred: for a send
+    /// written at once, which no receive of this rank's can match.
+    #[inline]
+    pub fn take_posts_but_deferred(&mut self) {
         if self.posts.pending() {
             self.posts.take_into(&mut self.tagged);
         }

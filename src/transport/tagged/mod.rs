@@ -320,10 +320,18 @@ pub enum Post {
 /// Where calls are posted while the core is held elsewhere (a collective
 /// on another thread): whoever holds it takes them in at its next look,
 /// in the order they came, before anything else is posted.
+///
+/// One non-blocking receive at a time may instead wait beside the queue,
+/// deferred (`defer`): its own wait takes it back and receives it as a
+/// blocking receive does, straight from the connection with no matching
+/// (`reclaim`), unless anything else takes the core first, which posts it
+/// (`take_deferred_into`), so it keeps its place among the calls.
 pub struct Posts {
     queue: Mutex<Vec<Post>>,
     pending: AtomicBool,
     next_id: AtomicU64,
+    deferred: Mutex<Option<Post>>,
+    has_deferred: AtomicBool,
     /// Rung on a post, for a holder asleep in poll().
     pub bell: Wake,
 }
@@ -334,6 +342,8 @@ impl Posts {
             queue: Mutex::new(Vec::new()),
             pending: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            deferred: Mutex::new(None),
+            has_deferred: AtomicBool::new(false),
             bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
         })
     }
@@ -344,9 +354,65 @@ impl Posts {
     }
 
     pub fn push(&self, post: Post) {
-        lock(&self.queue).push(post);
+        let mut q = lock(&self.queue);
+        // A deferred receive came before this call: it goes first.
+        if let Some(deferred) = self.take_deferred() {
+            q.push(deferred);
+        }
+        q.push(post);
+        drop(q);
         self.pending.store(true, Ordering::Release);
         self.bell.ring();
+    }
+
+    /// Defers receive `post` (see `Posts`); given back when another one
+    /// is deferred already (the caller posts it the usual way, which posts
+    /// the other first).
+    pub fn defer(&self, post: Post) -> Option<Post> {
+        let mut slot = lock(&self.deferred);
+        if slot.is_some() {
+            return Some(post);
+        }
+        *slot = Some(post);
+        self.has_deferred.store(true, Ordering::Release);
+        None
+    }
+
+    /// Call `id`, when it is still deferred: its waiter receives it.
+    pub fn reclaim(&self, id: u64) -> Option<Post> {
+        if !self.has_deferred.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut slot = lock(&self.deferred);
+        match &*slot {
+            Some(Post::Recv(_, _, deferred)) if *deferred == id => {
+                self.has_deferred.store(false, Ordering::Release);
+                slot.take()
+            }
+            _ => None,
+        }
+    }
+
+    fn take_deferred(&self) -> Option<Post> {
+        if !self.has_deferred.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut slot = lock(&self.deferred);
+        self.has_deferred.store(false, Ordering::Release);
+        slot.take()
+    }
+
+    /// Whether a receive is deferred (looked at without the lock).
+    #[inline]
+    pub fn has_deferred(&self) -> bool {
+        self.has_deferred.load(Ordering::Acquire)
+    }
+
+    /// Posts the deferred receive into `tagged`.
+    pub fn take_deferred_into(&self, tagged: &mut Tagged) {
+        if let Some(post) = self.take_deferred() {
+            take_one(post, tagged);
+        }
     }
 
     /// Whether calls wait to be taken in (looked at without the lock).
@@ -364,20 +430,25 @@ impl Posts {
             std::mem::take(&mut *q)
         };
         for post in posts {
-            let (done, r) = match post {
-                Post::Send(msg, done, id) => {
-                    let r = tagged.post_send(msg, done.clone(), id);
-                    (done, r)
-                }
-                Post::Recv(r, done, id) => {
-                    let r = tagged.post_recv(r, done.clone(), id);
-                    (done, r)
-                }
-            };
-            if let Err(e) = r {
-                done.complete(Err(e));
-            }
+            take_one(post, tagged);
         }
+    }
+}
+
+/// Posts `post` into `tagged`; one it refuses fails with why.
+fn take_one(post: Post, tagged: &mut Tagged) {
+    let (done, r) = match post {
+        Post::Send(msg, done, id) => {
+            let r = tagged.post_send(msg, done.clone(), id);
+            (done, r)
+        }
+        Post::Recv(r, done, id) => {
+            let r = tagged.post_recv(r, done.clone(), id);
+            (done, r)
+        }
+    };
+    if let Err(e) = r {
+        done.complete(Err(e));
     }
 }
 
