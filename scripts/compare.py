@@ -67,7 +67,8 @@ def main():
     data = json.load(open(src))
     cells = cells_of(data)
     lines = [
-        f"# {title} ({data['meta'].get('date', '')}, {data['meta'].get('nproc', '?')} cores)",
+        f"# {title} ({data['meta'].get('date', '')}, {data['meta'].get('cpu') or 'CPU unknown'}, "
+        f"{data['meta'].get('nproc', '?')} cores)",
         "",
         f"Produced by `{producer}` from one run of `bench/peers/peer_bench.py` (same timing",
         "method for every library: median of batches, slowest rank). Speedup = best peer's time / rdist's",
