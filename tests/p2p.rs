@@ -273,6 +273,40 @@ fn a_receive_from_a_rank_that_left_fails_at_once() {
 }
 
 #[test]
+fn a_nonblocking_receive_from_a_rank_that_left_fails_at_its_wait_and_after() {
+    // Posted once its peer is known to have left: the wait fails at once,
+    // naming the rank, and so does every later wait (the request's free
+    // waits too).
+    let t = common::world(2, common::opts(30_000), Duration::from_secs(90), |comm| {
+        comm.barrier().unwrap();
+        if comm.rank() == 1 {
+            drop(comm);
+            return [Duration::ZERO; 2];
+        }
+        // A blocking receive finds the rank gone first.
+        let mut first = [0i32; 1];
+        let e = comm.recv_tagged(&mut first, Some(1), Some(0)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
+        let mut buf = [0u8; 4];
+        let r = irecv(&comm, &mut buf, DType::Int32, Some(1), Some(0));
+        let mut took = [Duration::ZERO; 2];
+        for t in took.iter_mut() {
+            let at = Instant::now();
+            let e = r.wait().unwrap_err();
+            *t = at.elapsed();
+            assert_eq!(e.kind(), ErrorKind::PeerLost, "{e}");
+            assert!(e.message().contains("rank 1"), "{e}");
+        }
+        took
+    });
+    assert!(
+        t[0][0] < Duration::from_secs(5) && t[0][1] < Duration::from_secs(1),
+        "the waits took {:?}",
+        t[0]
+    );
+}
+
+#[test]
 fn bad_tagged_arguments_are_refused_precisely() {
     common::world(2, common::opts(5_000), Duration::from_secs(60), |comm| {
         let mut buf = [0u8; 4];

@@ -331,7 +331,7 @@ impl Endpoint {
             }
             Err(since) => {
                 let peer = r.peer;
-                self.post(post, &t.done, peer, true)?;
+                self.post_deferred_now(post, t, peer, true)?;
                 self.wait_for(t, Some(since))
             }
         }
@@ -340,9 +340,26 @@ impl Endpoint {
     /// A deferred ticket's receive, posted (for a caller that only looks).
     fn post_deferred(&self, t: &Ticket) -> Result<()> {
         match self.shared.posts.reclaim(t.id) {
-            Some(post) => self.post(post, &t.done, None, false),
+            Some(post) => self.post_deferred_now(post, t, None, false),
             None => Ok(()),
         }
+    }
+
+    /// Posts a deferred receive taken back; one refused (a failed
+    /// communicator) completes with why, so a later wait or test, or the
+    /// request's free, finds its result instead of waiting for it.
+    fn post_deferred_now(
+        &self,
+        post: Post,
+        t: &Ticket,
+        peer: Option<usize>,
+        blocking: bool,
+    ) -> Result<()> {
+        let result = self.post(post, &t.done, peer, blocking);
+        if let Err(e) = &result {
+            t.done.complete(Err(e.clone()));
+        }
+        result
     }
 
     /// `wait` for a call whose wait began at `since` (before it was
