@@ -837,6 +837,59 @@ fn receives_posted_one_after_another_match_in_order_whichever_is_waited_first() 
     });
 }
 
+/// A receive waited for on another thread keeps its place: the waiter
+/// looks at the connection for its message (deferred, for the spin
+/// window, here two seconds) while the posting thread posts a second
+/// receive for the same messages. The first receive gets the first
+/// message (the second one did when the waiter took the first out of
+/// sight while it looked). In a process of its own, for the spin window.
+#[test]
+fn a_receive_waited_for_on_another_thread_keeps_its_place() {
+    with_spin(
+        "a_receive_waited_for_on_another_thread_keeps_its_place",
+        "2000000",
+        "ORDER KEPT",
+        waited_elsewhere_worker,
+    );
+}
+
+fn waited_elsewhere_worker() {
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        for round in 0..10i32 {
+            if comm.rank() == 0 {
+                // Nothing else on the connection while rank 1 looks.
+                std::thread::sleep(Duration::from_millis(50));
+                comm.send_tagged(&[round], 1, 5).unwrap();
+                comm.send_tagged(&[round + 100], 1, 5).unwrap();
+                comm.barrier().unwrap();
+                continue;
+            }
+            let (mut first, mut second) = ([0u8; 4], [0u8; 4]);
+            let a = irecv(&comm, &mut first, DType::Int32, Some(0), Some(5));
+            let started = &std::sync::Barrier::new(2);
+            std::thread::scope(|sc| {
+                let waiter = sc.spawn(move || {
+                    started.wait();
+                    a.wait().unwrap();
+                });
+                started.wait();
+                std::thread::sleep(Duration::from_millis(2));
+                let b = irecv(&comm, &mut second, DType::Int32, Some(0), Some(5));
+                b.wait().unwrap();
+                waiter.join().unwrap();
+            });
+            comm.barrier().unwrap();
+            assert_eq!(
+                (i32::from_le_bytes(first), i32::from_le_bytes(second)),
+                (round, round + 100),
+                "round {round}: the receive posted first got the second message"
+            );
+        }
+        comm.barrier().unwrap();
+    });
+    println!("ORDER KEPT");
+}
+
 #[test]
 fn a_receive_posted_after_its_message_came_has_its_data_and_status() {
     // Its message is already on the connection when it is posted (it may

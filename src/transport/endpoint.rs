@@ -212,14 +212,52 @@ impl Endpoint {
         if r.tag.is_some_and(|t| t < 0) {
             return Err(Instant::now());
         }
+        // SAFETY: as this function's.
+        match unsafe { self.look(&r, None) } {
+            Look::Taken(result) => Ok(result),
+            Look::Post(since) | Look::Posted(since) => Err(since),
+        }
+    }
+
+    /// `recv_now`'s looks, for a blocking receive (`deferred` None) or for
+    /// deferred receive `deferred`, which stays in its slot while it looks
+    /// (`Posts::with_deferred`): no receive can be posted ahead of it.
+    ///
+    /// # Safety
+    /// As `recv_now`.
+    unsafe fn look(&self, r: &Incoming, deferred: Option<u64>) -> Look {
         let sh = &self.shared;
         let mut began: Option<Instant> = None;
         let mut passes = 0u32;
         let mut registered = false;
-        let result = loop {
+        let look = loop {
             if let Some(mut core) = try_lock(&sh.core) {
-                core.take_posts();
-                match core.recv_whole_now(&r) {
+                let now = match deferred {
+                    None => {
+                        core.take_posts();
+                        core.recv_whole_now(r)
+                    }
+                    Some(id) => {
+                        core.take_posts_but_deferred();
+                        let core = &mut *core;
+                        let looked = sh.posts.with_deferred(id, || {
+                            let now = core.recv_whole_now(r);
+                            let leaves = !matches!(now, RecvNow::NotYet);
+                            (now, leaves)
+                        });
+                        match looked {
+                            // Posted by another call meanwhile.
+                            None => break Look::Posted(began.unwrap_or_else(Instant::now)),
+                            // Posted here, ahead of anything else.
+                            Some((RecvNow::Post, Some(post))) => {
+                                core.tagged.take_post(post);
+                                break Look::Posted(began.unwrap_or_else(Instant::now));
+                            }
+                            Some((now, _)) => now,
+                        }
+                    }
+                };
+                match now {
                     RecvNow::Taken(result) => {
                         // An answer a full ring did not take yet (a
                         // single-copy message's TagAck) goes with the
@@ -228,9 +266,9 @@ impl Endpoint {
                             sh.driven_lately.store(true, Ordering::Relaxed);
                             sh.nudge();
                         }
-                        break Ok(result.map_err(|e| named_call(&Described::Recv(r), e)));
+                        break Look::Taken(result.map_err(|e| named_call(&Described::Recv(*r), e)));
                     }
-                    RecvNow::Post => break Err(began.unwrap_or_else(Instant::now)),
+                    RecvNow::Post => break Look::Post(began.unwrap_or_else(Instant::now)),
                     RecvNow::NotYet => {}
                 }
             }
@@ -246,7 +284,7 @@ impl Endpoint {
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
                 if now >= began + self.spin.min(self.timeout) {
-                    break Err(began);
+                    break Look::Post(began);
                 }
             }
             if self.yield_when_idle {
@@ -259,7 +297,7 @@ impl Endpoint {
             sh.drivers.fetch_sub(1, Ordering::Relaxed);
             sh.driven_lately.store(true, Ordering::Relaxed);
         }
-        result
+        look
     }
 
     /// Takes a call in: directly when the core is free (and moves it as
@@ -309,63 +347,49 @@ impl Endpoint {
     /// it. On timeout the call is withdrawn (its buffer is no longer
     /// touched) and the error names it and what else is pending here.
     pub fn wait(&self, t: &Ticket) -> Result<Status> {
-        if let Some(post) = self.shared.posts.reclaim(t.id) {
-            return self.receive_deferred(t, post).map_err(|e| named(t, e));
+        if let (Described::Recv(r), true) = (&t.call, self.shared.posts.has_deferred()) {
+            return self.receive_deferred(t, r).map_err(|e| named(t, e));
         }
         self.wait_for(t, None).map_err(|e| named(t, e))
     }
 
-    /// Waits for deferred receive `t` as a blocking receive: straight from
-    /// its peer's connection when it is next there, else posted and
-    /// waited for (bounded from when the look began).
-    fn receive_deferred(&self, t: &Ticket, post: Post) -> Result<Status> {
-        let Post::Recv(r, done, _) = &post else {
-            return Err(Error::internal("a deferred call that is not a receive"));
-        };
+    /// Waits for receive `t`, deferred (else `wait_for`), as a blocking
+    /// receive: straight from its peer's connection when it is next there,
+    /// else posted and waited for (bounded from when the look began).
+    fn receive_deferred(&self, t: &Ticket, r: &Incoming) -> Result<Status> {
         // SAFETY: the ticket's contract: the buffer stays valid and
         // untouched until it completes.
-        match unsafe { self.recv_now(*r) } {
-            Ok(result) => {
-                done.complete(result.clone());
+        match unsafe { self.look(r, Some(t.id)) } {
+            Look::Taken(result) => {
+                t.done.complete(result.clone());
                 result
             }
-            Err(since) => {
-                let peer = r.peer;
-                self.post_deferred_now(post, t, peer, true)?;
+            Look::Post(since) => {
+                self.post_deferred();
                 self.wait_for(t, Some(since))
             }
+            Look::Posted(since) => self.wait_for(t, Some(since)),
         }
     }
 
-    /// A deferred ticket's receive, posted (for a caller that only looks).
-    fn post_deferred(&self, t: &Ticket) -> Result<()> {
-        match self.shared.posts.reclaim(t.id) {
-            Some(post) => self.post_deferred_now(post, t, None, false),
-            None => Ok(()),
+    /// Posts the deferred receive, if any (for a caller about to wait or
+    /// look by the ticket): into the core when it is free, else into the
+    /// queue its holder takes, never out of sight.
+    fn post_deferred(&self) {
+        let sh = &self.shared;
+        if !sh.posts.has_deferred() {
+            return;
         }
-    }
-
-    /// Posts a deferred receive taken back; one refused (a failed
-    /// communicator) completes with why, so a later wait or test, or the
-    /// request's free, finds its result instead of waiting for it.
-    fn post_deferred_now(
-        &self,
-        post: Post,
-        t: &Ticket,
-        peer: Option<usize>,
-        blocking: bool,
-    ) -> Result<()> {
-        let result = self.post(post, &t.done, peer, blocking);
-        if let Err(e) = &result {
-            t.done.complete(Err(e.clone()));
+        match try_lock(&sh.core) {
+            Some(mut core) => core.take_posts(),
+            None => sh.posts.flush_to_queue(),
         }
-        result
     }
 
     /// `wait` for a call whose wait began at `since` (before it was
     /// posted): bounded by the timeout from then.
     pub fn wait_since(&self, t: &Ticket, since: Instant) -> Result<Status> {
-        self.post_deferred(t).map_err(|e| named(t, e))?;
+        self.post_deferred();
         self.wait_for(t, Some(since)).map_err(|e| named(t, e))
     }
 
@@ -525,9 +549,7 @@ impl Endpoint {
         if let Some(r) = t.done.get() {
             return Some(r.map_err(|e| named(t, e)));
         }
-        if let Err(e) = self.post_deferred(t) {
-            return Some(Err(named(t, e)));
-        }
+        self.post_deferred();
         if let Some(mut core) = try_lock(&self.shared.core) {
             core.drive(None, CALLER);
         }
@@ -579,6 +601,16 @@ impl Endpoint {
         }
         self.core().close();
     }
+}
+
+/// What a receive's looks at its peer's connection came to.
+enum Look {
+    /// Taken, with its result.
+    Taken(Result<Status>),
+    /// Not taken: to be posted, and waited for from when the look began.
+    Post(Instant),
+    /// A deferred one posted meanwhile: waited for from when the look began.
+    Posted(Instant),
 }
 
 /// The largest receive that is deferred (see `Posts`): a small one, whose

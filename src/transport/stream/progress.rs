@@ -165,7 +165,7 @@ impl StreamTransport {
             self.check_departed(p)?;
             // Tagged calls posted meanwhile by other threads, and
             // connections that arrived for them.
-            if self.posts.pending() {
+            if self.posts.pending() || self.posts.has_deferred() {
                 self.take_posts();
             }
             self.tagged.release_waiting_senders();

@@ -322,10 +322,11 @@ pub enum Post {
 /// in the order they came, before anything else is posted.
 ///
 /// One non-blocking receive at a time may instead wait beside the queue,
-/// deferred (`defer`): its own wait takes it back and receives it as a
-/// blocking receive does, straight from the connection with no matching
-/// (`reclaim`), unless anything else takes the core first, which posts it
-/// (`take_deferred_into`), so it keeps its place among the calls.
+/// deferred (`defer`): its own wait receives it as a blocking receive
+/// does, straight from the connection with no matching, while it stays in
+/// its slot (`with_deferred`), unless anything else takes the core first,
+/// which posts it (`take_deferred_into`, `push`, `flush_to_queue`): it is
+/// always somewhere, so it keeps its place among the calls.
 pub struct Posts {
     queue: Mutex<Vec<Post>>,
     pending: AtomicBool,
@@ -378,19 +379,41 @@ impl Posts {
         None
     }
 
-    /// Call `id`, when it is still deferred: its waiter receives it.
-    pub fn reclaim(&self, id: u64) -> Option<Post> {
+    /// Runs `f` while receive `id` is still deferred, holding its slot, so
+    /// no call can be posted ahead of it meanwhile; `f` says whether the
+    /// receive leaves the slot (then it is handed back with `f`'s result).
+    /// None: it is not deferred (any more): another call posted it.
+    pub fn with_deferred<R>(
+        &self,
+        id: u64,
+        f: impl FnOnce() -> (R, bool),
+    ) -> Option<(R, Option<Post>)> {
         if !self.has_deferred.load(Ordering::Acquire) {
             return None;
         }
         let mut slot = lock(&self.deferred);
-        match &*slot {
-            Some(Post::Recv(_, _, deferred)) if *deferred == id => {
-                self.has_deferred.store(false, Ordering::Release);
-                slot.take()
-            }
-            _ => None,
+        if !matches!(&*slot, Some(Post::Recv(_, _, deferred)) if *deferred == id) {
+            return None;
         }
+        let (result, leaves) = f();
+        if !leaves {
+            return Some((result, None));
+        }
+        self.has_deferred.store(false, Ordering::Release);
+        Some((result, slot.take()))
+    }
+
+    /// Moves a deferred receive into the queue, for whoever holds the core
+    /// (a caller that cannot take the core and must not leave it behind).
+    pub fn flush_to_queue(&self) {
+        let mut q = lock(&self.queue);
+        let Some(deferred) = self.take_deferred() else {
+            return;
+        };
+        q.push(deferred);
+        drop(q);
+        self.pending.store(true, Ordering::Release);
+        self.bell.ring();
     }
 
     fn take_deferred(&self) -> Option<Post> {
@@ -411,7 +434,7 @@ impl Posts {
     /// Posts the deferred receive into `tagged`.
     pub fn take_deferred_into(&self, tagged: &mut Tagged) {
         if let Some(post) = self.take_deferred() {
-            take_one(post, tagged);
+            tagged.take_post(post);
         }
     }
 
@@ -430,25 +453,8 @@ impl Posts {
             std::mem::take(&mut *q)
         };
         for post in posts {
-            take_one(post, tagged);
+            tagged.take_post(post);
         }
-    }
-}
-
-/// Posts `post` into `tagged`; one it refuses fails with why.
-fn take_one(post: Post, tagged: &mut Tagged) {
-    let (done, r) = match post {
-        Post::Send(msg, done, id) => {
-            let r = tagged.post_send(msg, done.clone(), id);
-            (done, r)
-        }
-        Post::Recv(r, done, id) => {
-            let r = tagged.post_recv(r, done.clone(), id);
-            (done, r)
-        }
-    };
-    if let Err(e) = r {
-        done.complete(Err(e));
     }
 }
 
@@ -767,6 +773,24 @@ impl Tagged {
 
     pub fn set_closing(&mut self) {
         self.closing = true;
+    }
+
+    /// Posts `post`; one refused completes with why (its caller is not
+    /// here to be told).
+    pub fn take_post(&mut self, post: Post) {
+        let (done, r) = match post {
+            Post::Send(msg, done, id) => {
+                let r = self.post_send(msg, done.clone(), id);
+                (done, r)
+            }
+            Post::Recv(r, done, id) => {
+                let r = self.post_recv(r, done.clone(), id);
+                (done, r)
+            }
+        };
+        if let Err(e) = r {
+            done.complete(Err(e));
+        }
     }
 
     /// Posts send `id` (it is framed and written by whoever holds the
