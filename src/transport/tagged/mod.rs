@@ -355,12 +355,19 @@ impl Posts {
     }
 
     pub fn push(&self, post: Post) {
+        self.enqueue(Some(post));
+    }
+
+    /// Queues `post` (or nothing) behind a deferred receive, which came
+    /// before it, for whoever holds the core.
+    fn enqueue(&self, post: Option<Post>) {
         let mut q = lock(&self.queue);
-        // A deferred receive came before this call: it goes first.
-        if let Some(deferred) = self.take_deferred() {
-            q.push(deferred);
+        let deferred = self.take_deferred();
+        if deferred.is_none() && post.is_none() {
+            return;
         }
-        q.push(post);
+        q.extend(deferred);
+        q.extend(post);
         drop(q);
         self.pending.store(true, Ordering::Release);
         self.bell.ring();
@@ -382,7 +389,8 @@ impl Posts {
     /// Runs `f` while receive `id` is still deferred, holding its slot, so
     /// no call can be posted ahead of it meanwhile; `f` says whether the
     /// receive leaves the slot (then it is handed back with `f`'s result).
-    /// None: it is not deferred (any more): another call posted it.
+    /// None: it is not deferred (any more): another call posted it. `f`
+    /// must not take the posts in (the slot's lock is held).
     pub fn with_deferred<R>(
         &self,
         id: u64,
@@ -406,14 +414,7 @@ impl Posts {
     /// Moves a deferred receive into the queue, for whoever holds the core
     /// (a caller that cannot take the core and must not leave it behind).
     pub fn flush_to_queue(&self) {
-        let mut q = lock(&self.queue);
-        let Some(deferred) = self.take_deferred() else {
-            return;
-        };
-        q.push(deferred);
-        drop(q);
-        self.pending.store(true, Ordering::Release);
-        self.bell.ring();
+        self.enqueue(None);
     }
 
     fn take_deferred(&self) -> Option<Post> {
