@@ -15,7 +15,11 @@
 #
 # With the release binaries, the bundle also holds what the CPU
 # comparison there needs (scripts/host-compare.sh): the harness's native C
-# worker (bench/rdist_bench, finding lib/librdist.so.0 beside it).
+# worker (bench/rdist_bench, finding lib/librdist.so.0 beside it); and the
+# compiled torch backend (rdist-cache/), built against the torch release
+# GPU_BUNDLE_TORCH names (default 2.11.0, the GPU machine's; `none`: not
+# built) in scripts/torch-env.sh's venv of it, for gpu-check.sh's torch
+# check (the GPU machine may have no compiler, and has no network).
 #
 # The bundle runs on a machine of the same architecture with a glibc at
 # least as new as this one's.
@@ -60,6 +64,15 @@ if [ $release = 1 ]; then
   copy "$target/release/librdist.so" "$out/lib/librdist.so.0"
   cc -O2 -DUSE_RDIST -I include bench/peers/native_bench.c -L "$target/release" -lrdist \
     -Wl,-rpath,'$ORIGIN/../lib' -lm -o "$out/bench/rdist_bench"
+  torch_release="${GPU_BUNDLE_TORCH:-2.11.0}"
+  if [ "$torch_release" = none ]; then
+    echo "gpu-bundle: no compiled torch backend (GPU_BUNDLE_TORCH=none)"
+  elif torch_python=$(RDIST_TORCH_VERSION="$torch_release" bash scripts/torch-env.sh); then
+    RDIST_CACHE_DIR="$out/rdist-cache" PYTHONPATH=bindings/python "$torch_python" -m rdist.torch_build \
+      || echo "gpu-bundle: the compiled torch backend did not build for torch $torch_release" >&2
+  else
+    echo "gpu-bundle: no torch $torch_release here (scripts/torch-env.sh failed): no compiled torch backend" >&2
+  fi
 fi
 : >"$out/test-binaries"
 while read -r file path; do

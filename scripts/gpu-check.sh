@@ -14,6 +14,12 @@
 #                                          allreduce on device buffers through
 #                                          rdist and through NCCL called directly,
 #                                          one rank per GPU; every element checked
+#   torch   tests/workers/torch_cuda.py    CUDA tensors through the "rdist" torch
+#                                          backend at 1 and 2 ranks: every call
+#                                          against a reference, in torch's stream
+#                                          order, at 1 rank bitwise equal to
+#                                          torch's nccl; all_reduce's cost per call
+#                                          against torch's nccl (4 B, 1 MiB, 64 MiB)
 #
 # Needs only what scripts/setup.sh installs (it runs it: NCCL comes from
 # pip into build/nccl) plus a CUDA driver. Prints one line per check,
@@ -22,7 +28,11 @@
 # check is `skipped:` (nothing is built) and it exits 0; GPU_CHECK_FORCE=1
 # runs them anyway (each then skips itself or runs what needs no GPU).
 # Logs: ${CARGO_TARGET_DIR:-target}/gpu-check/. GPU_CHECK_BENCH_MAX_BYTES
-# (default 256M) bounds the benchmark's sizes.
+# (default 256M) bounds the benchmark's sizes. GPU_CHECK_TORCH_PYTHON: the
+# Python with torch (default: the first of python3, /usr/bin/python3 that
+# has it); the bundle's compiled torch backend (built for the release
+# GPU_BUNDLE_TORCH names) serves that torch when it is the same release,
+# else the backend is built there (a compiler needed).
 #
 # A GPU machine with no Rust toolchain (or no network for setup.sh):
 # build a bundle where there is one, `bash scripts/gpu-bundle.sh DIR`, copy
@@ -144,6 +154,7 @@ checks=(
   "rust nccl::* (tests/nccl.rs)"
   "python bindings/python/tests/test_device.py"
   "bench rdist-bench --device --nccl-direct"
+  "torch CUDA tensors through rdist (tests/workers/torch_cuda.py)"
 )
 if [ "$devices" -eq 0 ] && [ "${GPU_CHECK_FORCE:-0}" != 1 ]; then
   for c in "${checks[@]}"; do skip "$c" "no GPU: $gpu_reason"; done
@@ -280,6 +291,99 @@ else
     read -r size _ rd _ busbw nccl ratio _ <<<"$last"
     pass "$check" "$devices rank(s), $(wc -l <<<"$rows") sizes, all elements right; at $size B: rdist $rd us ($busbw GB/s busbw), NCCL $nccl us, nccl/rdist $ratio; ${secs} s"
   fi
+fi
+
+# ---- torch: CUDA tensors through the "rdist" backend -------------------------------------
+check="torch CUDA tensors through rdist"
+torch_python=""
+for candidate in ${GPU_CHECK_TORCH_PYTHON:-python3 /usr/bin/python3}; do
+  if "$candidate" -c 'import torch' >/dev/null 2>&1; then torch_python="$candidate"; break; fi
+done
+rdist_lib="$target/release/librdist.so"
+[ -n "$prebuilt" ] && rdist_lib="$prebuilt/lib/librdist.so.0"
+if [ "$devices" -eq 0 ]; then
+  skip "$check" "no GPU: $gpu_reason"
+elif [ -z "$torch_python" ]; then
+  skip "$check" "no Python with torch (set GPU_CHECK_TORCH_PYTHON)"
+elif ! [ -f "$rdist_lib" ]; then
+  skip "$check" "no release library ($rdist_lib; scripts/gpu-bundle.sh --debug-only makes none)"
+else
+  # The compiled backend: the bundle's where it was built for this torch
+  # release (its local tag, e.g. +cu130, may differ), else built here.
+  export RDIST_CACHE_DIR="$logs/rdist-cache"
+  mkdir -p "$RDIST_CACHE_DIR"
+  if [ -n "$prebuilt" ] && [ -d "$prebuilt/rdist-cache" ]; then
+    cp -a "$prebuilt/rdist-cache/." "$RDIST_CACHE_DIR/"
+  fi
+  PYTHONPATH="$root/bindings/python" "$torch_python" - >"$logs/torch-backend.log" 2>&1 <<'EOF'
+import glob, os, shutil, sys, torch
+from rdist import _extension as e
+want = e.build_dir(torch)
+if os.path.isfile(os.path.join(want, "_rdist_c10d.so")):
+    print(f"torch {torch.__version__}: the bundle's compiled backend fits as it is")
+    sys.exit(0)
+release, tag = torch.__version__.split("+")[0], sys.implementation.cache_tag
+near = glob.glob(os.path.join(e.cache_root(), "torch-backend", f"torch-{release}*-{tag}-*", "_rdist_c10d.so"))
+if near:
+    os.makedirs(want, exist_ok=True)
+    shutil.copy2(near[0], os.path.join(want, "_rdist_c10d.so"))
+    print(f"torch {torch.__version__}: the bundle's build for {os.path.basename(os.path.dirname(near[0]))}")
+else:
+    print(f"torch {torch.__version__} ({tag}): no build of it in the bundle, built here on first use")
+EOF
+  torch_line="$(tail -1 "$logs/torch-backend.log")"
+  echo "-- $torch_line"
+  for size in 1 2; do
+    echo "-- $torch_python bindings/python/tests/workers/torch_cuda.py, $size rank(s)"
+    port=$("$torch_python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    pids=()
+    start=$(date +%s)
+    for ((r = 0; r < size; r++)); do
+      RANK=$r WORLD_SIZE=$size LOCAL_RANK=$r LOCAL_WORLD_SIZE=$size MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        PYTHONPATH="$root/bindings/python:$root/bindings/python/tests/workers" RDIST_LIBRARY="$rdist_lib" \
+        timeout 600 "$torch_python" "$root/bindings/python/tests/workers/torch_cuda.py" \
+        >"$logs/torch-cuda-$size-rank$r.log" 2>&1 &
+      pids+=($!)
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    secs=$(($(date +%s) - start))
+    verdict="$("$torch_python" - "$size" "$logs" <<'EOF'
+import json, sys
+size, logs = int(sys.argv[1]), sys.argv[2]
+reports = []
+for r in range(size):
+    for line in open(f"{logs}/torch-cuda-{size}-rank{r}.log", errors="replace"):
+        if line.startswith("RESULT "):
+            reports.append(json.loads(line[7:]))
+if len(reports) != size:
+    print(f"failed|{len(reports)} of {size} ranks reported")
+elif any("skipped" in r for r in reports):
+    print(f"skipped|{reports[0]['skipped']}")
+else:
+    bad = [f"rank {r['rank']} {case}: {why.strip().splitlines()[-1]}"
+           for r in reports for case, why in r["failures"].items()]
+    if bad:
+        print("failed|" + "; ".join(bad[:4]))
+    else:
+        r0 = reports[0]
+        times = r0["per_call_us"]
+        timing = "; ".join(
+            f"{n} B rdist {us} us" + (f", nccl {times['nccl'][n]} us" if "nccl" in times else "")
+            for n, us in times.get("rdist", {}).items())
+        print(f"passed|{len(r0['cases'])} cases on {r0['device']}, torch {r0['torch']}, "
+              f"{'compiled' if r0['compiled'] else 'pure-Python'} backend; all_reduce per call: {timing}")
+EOF
+)"
+    status="${verdict%%|*}"
+    detail="${verdict#*|}"
+    name="$check, $size rank(s)"
+    case "$status" in
+      passed) pass "$name" "$detail; ${secs} s" ;;
+      skipped) skip "$name" "$detail" ;;
+      *) fail "$name" "${detail:-no verdict} (exit $rc; logs $logs/torch-cuda-$size-rank*.log)" ;;
+    esac
+  done
 fi
 
 print_report

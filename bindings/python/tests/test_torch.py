@@ -149,6 +149,40 @@ def _cuda_devices():
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
+def _cuda_job(size, on_cpu):
+    ranks = run_ranks([WORKERS / "torch_cuda.py"], size, timeout=300, python=TORCH_PYTHON,
+                      env={"OMP_NUM_THREADS": 1, "RDIST_CUDA_WORKER_ON_CPU": int(on_cpu)})
+    reports = expect_success(ranks)
+    assert len(reports) == size, describe_all(ranks)
+    for report in reports:
+        assert report["compiled"] == (os.environ.get("RDIST_TORCH_BACKEND") != "python")
+        assert len(report["cases"]) >= 10, report["cases"]
+        assert not report["failures"], f"rank {report['rank']} of {size}:\n" + "\n".join(
+            f"--- {case}\n{why}" for case, why in report["failures"].items()
+        )
+    return reports
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_the_cuda_workers_references_hold_on_cpu(size):
+    """workers/torch_cuda.py on CPU tensors: what it checks on a GPU machine
+    is right here first (its references, its send/recv pairs)."""
+    _cuda_job(size, on_cpu=True)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_cuda_tensors_through_rdist_keep_torchs_stream_order_and_equal_nccl(size):
+    """init_process_group("rdist") with CUDA tensors: NCCL under rdist (one
+    rank per device) or staged through rdist's sockets (ranks sharing a
+    device); inputs still being made on the current stream, results read
+    after it; at world size 1 bitwise equal to torch's nccl backend."""
+    if _cuda_devices() == 0:
+        pytest.skip("skipped: no CUDA device (torch CUDA tensors through rdist need one)")
+    for report in _cuda_job(size, on_cpu=False):
+        print(f"rank {report['rank']} of {size} on {report['device']}: all_reduce us per call "
+              f"{report['per_call_us']}")
+
+
 def _torchrun(options, script, nproc, env, scratch, timeout):
     """Runs torchrun with `options` on WORKERS/script (bounded) and returns
     each rank's report from RESULT_DIR (= scratch)."""
