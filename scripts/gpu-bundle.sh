@@ -18,8 +18,9 @@
 # worker (bench/rdist_bench, finding lib/librdist.so.0 beside it); and the
 # compiled torch backend (rdist-cache/), built against the torch release
 # GPU_BUNDLE_TORCH names (default 2.11.0, the GPU machine's; `none`: not
-# built) in scripts/torch-env.sh's venv of it, for gpu-check.sh's torch
-# check (the GPU machine may have no compiler, and has no network).
+# built) for CPython 3.12 where this machine has one (the image's;
+# GPU_BUNDLE_TORCH_PYTHON: another), in scripts/torch-env.sh's venv of
+# it, for gpu-check.sh's torch check (it saves building it there).
 #
 # The bundle runs on a machine of the same architecture with a glibc at
 # least as new as this one's.
@@ -65,13 +66,24 @@ if [ $release = 1 ]; then
   cc -O2 -DUSE_RDIST -I include bench/peers/native_bench.c -L "$target/release" -lrdist \
     -Wl,-rpath,'$ORIGIN/../lib' -lm -o "$out/bench/rdist_bench"
   torch_release="${GPU_BUNDLE_TORCH:-2.11.0}"
+  # The image's python3 is 3.12 (the module is built per CPython): a 3.12
+  # here if there is one (GPU_BUNDLE_TORCH_PYTHON names another).
+  base_python="${GPU_BUNDLE_TORCH_PYTHON:-}"
+  if [ -z "$base_python" ]; then
+    for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3; do
+      if "$candidate" -c 'import venv' >/dev/null 2>&1; then base_python="$candidate"; break; fi
+    done
+  fi
+  tag=$("$base_python" -c 'import sys; print(sys.implementation.cache_tag)' 2>/dev/null || echo unknown)
+  venv="${XDG_CACHE_HOME:-$HOME/.cache}/rdist/torch-$torch_release-$tag-venv"
   if [ "$torch_release" = none ]; then
     echo "gpu-bundle: no compiled torch backend (GPU_BUNDLE_TORCH=none)"
-  elif torch_python=$(RDIST_TORCH_VERSION="$torch_release" bash scripts/torch-env.sh); then
+  elif torch_python=$(PYTHON="$base_python" RDIST_TORCH_VENV="$venv" RDIST_TORCH_VERSION="$torch_release" \
+    bash scripts/torch-env.sh); then
     RDIST_CACHE_DIR="$out/rdist-cache" PYTHONPATH=bindings/python "$torch_python" -m rdist.torch_build \
       || echo "gpu-bundle: the compiled torch backend did not build for torch $torch_release" >&2
   else
-    echo "gpu-bundle: no torch $torch_release here (scripts/torch-env.sh failed): no compiled torch backend" >&2
+    echo "gpu-bundle: no torch $torch_release for $base_python here (scripts/torch-env.sh failed): no compiled torch backend" >&2
   fi
 fi
 : >"$out/test-binaries"
