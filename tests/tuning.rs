@@ -111,7 +111,7 @@ fn a_machine_is_measured_once_and_its_profile_cached() {
         .collect();
     assert_eq!(files.len(), 1, "one profile per machine: {files:?}");
     let line = std::fs::read_to_string(&files[0]).unwrap();
-    assert!(line.starts_with("machine3 cores="), "{line}");
+    assert!(line.starts_with("machine4 cores="), "{line}");
     let cores = line
         .split_whitespace()
         .nth(1)

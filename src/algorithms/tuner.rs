@@ -42,6 +42,9 @@ pub const REFERENCE: Machine = Machine {
     pass_mbs: 0,
     cma_mbs: 0,
     cma_call_ns: 0,
+    swap_1m_permille: 0,
+    swap_4m_permille: 0,
+    swap_16m_permille: 0,
 };
 
 /// A step on shared memory costs the cache lines' trip plus rdist's own
@@ -143,17 +146,29 @@ fn single_copy_read_cost(m: &Machine, core_cache_kib: u32) -> ReadCost {
 }
 
 /// Where single copy beats the rings for a rank that sends and receives
-/// at once (an exchange, every step of a ring): through the rings its
-/// core copies its outgoing bytes in and its incoming bytes out, two
-/// copies, where single copy has it copy only the incoming ones out of the
-/// sender's memory. The rings' extra copy is cheap while the rank's
-/// payload, the one it receives and the ring between them stay in its
-/// core's own cache: from half that cache on, within
-/// `TWO_WAY_SINGLE_COPY_FLOOR`..`SINGLE_COPY_MIN` (`SINGLE_COPY_MIN` where
-/// sysfs names no such cache). None where one copy out of another's
-/// memory is not that much faster than half a ring's pass, or where that
-/// was not measured.
+/// at once (an exchange, every step of a ring). Where the machine's swaps
+/// were measured (`Machine::swaps`): from the smallest size swapped at
+/// which single copy was `SWAP_FACTOR` as fast, and at every larger one;
+/// None where it was not at the largest. (Through the rings a core copies
+/// its outgoing bytes in and its incoming bytes out, with single copy only
+/// the incoming ones; but the copy in is cheap while its payload sits in
+/// a cache the core has nearly to itself, and the swaps show where that
+/// ends.) Else inferred from one way's rates: from half a core's own
+/// cache, within `TWO_WAY_SINGLE_COPY_FLOOR`..`SINGLE_COPY_MIN`
+/// (`SINGLE_COPY_MIN` where sysfs names no such cache), where one copy out
+/// of another's memory is that much faster than half a ring's pass; None
+/// where it is not, or where nothing was measured.
 fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
+    if m.knows_swaps() {
+        let mut from = None;
+        for (size, permille) in m.swaps().into_iter().rev() {
+            if f64::from(permille) * SWAP_FACTOR > 1000.0 {
+                break;
+            }
+            from = Some(size);
+        }
+        return from;
+    }
     if !m.knows_single_copy() {
         return None;
     }
@@ -164,6 +179,10 @@ fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
     };
     (cma >= pass / 2.0 * SINGLE_COPY_PER_BYTE_FACTOR).then_some(from)
 }
+
+/// How much faster single copy must swap payloads than the rings before
+/// it is chosen for that: the swaps' rounds scatter by up to a tenth.
+const SWAP_FACTOR: f64 = 1.1;
 
 /// The smallest payload a rank that sends while it receives sends single
 /// copy, whatever its cache: below it, single copy was not seen to pay
@@ -358,23 +377,12 @@ pub fn plan(i: &Inputs) -> Plan {
                     .to_string(),
             }
         ));
-        why.push(match two_way {
-            Some(n) if n < single_copy_min => format!(
-                "a rank that sends while it receives copies both ways through the rings and one way \
-                 with single copy, which is {:.2}x as fast then: its payloads from {} ({}) that are \
-                 not reduced go single copy",
-                f64::from(here.cma_mbs) / (f64::from(here.pass_mbs) / 2.0),
-                bytes(n),
-                match i.core_cache_kib {
-                    0 => "no core's own cache listed".to_string(),
-                    k => format!(
-                        "half a core's own {} cache, within 1 MiB..4 MiB",
-                        bytes((k as usize) << 10)
-                    ),
-                }
-            ),
-            _ => "the same for a rank that sends while it receives".to_string(),
-        });
+        why.push(two_way_why(
+            &here,
+            two_way,
+            single_copy_min,
+            i.core_cache_kib,
+        ));
     }
     let read_cost = here
         .knows_single_copy()
@@ -398,6 +406,53 @@ pub fn plan(i: &Inputs) -> Plan {
         two_way_single_copy_min,
         read_cost,
         why: why.join("; "),
+    }
+}
+
+/// What the plan says of a rank that sends while it receives.
+fn two_way_why(
+    here: &Machine,
+    two_way: Option<usize>,
+    single_copy_min: usize,
+    core_cache_kib: u32,
+) -> String {
+    let swapped = || {
+        let took: Vec<String> = here
+            .swaps()
+            .iter()
+            .map(|(size, p)| format!("{} {:.2}x", bytes(*size), f64::from(*p) / 1000.0))
+            .collect();
+        format!(
+            "two cores swapping payloads they just wrote took, single copy against the rings, {}",
+            took.join(", ")
+        )
+    };
+    match two_way {
+        Some(n) if n < single_copy_min && here.knows_swaps() => format!(
+            "{}: a rank that sends while it receives sends its payloads from {} that are not \
+             reduced single copy",
+            swapped(),
+            bytes(n)
+        ),
+        Some(n) if n < single_copy_min => format!(
+            "a rank that sends while it receives copies both ways through the rings and one way \
+             with single copy, which is {:.2}x as fast then: its payloads from {} ({}) that are \
+             not reduced go single copy",
+            f64::from(here.cma_mbs) / (f64::from(here.pass_mbs) / 2.0),
+            bytes(n),
+            match core_cache_kib {
+                0 => "no core's own cache listed".to_string(),
+                k => format!(
+                    "half a core's own {} cache, within 1 MiB..4 MiB",
+                    bytes((k as usize) << 10)
+                ),
+            }
+        ),
+        _ if here.knows_swaps() => format!(
+            "{}: the same for a rank that sends while it receives",
+            swapped()
+        ),
+        _ => "the same for a rank that sends while it receives".to_string(),
     }
 }
 
@@ -595,6 +650,63 @@ mod tests {
         // Not measured (one core, or an old profile): as before.
         assert_eq!(plan(&inputs(REFERENCE, 2, 2)).single_copy_min, usize::MAX);
         assert!(!plan(&inputs(REFERENCE, 2, 2)).why.contains("pass"));
+    }
+
+    #[test]
+    fn a_rank_that_sends_while_it_receives_goes_single_copy_where_the_swaps_show_it_faster() {
+        let swaps = |one, four, sixteen| Machine {
+            swap_1m_permille: one,
+            swap_4m_permille: four,
+            swap_16m_permille: sixteen,
+            ..SAPPHIRE_RAPIDS_VM
+        };
+        // The AMD VM (1 MiB of cache a core, 32 MiB shared by its two):
+        // single copy slower at every size, whatever one way's rates and
+        // the cache infer.
+        let amd = Inputs {
+            core_cache_kib: 1024,
+            ..inputs(swaps(1967, 1469, 1111), 2, 2)
+        };
+        let p = plan(&amd);
+        assert_eq!(p.two_way_single_copy_min, usize::MAX);
+        assert!(
+            p.why.contains(
+                "single copy against the rings, 1 MiB 1.97x, 4 MiB 1.47x, 16 MiB 1.11x: \
+                 the same for a rank that sends while it receives"
+            ),
+            "{}",
+            p.why
+        );
+        // Faster from 4 MiB on: from 4 MiB; at every size: from 1 MiB.
+        let p = plan(&inputs(swaps(1200, 800, 700), 2, 2));
+        assert_eq!(p.two_way_single_copy_min, 4 << 20);
+        assert!(
+            p.why
+                .contains("sends its payloads from 4 MiB that are not reduced single copy"),
+            "{}",
+            p.why
+        );
+        assert_eq!(
+            plan(&inputs(swaps(800, 700, 600), 2, 2)).two_way_single_copy_min,
+            1 << 20
+        );
+        // Faster only below the largest size: the rings (larger payloads
+        // are where it would run).
+        assert_eq!(
+            plan(&inputs(swaps(800, 700, 1200), 2, 2)).two_way_single_copy_min,
+            usize::MAX
+        );
+        // Within the factor: the rings.
+        assert_eq!(
+            plan(&inputs(swaps(950, 950, 950), 2, 2)).two_way_single_copy_min,
+            usize::MAX
+        );
+        // Never later than single copy one way.
+        let fast = Machine {
+            cma_mbs: 24_000,
+            ..swaps(1200, 800, 700)
+        };
+        assert_eq!(plan(&inputs(fast, 2, 2)).two_way_single_copy_min, 64 << 10);
     }
 
     #[test]

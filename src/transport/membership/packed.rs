@@ -275,6 +275,9 @@ mod tests {
         pass_mbs: 9000,
         cma_mbs: 21000,
         cma_call_ns: 310,
+        swap_1m_permille: 1260,
+        swap_4m_permille: 1110,
+        swap_16m_permille: 900,
     };
 
     fn published_key(size: usize, addr: &str, host: &str, nccl: &str) -> Vec<u8> {

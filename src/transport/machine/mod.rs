@@ -15,6 +15,8 @@
 //! instead (the cache's one-line format), for tests and for hosts where
 //! measuring is unwelcome.
 
+mod swaps;
+
 use crate::error::{Error, Result};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -54,17 +56,24 @@ pub struct Machine {
     /// One small process_vm_readv, in ns: single copy's fixed cost per
     /// message, beside its two frames.
     pub cma_call_ns: u32,
+    /// Two cores swapping 1, 4 and 16 MiB they each just wrote, both at
+    /// once: single copy's time in thousandths of the rings' (above 1000
+    /// the rings are faster for a rank that sends while it receives).
+    pub swap_1m_permille: u32,
+    pub swap_4m_permille: u32,
+    pub swap_16m_permille: u32,
 }
 
 /// The cache's format (a new field makes a new one, so old files are
 /// measured again, not misread).
-const FORMAT: &str = "machine3";
-/// The format before `pass_mbs`, `cma_mbs` and `cma_call_ns`: still read
-/// (from `RDIST_MACHINE`), those three unknown.
-const FORMAT_2: &str = "machine2";
+const FORMAT: &str = "machine4";
+/// The formats before the swaps (`machine3`) and before `pass_mbs`,
+/// `cma_mbs` and `cma_call_ns` (`machine2`): still read (from
+/// `RDIST_MACHINE`), what they lack unknown.
+const EARLIER_FORMATS: [&str; 2] = ["machine3", "machine2"];
 
 /// A profile's size in the packed roster.
-pub const BYTES: usize = 40;
+pub const BYTES: usize = 52;
 
 /// A profile that says nothing measured: the model then keeps its
 /// reference choices (see `tuner::REFERENCE`).
@@ -79,6 +88,9 @@ pub const UNKNOWN: Machine = Machine {
     pass_mbs: 0,
     cma_mbs: 0,
     cma_call_ns: 0,
+    swap_1m_permille: 0,
+    swap_4m_permille: 0,
+    swap_16m_permille: 0,
 };
 
 impl Machine {
@@ -102,7 +114,22 @@ impl Machine {
         self.pass_mbs > 0 && self.cma_mbs > 0 && self.cma_call_ns > 0
     }
 
-    fn fields(self) -> [(&'static str, u32); 10] {
+    /// The two ways of swapping payloads were measured.
+    pub fn knows_swaps(self) -> bool {
+        self.swaps().iter().all(|(_, p)| *p > 0)
+    }
+
+    /// (size, single copy's time per mille of the rings') per swap size.
+    pub fn swaps(self) -> [(usize, u32); 3] {
+        let p = [
+            self.swap_1m_permille,
+            self.swap_4m_permille,
+            self.swap_16m_permille,
+        ];
+        std::array::from_fn(|i| (swaps::SIZES_MIB[i] << 20, p[i]))
+    }
+
+    fn fields(self) -> [(&'static str, u32); 13] {
         [
             ("cores", self.cores),
             ("copy_one_mbs", self.copy_one_mbs),
@@ -114,6 +141,9 @@ impl Machine {
             ("pass_mbs", self.pass_mbs),
             ("cma_mbs", self.cma_mbs),
             ("cma_call_ns", self.cma_call_ns),
+            ("swap_1m_permille", self.swap_1m_permille),
+            ("swap_4m_permille", self.swap_4m_permille),
+            ("swap_16m_permille", self.swap_16m_permille),
         ]
     }
 
@@ -128,12 +158,15 @@ impl Machine {
             6 => &mut self.cache_kib,
             7 => &mut self.pass_mbs,
             8 => &mut self.cma_mbs,
-            _ => &mut self.cma_call_ns,
+            9 => &mut self.cma_call_ns,
+            10 => &mut self.swap_1m_permille,
+            11 => &mut self.swap_4m_permille,
+            _ => &mut self.swap_16m_permille,
         };
         *slot = v;
     }
 
-    /// One line: "machine2 cores=16 copy_one_mbs=6300 ...".
+    /// One line: "machine4 cores=16 copy_one_mbs=6300 ...".
     pub fn to_line(self) -> String {
         let mut s = FORMAT.to_string();
         for (k, v) in self.fields() {
@@ -146,7 +179,7 @@ impl Machine {
     pub fn from_line(line: &str) -> Option<Machine> {
         let mut words = line.split_whitespace();
         let format = words.next()?;
-        if format != FORMAT && format != FORMAT_2 {
+        if format != FORMAT && !EARLIER_FORMATS.contains(&format) {
             return None;
         }
         let names = UNKNOWN.fields().map(|(k, _)| k);
@@ -359,6 +392,11 @@ pub fn measure(cores: usize) -> Machine {
         cache_kib: last_level_cache_kib(),
         ..two_core_moves().unwrap_or(UNKNOWN)
     };
+    if let Some([one, four, sixteen]) = swaps::single_copy_permille() {
+        m.swap_1m_permille = one;
+        m.swap_4m_permille = four;
+        m.swap_16m_permille = sixteen;
+    }
     // Whatever else runs meanwhile (another job, the machine's host) only
     // makes a copy read low, and the profile is kept until a reboot: the
     // copies are timed again, after the rest, and the better kept.
@@ -930,8 +968,29 @@ mod tests {
             pass_mbs: 12000,
             cma_mbs: 25000,
             cma_call_ns: 350,
+            swap_1m_permille: 1260,
+            swap_4m_permille: 1110,
+            swap_16m_permille: 1300,
         };
         assert_eq!(Machine::from_line(&m.to_line()), Some(m));
+        assert!(m.knows_swaps() && m.is_known());
+        // The format before the swaps: read, those unknown.
+        let before = Machine::from_line(
+            "machine3 cores=16 copy_one_mbs=6300 copy_all_mbs=41000 handoff_ns=90 \
+             tcp_latency_ns=9000 tcp_mbs=3100 cache_kib=32768 pass_mbs=12000 cma_mbs=25000 \
+             cma_call_ns=350",
+        )
+        .unwrap();
+        assert_eq!(
+            before,
+            Machine {
+                swap_1m_permille: 0,
+                swap_4m_permille: 0,
+                swap_16m_permille: 0,
+                ..m
+            }
+        );
+        assert!(before.knows_single_copy() && !before.knows_swaps());
         // The format before the two-core moves: read, those unknown.
         let old = Machine::from_line(
             "machine2 cores=16 copy_one_mbs=6300 copy_all_mbs=41000 handoff_ns=90 \
@@ -944,7 +1003,7 @@ mod tests {
                 pass_mbs: 0,
                 cma_mbs: 0,
                 cma_call_ns: 0,
-                ..m
+                ..before
             }
         );
         assert!(!old.knows_single_copy() && m.knows_single_copy());
