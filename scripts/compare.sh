@@ -9,7 +9,8 @@
 # (shared memory and TCP) when it installs; 2, 3 and 4 ranks. Takes
 # ~15 min (~20 with torch, which it uses when the tests' venv is there),
 # then the large cells again with data just made (peer_bench.py --fresh,
-# one launch each, ~10 min more), as a second table.
+# two launches each, far apart in time, the better kept: a VM's speed can
+# change for minutes at a time; ~20 min more), as a second table.
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
 #   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
 #       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
@@ -99,7 +100,7 @@ latest=$(ls -t build/compare/results-*.json | grep -v -- -fresh | head -1)
 # that copies straight out of the sender's memory no longer finds an
 # unchanged buffer in its own caches.
 fresh_peers=$(echo "$peers" | tr ',' '\n' | grep -v '^gloo-native$' | paste -sd, -)
-fresh_args=(--fresh --peers "$fresh_peers" --worlds 2,3,4 --outdir build/compare --timeout 90 --no-ref --repeat 1
+fresh_args=(--fresh --peers "$fresh_peers" --worlds 2,3,4 --outdir build/compare --timeout 90 --no-ref --repeat 2
   --ar-sizes $mib,$((16 * mib)),$((64 * mib)) --bc-sizes $mib,$((64 * mib))
   --ag-sizes $((16 * mib)) --rs-sizes $((16 * mib))
   --pp-sizes 65536,$mib,$((16 * mib)) --ex-sizes 65536,$mib,$((16 * mib)))
