@@ -75,6 +75,7 @@ if [ $release = 1 ]; then
     done
   fi
   tag=$("$base_python" -c 'import sys; print(sys.implementation.cache_tag)' 2>/dev/null || echo unknown)
+  [ "$tag" = cpython-312 ] || echo "gpu-bundle: no CPython 3.12 here: the torch backend is built for $tag, which the GPU image's python3 (3.12) cannot load; gpu-check.sh builds it there if it can" >&2
   venv="${XDG_CACHE_HOME:-$HOME/.cache}/rdist/torch-$torch_release-$tag-venv"
   if [ "$torch_release" = none ]; then
     echo "gpu-bundle: no compiled torch backend (GPU_BUNDLE_TORCH=none)"

@@ -311,6 +311,7 @@ else
   # The compiled backend: the bundle's where it was built for this torch
   # release (its local tag, e.g. +cu130, may differ), else built here.
   export RDIST_CACHE_DIR="$logs/rdist-cache"
+  rm -rf "$RDIST_CACHE_DIR"  # an earlier run's builds: only this bundle's count
   mkdir -p "$RDIST_CACHE_DIR"
   if [ -n "$prebuilt" ] && [ -d "$prebuilt/rdist-cache" ]; then
     cp -a "$prebuilt/rdist-cache/." "$RDIST_CACHE_DIR/"
@@ -378,6 +379,7 @@ EOF
     status="${verdict%%|*}"
     detail="${verdict#*|}"
     name="$check, $size rank(s)"
+    [ "$status" = passed ] && [ $rc -ne 0 ] && status=failed detail="exit $rc after every rank reported: $detail"
     case "$status" in
       passed) pass "$name" "$detail; ${secs} s" ;;
       skipped) skip "$name" "$detail" ;;

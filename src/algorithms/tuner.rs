@@ -377,6 +377,8 @@ pub fn plan(i: &Inputs) -> Plan {
                     .to_string(),
             }
         ));
+    }
+    if here.knows_single_copy() || here.knows_swaps() {
         why.push(two_way_why(
             &here,
             two_way,

@@ -2,8 +2,9 @@
 //! cores, how fast one core and all cores copy memory, how long a cache
 //! line takes to go from one core to another, how fast two cores pass
 //! data through shared memory (the rings' two copies) against one core
-//! copying it straight out of another's memory (single copy), and what
-//! loopback TCP does. The tuning model (`algorithms::tuner`) chooses from these; the
+//! copying it straight out of another's memory (single copy), the same
+//! two ways with both cores sending at once (`swaps`), and what loopback
+//! TCP does. The tuning model (`algorithms::tuner`) chooses from these; the
 //! ranks publish them at init, so that every rank of a job chooses from
 //! the same numbers (see `membership::packed`).
 //!
@@ -604,13 +605,9 @@ fn handoff_ns() -> Option<u32> {
 /// with fewer than two usable cores, or when a thread cannot start or
 /// the other stalls.
 fn two_core_moves() -> Option<Machine> {
-    let cpus = allowed_cpus();
-    if cpus.len() < 2 {
-        return None;
-    }
+    let (c0, c1) = two_cores()?;
     let area = Arc::new(MoveArea::new());
     let (writer_area, reader_area) = (area.clone(), area.clone());
-    let (c0, c1) = (cpus[0], cpus[1]);
     let writer = spawn(move || {
         pin_to(c0);
         writer_area.write_rounds()
@@ -810,6 +807,43 @@ fn cma_call_ns() -> Option<u32> {
         best = best.min(t.elapsed());
     }
     Some((best.as_nanos() / u128::from(BATCH)).clamp(1, u32::MAX as u128) as u32)
+}
+
+/// Two of the cores this process may run on, for the two-core
+/// measurements: the second not a hardware thread of the first where
+/// another is allowed (siblings share their caches, which would hide what
+/// the measurements look for).
+fn two_cores() -> Option<(usize, usize)> {
+    let cpus = allowed_cpus();
+    let first = *cpus.first()?;
+    let siblings = std::fs::read_to_string(format!(
+        "/sys/devices/system/cpu/cpu{first}/topology/thread_siblings_list"
+    ))
+    .map(|s| cpu_list(s.trim()))
+    .unwrap_or_default();
+    let others: Vec<usize> = cpus.iter().copied().filter(|&c| c != first).collect();
+    let second = others
+        .iter()
+        .copied()
+        .find(|c| !siblings.contains(c))
+        .or_else(|| others.first().copied())?;
+    Some((first, second))
+}
+
+/// A sysfs cpu list ("0-3,8,10-11") as its cpus.
+fn cpu_list(s: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    out.extend(a..=b.min(a + 4096));
+                }
+            }
+            None => out.extend(part.parse::<usize>().ok()),
+        }
+    }
+    out
 }
 
 /// The cores this process may run on.

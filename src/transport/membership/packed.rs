@@ -118,7 +118,9 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
     })
 }
 
-const MAGIC: &[u8; 2] = b"R4";
+/// Moves on with the layout (R5: machine profiles of 52 bytes, with the
+/// swaps), so that a roster of another release is refused, not misread.
+const MAGIC: &[u8; 2] = b"R5";
 const V4: u8 = 4;
 const V6: u8 = 6;
 

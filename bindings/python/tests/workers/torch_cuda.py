@@ -6,7 +6,12 @@ at world size 1, against torch's own nccl backend on the same tensors,
 bitwise. Inputs are made by kernels still running on the current stream
 when the call is issued, and results are read by kernels queued after it,
 with no synchronize in between: the calls must keep torch's stream order,
-as torch's nccl backend does.
+as torch's nccl backend does. Every case runs on the current stream and
+again under a side stream (a stream of its own, not the legacy default
+one, whose implicit synchronization could hide a missing wait). At world
+size 1 the in-place calls (all_reduce, broadcast) leave their buffer as
+it is whatever the stream order; the out-of-place ones (all_gather,
+reduce_scatter, all_to_all) show it there.
 
 Reports one `RESULT` line:
     {"rank", "size", "device", "compiled", "cases": [ids],
@@ -61,9 +66,10 @@ def late(cpu):
     reads zeros or halves (the sleep keeps the stream busy)."""
     if ON_CPU:
         return cpu.clone()
+    ready = cpu.to(DEVICE)
     out = torch.zeros(cpu.shape, dtype=cpu.dtype, device=DEVICE)
-    torch.cuda._sleep(2_000_000)  # a few ms of GPU time, queued before the copy
-    out.copy_(cpu.to(DEVICE, non_blocking=True))
+    torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time, queued before the copy
+    out.copy_(ready)  # device to device, on the current stream
     return out
 
 
@@ -72,22 +78,36 @@ def read(t):
     return (t * 1).cpu()
 
 
+def on_side_stream(fn):
+    """`fn()` issued under a side stream that follows the current one."""
+    side = torch.cuda.Stream(device=DEVICE)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
 def check(case, run, nccl_too=True):
-    """Runs `run(group)` (returns the result on the device, read through
-    `read`) on rdist and, at world size 1, on torch's nccl backend; the
-    reference comes from `run.reference`."""
-    cases.append(case)
-    try:
-        got = run(None)
-        want = run.reference
-        if not torch.equal(got, want):
-            raise AssertionError(f"rdist gave {got.tolist()[:12]}, the reference {want.tolist()[:12]}")
-        if NCCL is not None and nccl_too:
-            theirs = run(NCCL)
-            if not torch.equal(got, theirs):
-                raise AssertionError(f"rdist gave {got.tolist()[:12]}, nccl {theirs.tolist()[:12]}")
-    except Exception:  # noqa: BLE001 - reported, the next case runs
-        failures[case] = traceback.format_exc()[-2000:]
+    """Runs `run(group)` (returns the result read through `read`) on rdist
+    and, at world size 1, on torch's nccl backend, on the current stream
+    and (on a GPU) under a side stream; the reference comes from
+    `run.reference`."""
+    for variant in ("",) if ON_CPU else ("", "/side_stream"):
+        name = case + variant
+        issue = on_side_stream if variant else (lambda fn: fn())
+        cases.append(name)
+        try:
+            got = issue(lambda: run(None))
+            want = run.reference
+            if not torch.equal(got, want):
+                raise AssertionError(f"rdist gave {got.tolist()[:12]}, the reference {want.tolist()[:12]}")
+            if NCCL is not None and nccl_too:
+                theirs = issue(lambda: run(NCCL))
+                if not torch.equal(got, theirs):
+                    raise AssertionError(f"rdist gave {got.tolist()[:12]}, nccl {theirs.tolist()[:12]}")
+        except Exception:  # noqa: BLE001 - reported, the next case runs
+            failures[name] = traceback.format_exc()[-2000:]
 
 
 def case(reference):
