@@ -36,15 +36,10 @@ pub const REFERENCE: Machine = Machine {
     // The first reference's: no crossover reads it, and this VM's sysfs
     // lists a 480 MiB cache no machine has.
     cache_kib: 32 << 10,
-    // Left unknown: a machine that cannot say gets the rings (on the
-    // first reference, an AMD VM, a 1 MiB ping-pong took 42 us through
-    // them, Open MPI's single copy 101 us).
-    pass_mbs: 0,
-    cma_mbs: 0,
-    cma_call_ns: 0,
-    swap_1m_permille: 0,
-    swap_4m_permille: 0,
-    swap_16m_permille: 0,
+    // The rest left unknown: a machine that cannot say gets the rings
+    // (on the first reference, an AMD VM, a 1 MiB ping-pong took 42 us
+    // through them, Open MPI's single copy 101 us).
+    ..crate::transport::machine::UNKNOWN
 };
 
 /// A step on shared memory costs the cache lines' trip plus rdist's own

@@ -683,18 +683,7 @@ impl MoveArea {
 
     /// Spins until `ready` holds; false when stopped or out of patience.
     fn wait(&self, ready: impl Fn() -> bool) -> bool {
-        let give_up = Instant::now() + Self::PATIENCE;
-        let mut spins = 0u32;
-        while !ready() {
-            std::hint::spin_loop();
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024)
-                && (self.stop.load(Ordering::Acquire) || Instant::now() >= give_up)
-            {
-                return false;
-            }
-        }
-        true
+        spin_until(&self.stop, Self::PATIENCE, ready)
     }
 
     /// The writer: each round, writes its source anew (so that it sits
@@ -807,6 +796,26 @@ fn cma_call_ns() -> Option<u32> {
         best = best.min(t.elapsed());
     }
     Some((best.as_nanos() / u128::from(BATCH)).clamp(1, u32::MAX as u128) as u32)
+}
+
+/// Spins until `ready` holds, for a measuring thread waiting on its
+/// partner; false once `stop` is set or after `patience`.
+fn spin_until(
+    stop: &std::sync::atomic::AtomicBool,
+    patience: Duration,
+    ready: impl Fn() -> bool,
+) -> bool {
+    let give_up = Instant::now() + patience;
+    let mut spins = 0u32;
+    while !ready() {
+        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) && (stop.load(Ordering::Acquire) || Instant::now() >= give_up)
+        {
+            return false;
+        }
+    }
+    true
 }
 
 /// Two of the cores this process may run on, for the two-core

@@ -5,7 +5,7 @@
 //! ring costs depends on where its payload sits (its own cache, a shared
 //! one it has nearly to itself, memory), and a machine's caches decide it.
 
-use super::{pin_to, spawn, two_cores};
+use super::{pin_to, spawn, spin_until, two_cores};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -118,18 +118,7 @@ impl SwapArea {
 
     /// Spins until `ready` holds; false when stopped or out of patience.
     fn wait(&self, ready: impl Fn() -> bool) -> bool {
-        let give_up = Instant::now() + Self::PATIENCE;
-        let mut spins = 0u32;
-        while !ready() {
-            std::hint::spin_loop();
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024)
-                && (self.stop.load(Ordering::Acquire) || Instant::now() >= give_up)
-            {
-                return false;
-            }
-        }
-        true
+        spin_until(&self.stop, Self::PATIENCE, ready)
     }
 
     /// Side `me` reaches `step` and waits for the other to reach it too.
