@@ -608,22 +608,11 @@ fn two_core_moves() -> Option<Machine> {
     let (c0, c1) = two_cores()?;
     let area = Arc::new(MoveArea::new());
     let (writer_area, reader_area) = (area.clone(), area.clone());
-    let writer = spawn(move || {
-        pin_to(c0);
-        writer_area.write_rounds()
-    })?;
-    let reader = spawn(move || {
-        pin_to(c1);
-        reader_area.read_rounds()
-    });
-    let Some(reader) = reader else {
-        area.stop.store(true, Ordering::Release);
-        let _ = writer.join();
-        return None;
-    };
-    let times = reader.join().ok().flatten();
-    area.stop.store(true, Ordering::Release);
-    let _ = writer.join();
+    let ((), times) = pinned_pair(
+        (c0, move || writer_area.write_rounds()),
+        (c1, move || reader_area.read_rounds()),
+        || area.stop.store(true, Ordering::Release),
+    )?;
     let (pass, cma) = times?;
     Some(Machine {
         pass_mbs: mbs(MoveArea::BYTES, pass).max(1),
@@ -796,6 +785,34 @@ fn cma_call_ns() -> Option<u32> {
         best = best.min(t.elapsed());
     }
     Some((best.as_nanos() / u128::from(BATCH)).clamp(1, u32::MAX as u128) as u32)
+}
+
+/// Runs `first` and `second` on threads pinned to their cores, and
+/// their results once both end: `stop` tells the first to give up once
+/// the second has ended (or could not start). None when a thread cannot
+/// start or panics.
+fn pinned_pair<A: Send + 'static, B: Send + 'static>(
+    first: (usize, impl FnOnce() -> A + Send + 'static),
+    second: (usize, impl FnOnce() -> B + Send + 'static),
+    stop: impl Fn(),
+) -> Option<(A, B)> {
+    let ((c0, f), (c1, g)) = (first, second);
+    let first = spawn(move || {
+        pin_to(c0);
+        f()
+    })?;
+    let Some(second) = spawn(move || {
+        pin_to(c1);
+        g()
+    }) else {
+        stop();
+        let _ = first.join();
+        return None;
+    };
+    let b = second.join().ok();
+    stop();
+    let a = first.join().ok();
+    Some((a?, b?))
 }
 
 /// Spins until `ready` holds, for a measuring thread waiting on its

@@ -5,7 +5,7 @@
 //! ring costs depends on where its payload sits (its own cache, a shared
 //! one it has nearly to itself, memory), and a machine's caches decide it.
 
-use super::{pin_to, spawn, spin_until, two_cores};
+use super::{pinned_pair, spin_until, two_cores};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,22 +40,11 @@ fn one_pass() -> Option<[u32; 3]> {
     for (slot, mib) in out.iter_mut().zip(SIZES_MIB) {
         let area = Arc::new(SwapArea::new(mib << 20));
         let (theirs, mine) = (area.clone(), area.clone());
-        let other = spawn(move || {
-            pin_to(c1);
-            theirs.swap_rounds(1)
-        })?;
-        let here = spawn(move || {
-            pin_to(c0);
-            mine.swap_rounds(0)
-        });
-        let Some(here) = here else {
-            area.stop.store(true, Ordering::Release);
-            let _ = other.join();
-            return None;
-        };
-        let a = here.join().ok().flatten();
-        area.stop.store(true, Ordering::Release);
-        let b = other.join().ok().flatten();
+        let (b, a) = pinned_pair(
+            (c1, move || theirs.swap_rounds(1)),
+            (c0, move || mine.swap_rounds(0)),
+            || area.stop.store(true, Ordering::Release),
+        )?;
         let ((ring_a, cma_a), (ring_b, cma_b)) = (a?, b?);
         let (ring, cma) = (ring_a.max(ring_b), cma_a.max(cma_b));
         let permille = cma.as_nanos() * 1000 / ring.as_nanos().max(1);
