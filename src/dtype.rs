@@ -59,6 +59,29 @@ impl DType {
     ];
 
     /// Bytes per element.
+    /// The dtype for a C value (`rdist_dtype_t`), None for no dtype.
+    #[inline]
+    pub fn from_c(value: i32) -> Option<DType> {
+        use DType::*;
+        Some(match value {
+            0 => Int8,
+            1 => Uint8,
+            2 => Int32,
+            3 => Uint32,
+            4 => Int64,
+            5 => Uint64,
+            6 => Float16,
+            7 => Float32,
+            8 => Float64,
+            9 => Bfloat16,
+            64 => Bool,
+            65 => Int16,
+            66 => Uint16,
+            _ => return None,
+        })
+    }
+
+    #[inline]
     pub fn size(self) -> usize {
         match self {
             DType::Int8 | DType::Uint8 | DType::Bool => 1,
@@ -111,15 +134,11 @@ impl TryFrom<i32> for DType {
 
     /// The dtype for a C value (`rdist_dtype_t`).
     fn try_from(value: i32) -> Result<DType> {
-        DType::ALL
-            .iter()
-            .copied()
-            .find(|d| *d as i32 == value)
-            .ok_or_else(|| {
-                Error::invalid_argument(format!(
-                    "unknown dtype {value} (rdist_dtype_t is 0..9 or 64..66)"
-                ))
-            })
+        DType::from_c(value).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "unknown dtype {value} (rdist_dtype_t is 0..9 or 64..66)"
+            ))
+        })
     }
 }
 

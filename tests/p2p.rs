@@ -215,6 +215,54 @@ fn a_message_that_does_not_fit_fails_its_receive_and_is_consumed() {
 }
 
 #[test]
+fn an_exact_receive_takes_only_its_own_message_whatever_its_bytes() {
+    // The plain receive (tag 0, this count and dtype) takes a message
+    // straight off shared memory when its header is the one it expects:
+    // as many bytes of another dtype, or one with another tag, are not
+    // its own.
+    common::world(2, common::opts(20_000), Duration::from_secs(60), |comm| {
+        if comm.rank() == 0 {
+            comm.send(&[3i32, 4], 1).unwrap();
+            comm.send(&[9u8; 8], 1).unwrap();
+            comm.send(&[5i32, 6], 1).unwrap();
+            comm.send(&[7i64], 1).unwrap();
+            comm.send_tagged(&[1i32, 2], 1, 5).unwrap();
+            comm.send(&[10i32, 11], 1).unwrap();
+        } else {
+            let mut buf = [0i32; 2];
+            comm.recv(&mut buf, 0).unwrap();
+            assert_eq!(buf, [3, 4]);
+            let e = comm.recv(&mut buf, 0).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            let mut got = [0u8; 8];
+            let exact = |got: &mut [u8; 8]| {
+                let data = Data {
+                    count: 2,
+                    dtype: DType::Int32,
+                };
+                // SAFETY: waited for before `got` goes.
+                unsafe { comm.irecv_exact(RawBuf::new(got.as_mut_ptr(), 8), data, 0) }
+                    .unwrap()
+                    .wait()
+            };
+            exact(&mut got).unwrap();
+            assert_eq!(got, [5, 0, 0, 0, 6, 0, 0, 0]);
+            let e = exact(&mut got).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            comm.recv(&mut buf, 0).unwrap();
+            assert_eq!(
+                buf,
+                [10, 11],
+                "the tag-5 message is not the plain receive's"
+            );
+            let s = comm.recv_tagged(&mut buf, Some(0), Some(5)).unwrap();
+            assert_eq!((s.count, buf), (2, [1, 2]));
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
 fn a_deadlock_across_the_two_contexts_names_both_pending_calls() {
     let errors = common::world(2, common::opts(1500), Duration::from_secs(60), |comm| {
         if comm.rank() == 0 {

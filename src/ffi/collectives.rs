@@ -4,9 +4,8 @@
 //! once enqueued on `stream` (NCCL) or finished (staged through host
 //! memory on the socket backend).
 
-use super::comm::rank_of;
 use super::types::*;
-use super::{boundary, check_out, handle, write_out};
+use super::{boundary_on, check_out, handle, write_out};
 use crate::backend::cuda::Stream;
 use crate::call::{Call, Data, Layout};
 use crate::comm::Comm;
@@ -25,7 +24,7 @@ pub(crate) fn issue(
     stream: *mut c_void,
     build: impl FnOnce(&Comm) -> Result<Call>,
 ) -> rdist_result_t {
-    boundary(func, rank_of(comm), || {
+    boundary_on(func, comm, || {
         let c = &handle(comm, "comm")?.comm;
         if let Some(r) = req {
             check_out(r, "req")?;
@@ -615,7 +614,7 @@ fn run_or_submit_uneven(
     stream: *mut c_void,
     build: impl FnOnce(&Comm) -> Result<(Call, Box<[usize]>)>,
 ) -> rdist_result_t {
-    boundary(func, rank_of(comm), || {
+    boundary_on(func, comm, || {
         let c = &handle(comm, "comm")?.comm;
         if let Some(r) = req {
             check_out(r, "req")?;

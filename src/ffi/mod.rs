@@ -32,20 +32,31 @@ use crate::error::{Error, Result};
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use types::rdist_result_t;
+use std::sync::atomic::{AtomicBool, Ordering};
+use types::{rdist_comm_t, rdist_result_t};
 
 thread_local! {
     // Const-initialised (every call clears it); None reads as "".
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
 }
 
+/// Whether any thread ever set a last error: until one does, clearing
+/// needs no look at the thread's own (a thread-local access from a
+/// shared library is a call, on every call that could not fail).
+static ANY_LAST_ERROR: AtomicBool = AtomicBool::new(false);
+
 fn set_last_error(text: String) {
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    ANY_LAST_ERROR.store(true, Ordering::Relaxed);
     LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
 }
 
 /// Empties the last error without allocating (every call starts so).
+#[inline]
 fn clear_last_error() {
+    if !ANY_LAST_ERROR.load(Ordering::Relaxed) {
+        return;
+    }
     LAST_ERROR.with(|e| {
         if e.borrow().is_some() {
             *e.borrow_mut() = None;
@@ -66,11 +77,32 @@ pub(crate) fn boundary(
     rank: Option<usize>,
     body: impl FnOnce() -> Result<()>,
 ) -> rdist_result_t {
+    boundary_naming(func, || rank, body)
+}
+
+/// `boundary` for a call on `comm`, whose rank the message names (looked
+/// up only when the call fails: `comm` is live until it returns).
+#[inline]
+pub(crate) fn boundary_on(
+    func: &str,
+    comm: *const rdist_comm_t,
+    body: impl FnOnce() -> Result<()>,
+) -> rdist_result_t {
+    boundary_naming(func, || comm::rank_of(comm), body)
+}
+
+/// `boundary`, with the rank for the message from `rank` (on failure).
+#[inline]
+fn boundary_naming(
+    func: &str,
+    rank: impl FnOnce() -> Option<usize>,
+    body: impl FnOnce() -> Result<()>,
+) -> rdist_result_t {
     clear_last_error();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => rdist_result_t::RDIST_SUCCESS,
         Ok(Err(e)) => {
-            set_last_error(format!("{}: {}", who(func, rank), e.message()));
+            set_last_error(format!("{}: {}", who(func, rank()), e.message()));
             rdist_result_t::from(e.kind())
         }
         Err(panic) => {
@@ -81,7 +113,7 @@ pub(crate) fn boundary(
                 .unwrap_or_else(|| "unknown panic".into());
             set_last_error(format!(
                 "{}: internal error (a bug in rdist, please report it): {what}",
-                who(func, rank)
+                who(func, rank())
             ));
             rdist_result_t::RDIST_ERR_INTERNAL
         }

@@ -138,6 +138,7 @@ impl StreamTransport {
 
     /// Installs the channels that peers' dials made (one per pair: a
     /// second one for a connected pair is dropped).
+    #[inline]
     pub(super) fn take_arrived(&mut self) {
         let Some(links) = &self.links else { return };
         if !links.has_arrived() {

@@ -233,11 +233,23 @@ impl StreamTransport {
             return RecvNow::Post;
         }
         let head: &[u8; HEADER_BYTES] = record[..HEADER_BYTES].try_into().expect("a header");
+        let len = record.len();
+        if !single_copy {
+            // The header it expects, compared whole: no decoding.
+            if let Some(status) = self.tagged.take_expected_eager(r, record) {
+                // SAFETY: the caller keeps the buffer valid and untouched
+                // until this returns; the payload fits (checked).
+                let dest = unsafe { r.buf.bytes_mut() };
+                crate::copy::copy(&mut dest[..len - HEADER_BYTES], &record[HEADER_BYTES..]);
+                conn.chan.consume_whole(len);
+                self.moved = self.moved.wrapping_add(1);
+                return RecvNow::Taken(Ok(status));
+            }
+        }
         // A frame that does not decode is reported by the usual path.
         let Ok(header) = Header::decode(head, peer) else {
             return RecvNow::Post;
         };
-        let len = record.len();
         if header.payload != (len - HEADER_BYTES) as u64 {
             return RecvNow::Post;
         }

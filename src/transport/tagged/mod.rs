@@ -350,6 +350,7 @@ impl Posts {
     }
 
     /// A new call's id.
+    #[inline]
     pub fn new_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
@@ -707,6 +708,7 @@ impl Tagged {
     /// `single_copy_min`, or sooner while a receive of as much is posted
     /// (this rank's core copies both ways at once: from any peer, as in a
     /// ring's exchange).
+    #[inline]
     fn goes_single_copy(&self, msg: &Outgoing, path: Path) -> bool {
         match self.sized_single_copy(msg.buf.len(), path) {
             Some(single) => single,
@@ -718,6 +720,7 @@ impl Tagged {
 
     /// Counts a send framed or written, single copy or not, where its
     /// buffer's path is chosen (see `choice`); whether it is.
+    #[inline]
     fn count_sent(&mut self, msg: &Outgoing, path: Path, single: bool) -> bool {
         if !self.chosen_sizes.contains(&msg.buf.len()) {
             return false;
@@ -734,6 +737,7 @@ impl Tagged {
     /// Whether a message of `bytes` goes single copy by its size (see
     /// `goes_single_copy`); None: below those sizes, where it could pay
     /// (the peer's `choices` decide).
+    #[inline]
     fn sized_single_copy(&self, bytes: usize, path: Path) -> Option<bool> {
         let two_way = self.two_way_single_copy_min;
         if path.single_copy(bytes, two_way.min(self.single_copy_min))
@@ -746,6 +750,7 @@ impl Tagged {
         (!chosen).then_some(false)
     }
 
+    #[inline]
     fn peer(&mut self, p: usize) -> &mut Peer {
         if self.peers[p].is_none() {
             self.used.push(p);
@@ -753,6 +758,7 @@ impl Tagged {
         self.peers[p].get_or_insert_with(Box::default)
     }
 
+    #[inline]
     fn peer_ref(&self, p: usize) -> Option<&Peer> {
         self.peers.get(p)?.as_deref()
     }
@@ -762,6 +768,7 @@ impl Tagged {
         &self.used
     }
 
+    #[inline]
     pub fn usable(&self) -> Result<()> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
@@ -837,6 +844,7 @@ impl Tagged {
     /// Whether eager send `msg` may be written now: nothing is ahead of
     /// it to its peer (no queued send, no frame partly written) and it
     /// goes over the connection (not single copy).
+    #[inline]
     fn writable_now(&mut self, msg: &Outgoing, path: Path) -> bool {
         let bytes = msg.buf.len();
         if self.usable().is_err()
@@ -933,6 +941,7 @@ impl Tagged {
     /// in this context (no posted receive could claim the message first,
     /// no send or partly moved frame needs this caller to move it) and
     /// nothing from that peer waits unmatched (it arrived first).
+    #[inline]
     pub fn receivable_now(&self, r: &Incoming) -> bool {
         let Some(peer) = r.peer.filter(|p| *p != self.rank) else {
             return false;
@@ -962,6 +971,42 @@ impl Tagged {
             source: peer,
             tag: h.tag(),
             count: h.desc.count as usize,
+        })
+    }
+
+    /// `take_eager_now` for the commonest case, read without decoding:
+    /// an exact receive from one rank with one tag takes `head` when it
+    /// is, byte for byte, the header of the next eager message it
+    /// expects from that peer, and `record` (header and payload) is that
+    /// message whole. None: not that header (nothing changed; the frame
+    /// is decoded and taken, or reported, the usual way).
+    #[inline]
+    pub fn take_expected_eager(&mut self, r: &Incoming, record: &[u8]) -> Option<Status> {
+        let (Some(peer), Some(tag), true) = (r.peer, r.tag, r.exact) else {
+            return None;
+        };
+        let bytes = r.dtype.size().checked_mul(r.count)?;
+        if bytes > r.buf.len() || tag < 0 || record.len() != HEADER_BYTES + bytes {
+            return None;
+        }
+        let p = self.peers.get_mut(peer)?.as_deref_mut()?;
+        let want = Header::tagged(
+            FrameKind::TagEager,
+            p.next_in_seq,
+            tag,
+            r.count as u64,
+            r.dtype,
+            bytes as u64,
+        )
+        .encode();
+        if record[..HEADER_BYTES] != want {
+            return None;
+        }
+        p.next_in_seq += 1;
+        Some(Status {
+            source: peer,
+            tag,
+            count: r.count,
         })
     }
 
