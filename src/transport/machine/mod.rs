@@ -14,8 +14,12 @@
 //! the other ranks of the machine wait and read what it wrote, so ranks
 //! do not measure against each other. `RDIST_MACHINE` gives the numbers
 //! instead (the cache's one-line format), for tests and for hosts where
-//! measuring is unwelcome.
+//! measuring is unwelcome. Beside the numbers the file keeps how much of
+//! the machine others used meanwhile (`disturbance`): a profile measured
+//! while they used much of it is measured again, at most every ten
+//! minutes and by one process, and the quieter measurement kept.
 
+mod disturbance;
 mod swaps;
 
 use crate::error::{Error, Result};
@@ -253,7 +257,14 @@ pub fn this_machine(machine: &str) -> Machine {
 /// How the numbers are measured: a change that makes earlier files wrong
 /// moves it on, so those are measured again (their lines stay readable,
 /// as `RDIST_MACHINE`).
-const MEASURED_BY: &str = "m3";
+const MEASURED_BY: &str = "m4";
+
+/// Others' share of the machine (thousandths of its cores' time) above
+/// which a measurement counts as disturbed.
+const BUSY_PERMILLE: u32 = 100;
+
+/// How long a disturbed profile is used before it is measured again.
+const MEASURE_AGAIN_AFTER: Duration = Duration::from_secs(600);
 
 /// The cache file's name: the machine and the cores this process may use.
 fn cache_name(machine: &str, cores: usize) -> String {
@@ -269,42 +280,97 @@ fn cache_name(machine: &str, cores: usize) -> String {
 }
 
 fn cached_or_measured(machine: &str) -> Option<Machine> {
+    cached_or_measured_in(&crate::options::cache_dir(), machine)
+}
+
+/// `cached_or_measured`, with the cache in `dir`.
+fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let dir = crate::options::cache_dir();
-    if !own_private_dir(&dir) {
-        return Some(measure(cores));
+    if !own_private_dir(dir) {
+        return Some(measure_watched(cores).0);
     }
     let name = cache_name(machine, cores);
     let path = dir.join(format!("{name}.txt"));
     // The file is written whole and renamed into place: reading it needs
     // no lock (the ranks of a wide job would take turns at it).
-    let cached = || {
-        std::fs::read_to_string(&path)
+    let cached = || read_cache(&path);
+    let lock = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(dir.join(format!("{name}.lock")))
             .ok()
-            .and_then(|s| Machine::from_line(s.trim()))
     };
-    if let Some(m) = cached() {
-        return Some(m);
+    if let Some((m, others)) = cached() {
+        if others <= BUSY_PERMILLE || !older_than(&path, MEASURE_AGAIN_AFTER) {
+            return Some(m);
+        }
+        // Measured while others used much of the machine: one process
+        // measures again, if nobody does (nobody waits for it), and the
+        // quieter profile stays; the file's time says when it was tried.
+        let file = lock();
+        let Some(_locked) = file.as_ref().and_then(|f| Locked::take(f, Duration::ZERO)) else {
+            return Some(m);
+        };
+        let Some((m, others)) = cached() else {
+            return Some(m);
+        };
+        let (again, others_again) = measure_watched(cores);
+        let (kept, kept_others) = match others_again < others {
+            true => (again, others_again),
+            false => (m, others),
+        };
+        crate::log::emit(
+            crate::options::LogLevel::Info,
+            None,
+            &format!(
+                "the machine profile was measured while others used {}% of the machine; measured again while they used {}%: kept the {} one",
+                others / 10,
+                others_again / 10,
+                if others_again < others { "new" } else { "old" }
+            ),
+        );
+        write_cache(&path, kept, kept_others);
+        return Some(kept);
     }
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(dir.join(format!("{name}.lock")))
-        .ok()?;
+    let Some(file) = lock() else {
+        return Some(measure_watched(cores).0);
+    };
     // One measurer per machine: the others wait here (bounded by the
     // measurement, well under a second), then read its file. A holder
     // that never lets go (a stopped process) costs the others 10 s, then
     // they measure for themselves.
-    let Some(locked) = Locked::take(&lock, Duration::from_secs(10)) else {
-        return Some(measure(cores));
+    let Some(locked) = Locked::take(&file, Duration::from_secs(10)) else {
+        return Some(measure_watched(cores).0);
     };
-    if let Some(m) = cached() {
+    if let Some((m, _)) = cached() {
         return Some(m);
     }
-    let m = measure(cores);
+    let (m, others) = measure_watched(cores);
+    write_cache(&path, m, others);
+    drop(locked);
+    Some(m)
+}
+
+/// The profile in the cache file at `path`, and how much of the machine
+/// others used while it was measured (0 when the file does not say).
+fn read_cache(path: &std::path::Path) -> Option<(Machine, u32)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut lines = text.lines();
+    let m = Machine::from_line(lines.next()?.trim())?;
+    let others = lines
+        .next()
+        .and_then(|l| l.trim().strip_prefix("others_permille="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    Some((m, others))
+}
+
+/// Writes the cache file whole, then renames it into place.
+fn write_cache(path: &std::path::Path, m: Machine, others: u32) {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     // A file of its own, never one a link points to.
     let written = std::fs::OpenOptions::new()
@@ -312,17 +378,34 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
         .create_new(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
-        .and_then(|mut f| f.write_all((m.to_line() + "\n").as_bytes()));
+        .and_then(|mut f| {
+            f.write_all(format!("{}\nothers_permille={others}\n", m.to_line()).as_bytes())
+        });
     match written {
         Ok(()) => {
-            let _ = std::fs::rename(&tmp, &path);
+            let _ = std::fs::rename(&tmp, path);
         }
         Err(_) => {
             let _ = std::fs::remove_file(&tmp);
         }
     }
-    drop(locked);
-    Some(m)
+}
+
+/// Whether the file at `path` was last written more than `age` ago.
+fn older_than(path: &std::path::Path, age: Duration) -> bool {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|e| e > age)
+}
+
+/// `measure`, and how much of the machine others used meanwhile (per
+/// mille; 0 where the kernel does not say).
+fn measure_watched(cores: usize) -> (Machine, u32) {
+    let watch = disturbance::Watch::start();
+    let m = measure(cores);
+    (m, watch.others_permille().unwrap_or(0))
 }
 
 /// Makes `dir` (mode 0700) if it is not there, and says whether it is
@@ -1100,6 +1183,41 @@ mod tests {
         std::fs::write(&file, b"x").unwrap();
         assert!(!own_private_dir(&file));
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn a_profile_measured_while_the_machine_was_busy_is_measured_again_later() {
+        let dir = std::env::temp_dir().join(format!("rdist-busy-profile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(own_private_dir(&dir));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let path = dir.join(format!("{}.txt", cache_name("m", cores)));
+        let planted = Machine {
+            cores: cores as u32,
+            copy_one_mbs: 1,
+            ..UNKNOWN
+        };
+        let age = |secs: u64| {
+            let f = std::fs::File::options().write(true).open(&path).unwrap();
+            f.set_modified(std::time::SystemTime::now() - Duration::from_secs(secs))
+                .unwrap();
+        };
+        // Quiet, or disturbed but measured lately: used as it is.
+        write_cache(&path, planted, 20);
+        age(3600);
+        assert_eq!(cached_or_measured_in(&dir, "m"), Some(planted));
+        write_cache(&path, planted, 990);
+        age(60);
+        assert_eq!(cached_or_measured_in(&dir, "m"), Some(planted));
+        // Disturbed, and long ago: measured again, and the quieter kept.
+        age(3600);
+        let again = cached_or_measured_in(&dir, "m").unwrap();
+        let (kept, others) = read_cache(&path).unwrap();
+        assert!(others < 990, "{others}");
+        assert_eq!(kept, again);
+        assert_ne!(again, planted);
+        assert!(!older_than(&path, Duration::from_secs(60)));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
