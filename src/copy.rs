@@ -26,6 +26,7 @@ const MIN_LEN: usize = 2 * PIECE;
 const SLOW_FACTOR: f64 = 1.5;
 
 /// Copies `src` into `dst` (same length, like `copy_from_slice`).
+#[inline]
 pub fn copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(
         dst.len(),
@@ -41,8 +42,9 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
 /// # Safety
 /// As `std::ptr::copy_nonoverlapping`: `src` valid for reads and `dst` for
 /// writes of `len` bytes, the two not overlapping.
+#[inline]
 pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, len: usize) {
-    if !in_pieces(dst as usize, src as usize, len) {
+    if len < MIN_LEN || !in_pieces(dst as usize, src as usize, len) {
         // SAFETY: as the caller promises.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         return;

@@ -151,6 +151,11 @@ impl Messages {
         Some(r)
     }
 
+    /// Whether posted call `p` completed, and is traced if it is to be.
+    pub(crate) fn settled(&self, p: &Posted) -> bool {
+        p.ticket.done.is_finished() && (p.started.is_none() || p.recorded.load(Ordering::Relaxed))
+    }
+
     /// Records a completed call in the trace, once.
     fn note(&self, p: &Posted, ok: bool) {
         if let Some(started) = p.started {

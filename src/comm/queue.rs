@@ -135,6 +135,16 @@ impl Request {
         }
     }
 
+    /// Whether the call has completed and a wait would find nothing left
+    /// to do (no trace entry to record): freeing it then skips the wait.
+    pub fn settled(&self) -> bool {
+        match &self.0 {
+            Kind::Queued(_) => false,
+            Kind::P2p { messages, posted } => messages.settled(posted),
+            Kind::Complete(_) => true,
+        }
+    }
+
     /// The result if the call has completed; never blocks.
     pub fn test(&self) -> Option<Result<()>> {
         match &self.0 {

@@ -35,7 +35,9 @@ pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdi
 pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
     super::free_quietly("rdist_request_free", || {
         handles::retire_after(req, "req", |r| {
-            let _ = r.req.wait();
+            if !r.req.settled() {
+                let _ = r.req.wait();
+            }
         })
     });
 }
