@@ -58,7 +58,6 @@ impl DType {
         DType::Uint16,
     ];
 
-    /// Bytes per element.
     /// The dtype for a C value (`rdist_dtype_t`), None for no dtype.
     #[inline]
     pub fn from_c(value: i32) -> Option<DType> {
@@ -81,6 +80,7 @@ impl DType {
         })
     }
 
+    /// Bytes per element.
     #[inline]
     pub fn size(self) -> usize {
         match self {

@@ -39,7 +39,7 @@ fn others_permille(a: &Times, b: &Times) -> Option<u32> {
 
 fn times() -> Option<Times> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let (busy, total) = machine_ticks(stat.lines().next()?)?;
+    let (busy, total) = ticks_of(&stat, usable_cpus().as_deref())?;
     Some(Times {
         busy,
         total,
@@ -47,10 +47,52 @@ fn times() -> Option<Times> {
     })
 }
 
-/// Busy and total ticks from /proc/stat's first line ("cpu user nice
-/// system idle iowait irq softirq steal ..."). Interrupt time is left
-/// out: loopback TCP's work, part of the measuring, is counted there and
-/// not in this process's own time.
+/// The CPUs this process may run on (None: every CPU).
+fn usable_cpus() -> Option<Vec<usize>> {
+    // SAFETY: sched_getaffinity fills the set it is given; CPU_ISSET reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
+        Some((0..max).filter(|&c| libc::CPU_ISSET(c, &set)).collect())
+    }
+}
+
+/// Busy and total ticks of the CPUs in `cpus` (None: all, the first
+/// line), from /proc/stat's text: others on CPUs this process may not use
+/// do not disturb its measuring.
+fn ticks_of(stat: &str, cpus: Option<&[usize]>) -> Option<(u64, u64)> {
+    let Some(cpus) = cpus else {
+        return machine_ticks(stat.lines().next()?);
+    };
+    let mut sum = (0u64, 0u64);
+    let mut any = false;
+    for line in stat.lines() {
+        let Some(rest) = line.strip_prefix("cpu") else {
+            continue;
+        };
+        let Some((n, fields)) = rest.split_once(' ') else {
+            continue;
+        };
+        let Ok(cpu) = n.parse::<usize>() else {
+            continue;
+        };
+        if cpus.contains(&cpu) {
+            let (b, t) = machine_ticks(&format!("cpu {fields}"))?;
+            sum = (sum.0 + b, sum.1 + t);
+            any = true;
+        }
+    }
+    any.then_some(sum)
+}
+
+/// Busy and total ticks from a /proc/stat line ("cpu user nice system
+/// idle iowait irq softirq steal ..."). Interrupt time is left out:
+/// loopback TCP's work, part of the measuring, may be counted there
+/// rather than in this process's own time (a kernel that charges it to
+/// the process makes others read lower, never higher).
 fn machine_ticks(line: &str) -> Option<(u64, u64)> {
     let v: Vec<u64> = line
         .strip_prefix("cpu ")?
@@ -90,6 +132,11 @@ mod tests {
         assert_eq!(machine_ticks(line), Some((175, 1185)));
         assert_eq!(machine_ticks("cpu0 1 2 3 4 5 6 7 8"), None);
         assert_eq!(machine_ticks("cpu  1 2 3"), None);
+        let stat = "cpu  10 0 10 100 0 0 0 0 0 0\ncpu0 1 0 1 50 0 0 0 0 0 0\ncpu1 9 0 9 50 0 0 0 0 0 0\nintr 5";
+        assert_eq!(ticks_of(stat, None), Some((20, 120)));
+        assert_eq!(ticks_of(stat, Some(&[1])), Some((18, 68)));
+        assert_eq!(ticks_of(stat, Some(&[0, 1])), Some((20, 120)));
+        assert_eq!(ticks_of(stat, Some(&[7])), None);
         let a = Times {
             busy: 1000,
             total: 5000,

@@ -318,6 +318,10 @@ fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine
         let Some((m, others)) = cached() else {
             return Some(m);
         };
+        // Measured again meanwhile, by the holder before this one.
+        if others <= BUSY_PERMILLE || !older_than(&path, MEASURE_AGAIN_AFTER) {
+            return Some(m);
+        }
         let (again, others_again) = measure_watched(cores);
         let (kept, kept_others) = match others_again < others {
             true => (again, others_again),
@@ -336,9 +340,9 @@ fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine
         write_cache(&path, kept, kept_others);
         return Some(kept);
     }
-    let Some(file) = lock() else {
-        return Some(measure_watched(cores).0);
-    };
+    // No lock, no measuring: every rank of the machine would measure at
+    // once, against each other.
+    let file = lock()?;
     // One measurer per machine: the others wait here (bounded by the
     // measurement, well under a second), then read its file. A holder
     // that never lets go (a stopped process) costs the others 10 s, then
