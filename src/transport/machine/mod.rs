@@ -294,6 +294,9 @@ fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine
     // The file is written whole and renamed into place: reading it needs
     // no lock (the ranks of a wide job would take turns at it).
     let cached = || read_cache(&path);
+    // Measured while others used much of the machine, and not tried again
+    // lately.
+    let due = |others: u32| others > BUSY_PERMILLE && older_than(&path, MEASURE_AGAIN_AFTER);
     let lock = || {
         std::fs::OpenOptions::new()
             .create(true)
@@ -305,7 +308,7 @@ fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine
             .ok()
     };
     if let Some((m, others)) = cached() {
-        if others <= BUSY_PERMILLE || !older_than(&path, MEASURE_AGAIN_AFTER) {
+        if !due(others) {
             return Some(m);
         }
         // Measured while others used much of the machine: one process
@@ -319,7 +322,7 @@ fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine
             return Some(m);
         };
         // Measured again meanwhile, by the holder before this one.
-        if others <= BUSY_PERMILLE || !older_than(&path, MEASURE_AGAIN_AFTER) {
+        if !due(others) {
             return Some(m);
         }
         let (again, others_again) = measure_watched(cores);
