@@ -49,6 +49,18 @@ pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, len: usize) {
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         return;
     }
+    // SAFETY: as the caller promises.
+    unsafe { copy_in_pieces(src, dst, len) }
+}
+
+/// The pieces' loop, out of line: every small copy inlines the test above
+/// and nothing more.
+///
+/// # Safety
+/// As `copy_nonoverlapping`.
+#[cold]
+#[inline(never)]
+unsafe fn copy_in_pieces(src: *const u8, dst: *mut u8, len: usize) {
     let mut at = 0;
     while at < len {
         let n = PIECE.min(len - at);

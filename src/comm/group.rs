@@ -7,6 +7,7 @@ use crate::backend::cuda::Stream;
 use crate::call::Call;
 use crate::error::{Error, Result};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 struct Group {
@@ -29,12 +30,21 @@ thread_local! {
     };
 }
 
+/// Group levels open on all threads together: while none is, `active`
+/// needs no look at the thread's own state (a thread-local in a shared
+/// library is a call into the dynamic loader, on every blocking call).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
 pub fn start() {
+    OPEN.fetch_add(1, Ordering::Relaxed);
     GROUP.with(|g| g.borrow_mut().depth += 1);
 }
 
+#[inline]
 pub fn active() -> bool {
-    GROUP.with(|g| g.borrow().depth > 0)
+    // A thread sees its own start in program order, so a group it opened
+    // always counts here.
+    OPEN.load(Ordering::Relaxed) != 0 && GROUP.with(|g| g.borrow().depth > 0)
 }
 
 /// Queues a call on `comm` for the current group.
@@ -62,6 +72,7 @@ pub unsafe fn end() -> Result<()> {
             ));
         }
         g.depth -= 1;
+        OPEN.fetch_sub(1, Ordering::Relaxed);
         Ok(if g.depth == 0 {
             (std::mem::take(&mut g.queued), std::mem::take(&mut g.posted))
         } else {

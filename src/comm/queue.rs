@@ -530,14 +530,35 @@ impl Runner {
         tag: Option<i32>,
         blocking: bool,
     ) -> Result<Request> {
-        let posted = match Self::described(call, tag)? {
-            Described::Send(msg) => match self.messages.send_now(msg) {
-                Some(status) => return Ok(Request(Kind::Complete(status), None)),
-                None => self.messages.send(msg, blocking)?,
-            },
-            Described::Recv(r) => return self.post_recv(r, blocking),
-        };
+        match Self::described(call, tag)? {
+            Described::Send(msg) => self.post_send(msg, blocking),
+            Described::Recv(r) => self.post_recv(r, blocking),
+        }
+    }
+
+    /// Posts a host send in the tagged context (complete at once when it
+    /// is written whole now).
+    ///
+    /// # Safety
+    /// As `post`.
+    pub(crate) unsafe fn post_send(
+        self: &Arc<Self>,
+        msg: Outgoing,
+        blocking: bool,
+    ) -> Result<Request> {
+        if let Some(status) = self.messages.send_now(msg) {
+            return Ok(Request(Kind::Complete(status), None));
+        }
+        let posted = self.messages.send(msg, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
+    }
+
+    /// A blocking host send in the tagged context.
+    ///
+    /// # Safety
+    /// `msg.buf` valid for reads until this returns.
+    pub(crate) unsafe fn send_blocking(&self, msg: Outgoing) -> Result<Status> {
+        self.messages.send_blocking(msg)
     }
 
     /// Runs a host send/receive in the tagged context, blocking (with

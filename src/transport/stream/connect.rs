@@ -140,10 +140,17 @@ impl StreamTransport {
     /// second one for a connected pair is dropped).
     #[inline]
     pub(super) fn take_arrived(&mut self) {
-        let Some(links) = &self.links else { return };
-        if !links.has_arrived() {
-            return;
+        if self.links.as_ref().is_some_and(|l| l.has_arrived()) {
+            self.install_arrived();
         }
+    }
+
+    /// `take_arrived`'s work, out of line: rare, and kept off the path of
+    /// every small message.
+    #[cold]
+    #[inline(never)]
+    fn install_arrived(&mut self) {
+        let Some(links) = &self.links else { return };
         for (peer, chan) in links.take_arrived() {
             if self.conns[peer].is_none() {
                 self.install(peer, chan);

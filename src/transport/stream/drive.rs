@@ -5,7 +5,7 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
-use crate::transport::tagged::{Done, Outgoing, Path, Status};
+use crate::transport::tagged::{Done, Outgoing, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,9 +40,16 @@ impl StreamTransport {
     #[inline]
     pub fn take_posts_but_deferred(&mut self) {
         if self.posts.pending() {
-            self.posts.take_into(&mut self.tagged);
+            self.take_pending_posts();
         }
         self.take_arrived();
+    }
+
+    /// Out of line: most calls find nothing posted by other threads.
+    #[cold]
+    #[inline(never)]
+    fn take_pending_posts(&mut self) {
+        self.posts.take_into(&mut self.tagged);
     }
 
     /// A tagged send written now when its peer is connected and nothing
@@ -55,7 +62,7 @@ impl StreamTransport {
         let Some(conn) = free_to_write(&mut self.conns, msg.peer) else {
             return false;
         };
-        let path = Path::of(&*conn.chan);
+        let path = conn.path;
         let taken = self
             .tagged
             .send_at_once(msg, done, id, &mut *conn.chan, path);
@@ -72,10 +79,10 @@ impl StreamTransport {
             return None;
         }
         let conn = free_to_write(&mut self.conns, msg.peer)?;
-        if !conn.chan.caps().whole_messages {
+        if !conn.caps.whole_messages {
             return None;
         }
-        let path = Path::of(&*conn.chan);
+        let path = conn.path;
         let status = self.tagged.send_whole_now(msg, &mut *conn.chan, path)?;
         self.moved = self.moved.wrapping_add(1);
         Some(status)
@@ -216,7 +223,7 @@ impl StreamTransport {
             if conn.gone.is_some()
                 || !conn.between_frames()
                 || !conn.inbox.is_empty()
-                || !conn.chan.caps().whole_messages
+                || !conn.caps.whole_messages
             {
                 return false;
             }

@@ -23,7 +23,7 @@ mod progress;
 mod single_copy;
 mod small;
 
-use super::channel::Channel;
+use super::channel::{Caps, Channel};
 use super::doorbell::Doorbell;
 use super::frame::{
     self, FrameKind, Header, HEADER_BYTES, MAX_PAD, PAD_MIN_PAYLOAD, REMOTE_BYTES, TAG_REMOTE_BYTES,
@@ -114,6 +114,10 @@ enum Gone {
 
 struct Conn {
     chan: Box<dyn Channel>,
+    /// `chan`'s capabilities and tagged path, fixed for its life: read
+    /// here on every small message instead of through its vtable.
+    caps: Caps,
+    path: Path,
     inbox: VecDeque<(Header, Vec<u8>)>,
     incoming: Incoming,
     /// Bytes still to write of a frame whose writing was interrupted.
@@ -625,7 +629,7 @@ impl StreamTransport {
     /// Writes what the tagged context has for `peer`.
     fn write_tagged(&mut self, peer: usize, p: &Progress) -> Result<()> {
         let conn = self.conns[peer].as_mut().expect("peer is not this rank");
-        let path = Path::of(&*conn.chan);
+        let path = conn.path;
         match self.tagged.write(peer, &mut *conn.chan, path) {
             Ok(moved) => {
                 self.moved = self.moved.wrapping_add(u64::from(moved));
@@ -1050,6 +1054,8 @@ impl Drop for StreamTransport {
 impl Conn {
     fn new(chan: Box<dyn Channel>) -> Conn {
         Conn {
+            caps: chan.caps(),
+            path: Path::of(&*chan),
             chan,
             inbox: VecDeque::new(),
             incoming: Incoming::Header {

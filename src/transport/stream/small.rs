@@ -214,7 +214,7 @@ impl StreamTransport {
         if conn.gone.is_some()
             || !conn.between_frames()
             || !conn.inbox.is_empty()
-            || !conn.chan.caps().whole_messages
+            || !conn.caps.whole_messages
         {
             return RecvNow::Post;
         }

@@ -753,9 +753,20 @@ impl Tagged {
     #[inline]
     fn peer(&mut self, p: usize) -> &mut Peer {
         if self.peers[p].is_none() {
-            self.used.push(p);
+            self.add_peer(p);
         }
-        self.peers[p].get_or_insert_with(Box::default)
+        match &mut self.peers[p] {
+            Some(peer) => peer,
+            None => unreachable!("a peer's state is made before it is used"),
+        }
+    }
+
+    /// The first call with `p` makes its state (out of line: once a peer).
+    #[cold]
+    #[inline(never)]
+    fn add_peer(&mut self, p: usize) {
+        self.used.push(p);
+        self.peers[p] = Some(Box::default());
     }
 
     #[inline]
