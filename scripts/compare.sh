@@ -54,6 +54,7 @@ cc -O2 -DUSE_RDIST -I include "$peers_src/native_bench.c" -L target/release -lrd
   -Wl,-rpath,"$root/target/release" -lm -o "$PEERS_HOME/build/rdist_bench"
 mpicc -O2 -DUSE_MPI -o "$PEERS_HOME/build/mpi_bench_openmpi" "$peers_src/native_bench.c" -lm
 g++ -O2 -std=c++17 -o "$PEERS_HOME/build/gloo_bench" "$peers_src/gloo_bench.cc" -lgloo -lpthread
+cc -O2 -pthread -o "$PEERS_HOME/build/core_trip" "$peers_src/core_trip.c"
 if [ -x "$PEERS_HOME/.venv-mpich/bin/mpicc" ]; then
   "$PEERS_HOME/.venv-mpich/bin/mpicc" -O2 -DUSE_MPI -o "$PEERS_HOME/build/mpi_bench_mpich" "$peers_src/native_bench.c" -lm
   peers=$peers,mpich-c,mpich-tcp-c

@@ -65,6 +65,7 @@ if [ $release = 1 ]; then
   copy "$target/release/librdist.so" "$out/lib/librdist.so.0"
   cc -O2 -DUSE_RDIST -I include bench/peers/native_bench.c -L "$target/release" -lrdist \
     -Wl,-rpath,'$ORIGIN/../lib' -lm -o "$out/bench/rdist_bench"
+  cc -O2 -pthread bench/peers/core_trip.c -o "$out/bench/core_trip"
   torch_release="${GPU_BUNDLE_TORCH:-2.11.0}"
   # The image's python3 is 3.12 (the module is built per CPython): a 3.12
   # here if there is one (GPU_BUNDLE_TORCH_PYTHON names another).

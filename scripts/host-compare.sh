@@ -88,7 +88,7 @@ if [ -x "$launcher" ] && [ -x "$bench_bin" ]; then
   cat "$out/memory-model.txt"
 fi
 # Each launch is bounded; peer_bench names one that did not finish.
-PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
+PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker CORE_TRIP_BIN=$bundle/bench/core_trip PEERS_HOME=$out \
   "$py" bench/peers/peer_bench.py --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
   --ar-sizes "$ar" --bc-sizes "$bc" --ag-sizes "$ag" --rs-sizes "$ag" --pp-sizes "$p2p" --ex-sizes "$p2p" \
   --batch "$batch" --reps "$reps" --repeat 1 --no-ref --timeout 120 --outdir "$out" | tail -3
@@ -99,7 +99,7 @@ fresh_table=()
 if [ "${HOST_COMPARE_FRESH:-1}" != 0 ]; then
   big=$((16 * mib)) fresh_p2p=$mib,$((16 * mib))
   [ -n "${QUICK:-}" ] && big=$mib fresh_p2p=$mib
-  PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker PEERS_HOME=$out \
+  PEERS_PYTHON=$(command -v "$py") RDIST_BENCH_BIN=$worker CORE_TRIP_BIN=$bundle/bench/core_trip PEERS_HOME=$out \
     "$py" bench/peers/peer_bench.py --fresh --peers rdist,rdist-tcp,torch-gloo --worlds "$worlds" \
     --ar-sizes "$big" --bc-sizes "$big" --ag-sizes "$big" --rs-sizes "$big" \
     --pp-sizes "$fresh_p2p" --ex-sizes "$fresh_p2p" \
