@@ -89,6 +89,8 @@ pub unsafe fn move_bytes(dst: *mut u8, src: *const u8, len: usize) {
     }
 }
 
+/// Out of line: only copies of `MIN_LEN` and more ask.
+#[inline(never)]
 fn in_pieces(dst: usize, src: usize, len: usize) -> bool {
     near(dst, src, len) && near_copies_crawl()
 }

@@ -140,6 +140,7 @@ impl Ring {
     }
 
     /// Copies `from` into the ring starting at ring byte `to` (wrapping).
+    #[inline]
     fn copy_in(&self, to: u64, from: &[u8]) {
         let at = self.offset(to);
         let first = from.len().min(self.bytes - at);
