@@ -31,7 +31,14 @@ def cells_of(data):
     for r in data["records"]:
         key = (r["op"], r["world"], r.get("bytes", 0))
         cells.setdefault(key, {})[r["peer"]] = r["t_med_s"]
+        if r.get("far"):
+            FAR.add((key, r["peer"]))
     return cells
+
+
+# (cell, peer) whose figure comes only from launches made while the machine's
+# cores were far apart (peer_bench.py's core_trip): marked in the tables.
+FAR = set()
 
 
 def table(cells):
@@ -52,9 +59,12 @@ def table(cells):
                 continue
             best = min(others, key=others.get)
             ratio = others[best] / c[mine]
-            row += [f"{c[mine] * 1e6:.1f} us", f"{best} {others[best] * 1e6:.1f} us", f"**{ratio:.2f}**" if ratio >= 1 else f"{ratio:.2f}"]
+            far = lambda p: " (far)" if ((op, world, size), p) in FAR else ""
+            row += [f"{c[mine] * 1e6:.1f} us{far(mine)}", f"{best} {others[best] * 1e6:.1f} us{far(best)}",
+                    f"**{ratio:.2f}**" if ratio >= 1 else f"{ratio:.2f}"]
             if ratio < 1:
-                misses.append(f"{mine} {op} {world} ranks {human(size)}: {ratio:.2f}x of {best}")
+                misses.append(f"{mine} {op} {world} ranks {human(size)}: {ratio:.2f}x of {best}"
+                              + (" (a figure from far-apart cores only)" if far(mine) or far(best) else ""))
         lines.append("| " + " | ".join(row) + " |")
     return lines, misses
 
@@ -76,6 +86,8 @@ def main():
         "`rdist-tcp` forces TCP (the cross-host path) and is compared with the TCP peers only.",
         "Every call sends the same buffers, unchanged: a library that copies straight out of the",
         "sender's memory then finds them in its own caches (see the second table).",
+        "A figure marked (far) comes only from launches made while the machine's cores were far",
+        "apart (a cache line's trip 2.5x the quietest, `bench/peers/core_trip.c`): no ratio to trust.",
         "",
     ]
     rows, misses = table(cells)

@@ -33,11 +33,15 @@ thread_local! {
 /// Group levels open on all threads together: while none is, `active`
 /// needs no look at the thread's own state (a thread-local in a shared
 /// library is a call into the dynamic loader, on every blocking call).
+/// A level left open by a thread that exits stays counted: the looks then
+/// cost the thread-local again, nothing else.
 static OPEN: AtomicUsize = AtomicUsize::new(0);
 
 pub fn start() {
-    OPEN.fetch_add(1, Ordering::Relaxed);
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    GROUP.with(|g| {
+        g.borrow_mut().depth += 1;
+        OPEN.fetch_add(1, Ordering::Relaxed);
+    });
 }
 
 #[inline]

@@ -26,7 +26,8 @@ pub struct Caps {
 }
 
 pub trait Channel: Send {
-    /// What this channel can do.
+    /// What this channel can do: fixed for its life (a connection reads
+    /// it once, `stream::Conn`).
     fn caps(&self) -> Caps;
     /// Reads what is available; `WouldBlock` when nothing is, `Ok(0)` at
     /// end of stream (the peer closed or died).
@@ -54,7 +55,8 @@ pub trait Channel: Send {
     /// the sender's buffer frees only as it is acknowledged).
     fn expect_bulk(&mut self) {}
     /// The peer's pid when its memory can be read directly
-    /// (process_vm_readv), for single-copy transfers of large payloads.
+    /// (process_vm_readv), for single-copy transfers of large payloads;
+    /// fixed for the channel's life, as `caps`.
     fn peer_pid(&self) -> Option<i32> {
         None
     }
