@@ -161,54 +161,40 @@ impl Comm {
         self.runner.run_one(call, stream)
     }
 
-    /// A plain send (`rdist_send`): `run_on(Call::Send ..)`, with host
-    /// memory outside a group handed straight to the point-to-point
-    /// context (no call description on the way: a small send is a few
-    /// hundred nanoseconds in all).
+    /// A plain send or receive (`rdist_send`, `rdist_recv`): `run_on`,
+    /// with host memory outside a group handed straight to the
+    /// point-to-point context (no dispatch on the way: a small send is a
+    /// few hundred nanoseconds in all).
     ///
     /// # Safety
     /// As `run_on`.
-    pub unsafe fn send_raw(
-        &self,
-        buf: RawBuf,
-        data: Data,
-        peer: usize,
-        stream: Stream,
-    ) -> Result<()> {
+    #[inline]
+    pub unsafe fn run_p2p(&self, call: Call, stream: Stream) -> Result<()> {
         self.birth.check()?;
-        if !group::active() && crate::backend::cuda::is_host(buf.addr(), buf.len()) {
-            let msg = Outgoing {
-                buf,
-                dtype: data.dtype,
-                count: data.count,
-                peer,
-                tag: 0,
-            };
-            return self.runner.send_blocking(msg).map(|_| ());
+        let host = |buf: &RawBuf| crate::backend::cuda::is_host(buf.addr(), buf.len());
+        if !group::active() {
+            match call {
+                Call::Send { buf, data, peer } if host(&buf) => {
+                    let msg = Outgoing {
+                        buf,
+                        dtype: data.dtype,
+                        count: data.count,
+                        peer,
+                        tag: 0,
+                    };
+                    return self.runner.send_blocking(msg).map(|_| ());
+                }
+                Call::Recv { buf, data, peer } if host(&buf) => {
+                    let r = Incoming {
+                        exact: true,
+                        ..incoming(buf, data, Some(peer), Some(0))
+                    };
+                    return self.runner.run_recv(r).map(|_| ());
+                }
+                _ => {}
+            }
         }
-        self.run_on(Call::Send { buf, data, peer }, stream)
-    }
-
-    /// A plain receive (`rdist_recv`), as `send_raw`.
-    ///
-    /// # Safety
-    /// As `run_on`.
-    pub unsafe fn recv_raw(
-        &self,
-        buf: RawBuf,
-        data: Data,
-        peer: usize,
-        stream: Stream,
-    ) -> Result<()> {
-        self.birth.check()?;
-        if !group::active() && crate::backend::cuda::is_host(buf.addr(), buf.len()) {
-            let r = Incoming {
-                exact: true,
-                ..incoming(buf, data, Some(peer), Some(0))
-            };
-            return self.runner.run_recv(r).map(|_| ());
-        }
-        self.run_on(Call::Recv { buf, data, peer }, stream)
+        self.run_on(call, stream)
     }
 
     /// Starts a call on the communicator's worker and returns at once.

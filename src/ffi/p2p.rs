@@ -4,7 +4,7 @@
 use super::types::*;
 use super::{boundary_on, check_out, handle, write_out};
 use crate::backend::cuda::Stream;
-use crate::call::{check_rank, Data, RawBuf};
+use crate::call::{check_rank, Call, Data, RawBuf};
 use crate::comm::Comm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -29,7 +29,7 @@ pub extern "C" fn rdist_send(
         let (buf, data) = message(buf, count, dtype)?;
         let peer = check_rank("peer", peer.into(), c.size())?;
         // SAFETY: the C contract: buf valid until this returns (or the group ends).
-        unsafe { c.send_raw(buf, data, peer, Stream::from_ptr(stream)) }
+        unsafe { c.run_p2p(Call::Send { buf, data, peer }, Stream::from_ptr(stream)) }
     })
 }
 
@@ -48,7 +48,7 @@ pub extern "C" fn rdist_recv(
         let (buf, data) = message(buf, count, dtype)?;
         let peer = check_rank("peer", peer.into(), c.size())?;
         // SAFETY: the C contract: buf valid until this returns (or the group ends).
-        unsafe { c.recv_raw(buf, data, peer, Stream::from_ptr(stream)) }
+        unsafe { c.run_p2p(Call::Recv { buf, data, peer }, Stream::from_ptr(stream)) }
     })
 }
 
