@@ -111,12 +111,24 @@ def describe_all(ranks):
     return "\n".join(r.describe() for r in ranks)
 
 
+# torch's store when its port was taken between `free_port` and its listen
+# (a race outside rdist: the job is launched once more on another port).
+TORCH_STORE_PORT_TAKEN = "The server socket has failed to listen on any local network address"
+
+
 def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None, python=None):
     """Spawns `python ARGS...` once per rank with env:// variables on a free
     port and waits for all of them (killing every one after `timeout` s).
     Returns a Rank per rank; outputs go through files, so a chatty rank can
     never block on a full pipe. `python` is the interpreter (default: this
-    one)."""
+    one). A job whose torch store found its port taken runs once more."""
+    ranks = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+    if any(r.returncode != 0 and TORCH_STORE_PORT_TAKEN in r.stderr for r in ranks):
+        ranks = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+    return ranks
+
+
+def _run_ranks_once(args, world_size, timeout, env, per_rank_env, python):
     port = free_port()
     procs = []
     with tempfile.TemporaryDirectory(prefix="rdist-ranks-") as scratch:
