@@ -162,3 +162,57 @@ fn ranks_that_run_one_call_by_different_algorithms_are_told_which() {
         "{out}"
     );
 }
+
+/// CPUs online on this machine.
+fn online_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[test]
+fn ranks_bound_to_cores_of_their_own_spin_and_measure_the_whole_machine() {
+    // A launcher that binds each rank to one core (srun --cpu-bind=cores,
+    // mpirun --bind-to core) leaves each rank one CPU: the host's ranks
+    // have two together, and are not oversubscribed; bound to one CPU
+    // together, they are.
+    if online_cpus() < 2 {
+        println!("skipped: binding ranks to cores of their own needs 2 CPUs");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("rdist-tuning-bound-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = dir.to_str().unwrap();
+    let run = |cpu: &str| {
+        let script = format!(
+            "exec taskset -c {cpu} \"$BENCH\" --op allreduce --min-bytes 8 --max-bytes 8 --reps 1 --seconds 0.01"
+        );
+        let (ok, out) = launch(2, &script, &[("RDIST_CACHE_DIR", cache)]);
+        assert!(ok, "{out}");
+        let lines: Vec<String> = tuning_lines(&out).iter().map(|l| l.to_string()).collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        lines
+    };
+    for line in run("$RANK") {
+        assert!(line.contains("2 ranks here on 2 cores"), "{line}");
+        assert!(!line.contains("oversubscribed"), "{line}");
+        assert!(line.contains("spin before sleeping"), "{line}");
+    }
+    // The profile, measured by a rank bound to one core, is the
+    // machine's: its cores, and two of them passing bytes.
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let profile = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(
+        profile.starts_with("machine4 cores=") && !profile.starts_with("machine4 cores=1 "),
+        "{profile}"
+    );
+    assert!(!profile.contains(" pass_mbs=0 "), "{profile}");
+    for line in run("0") {
+        assert!(line.contains("2 ranks here on 1 cores"), "{line}");
+        assert!(line.contains("oversubscribed"), "{line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -199,9 +199,13 @@ pub struct Inputs {
     pub here: Machine,
     /// Ranks of the communicator on this rank's host.
     pub host_ranks: usize,
+    /// Ranks of the whole job on this rank's host (they run there, in
+    /// whatever communicator; 0: unknown).
+    pub host_job_ranks: usize,
     /// Ranks on this machine (network namespaces of one machine share it).
     pub machine_ranks: usize,
-    /// Cores this process may use, and the machine's.
+    /// Cores the job's ranks on this host may use together (the union of
+    /// their CPU sets: each may be bound to one), and the machine's.
     pub cores: usize,
     pub machine_cores: usize,
     /// The cache one of this host's cores has to itself, in KiB (0:
@@ -308,7 +312,8 @@ pub fn plan(i: &Inputs) -> Plan {
         bytes(c.small_allgather_tcp),
         bytes(c.chain_tcp),
     ));
-    let oversubscribed = i.host_ranks > i.cores || i.machine_ranks > i.machine_cores;
+    let sharing = i.host_ranks.max(i.host_job_ranks);
+    let oversubscribed = sharing > i.cores || i.machine_ranks > i.machine_cores;
     let here = i.here;
     // The ranks' copies at one core's speed each, all at once, asking
     // well more than the memory system gives: memory is the bound, the
@@ -331,7 +336,7 @@ pub fn plan(i: &Inputs) -> Plan {
             "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield \
              and shared-memory payloads from {} (twice the {} cache) that are not reduced go single copy \
              (one copy instead of the rings' two)",
-            i.host_ranks,
+            sharing,
             i.cores,
             i.machine_ranks,
             i.machine_cores,
@@ -352,7 +357,7 @@ pub fn plan(i: &Inputs) -> Plan {
         format!(
             "{} ranks here on {} cores, memory not the bound: waiting ranks spin before sleeping, \
              and payloads go through the rings (their two copies run on both ranks' cores at once)",
-            i.host_ranks, i.cores
+            sharing, i.cores
         )
     });
     if here.knows_single_copy() {
@@ -489,6 +494,7 @@ mod tests {
             agreed: m,
             here: m,
             host_ranks,
+            host_job_ranks: 0,
             machine_ranks: host_ranks,
             cores,
             machine_cores: cores,
@@ -608,6 +614,12 @@ mod tests {
         let mut shared = inputs(REFERENCE, 2, 2);
         shared.machine_ranks = 4;
         assert!(plan(&shared).oversubscribed);
+        // So do the job's other ranks on this host, in other communicators.
+        let mut split = inputs(REFERENCE, 2, 2);
+        split.host_job_ranks = 4;
+        let p = plan(&split);
+        assert!(p.oversubscribed);
+        assert!(p.why.contains("4 ranks here on 2 cores"), "{}", p.why);
     }
 
     /// As measured on the 2-core Sapphire Rapids VM.

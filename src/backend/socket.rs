@@ -133,7 +133,12 @@ impl SocketBackend {
             .map_err(|e| Error::system("keeping the listener", &e))?;
         let place = Placement::of(&roster.hosts, rank);
         let (same_host, local_ranks) = (place.whole_world_here, place.host_ranks);
-        let cores = online_cores();
+        // The cores the job's ranks here have together: one bound to a
+        // core of its own sees one, and is not oversubscribed for that.
+        let (cores, host_job_ranks) = match roster.cpus_of(rank) {
+            Some(c) => (c.cpus as usize, c.ranks as usize),
+            None => (online_cores(), 0),
+        };
         // Hosts that are containers or network namespaces of one machine
         // share its cores: 4 "hosts" of 2 ranks on a 2-core machine, each
         // seeing 2 cores for its 2 ranks, spun a barrier to 2.9 ms (0.37
@@ -144,6 +149,7 @@ impl SocketBackend {
             agreed: roster.machine_of(0),
             here: roster.machine_of(rank),
             host_ranks: local_ranks,
+            host_job_ranks,
             machine_ranks: place.machine_ranks,
             cores,
             machine_cores: machine_cores(),

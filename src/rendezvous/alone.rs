@@ -6,6 +6,7 @@ use super::Joined;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
 use crate::options::{LogLevel, Options};
+use crate::transport::membership::cpus::Cpus;
 use crate::transport::membership::{host_id, hosts, Roster};
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, TcpListener};
@@ -44,6 +45,10 @@ pub(super) fn join(opts: &Options) -> Result<Joined> {
                 crate::transport::machine::this_machine(hosts::machine_of(&host)),
             )]
             .into(),
+            cpus: (Cpus::own().and_then(|c| Cpus::together(&[Some(&c)])))
+                .map(|c| (host.clone(), c))
+                .into_iter()
+                .collect(),
         },
         // A world of one asks nobody else: establishing NCCL just looks
         // at this process.

@@ -12,6 +12,7 @@ use crate::auth::Token;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
 use crate::transport::iface;
+use crate::transport::membership::cpus::Cpus;
 use crate::transport::membership::{host_id, hosts, packed, Placement, Roster};
 use host_board::{HostBoard, OwnBoard};
 use method::Method;
@@ -454,6 +455,9 @@ fn join_hosting(
         addrs: listing.addrs,
         hosts: listing.hosts,
         machines: listing.machines.into(),
+        cpus: (listing.cpus.into_iter())
+            .filter_map(|(h, c)| Some((h, c?)))
+            .collect(),
     };
     let local_rank = match opts.local_rank {
         Some(l) => l as usize,
@@ -728,6 +732,7 @@ fn publish(
         offers_nccl,
         board.as_ref().map(OwnBoard::fd),
         &crate::transport::machine::this_machine(hosts::machine_of(&host)),
+        Cpus::own().as_ref(),
     );
     // The world size (the last to set it stays: see `wait_for_ranks`).
     let size_text = size.to_string();

@@ -279,7 +279,7 @@ impl Endpoint {
                 registered = true;
                 sh.drivers.fetch_add(1, Ordering::Relaxed);
             }
-            if passes == 1 || passes.is_multiple_of(64) {
+            if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
@@ -339,6 +339,20 @@ impl Endpoint {
         Ok(())
     }
 
+    /// The pass of a spin after which the clock is first read: a reading
+    /// costs tens of nanoseconds, about what a message that comes during
+    /// it then waits, so a spinning caller skips it for the first few
+    /// passes (a message mostly comes within them). One that yields on
+    /// every pass may be away for a time slice each: it reads at once.
+    #[inline]
+    fn first_clock(&self) -> u32 {
+        if self.yield_when_idle {
+            1
+        } else {
+            8
+        }
+    }
+
     /// Waits for a ticket, bounded by the timeout: drives progress itself
     /// first (no thread hand-off for a message that comes soon), moving
     /// every pending call, not only this one, as MPI's waits do (a peer
@@ -361,7 +375,9 @@ impl Endpoint {
         // untouched until it completes.
         match unsafe { self.look(r, Some(t.id)) } {
             Look::Taken(result) => {
-                t.done.complete(result.clone());
+                // Taken back from its slot by this look: nothing else
+                // holds the call to complete it.
+                t.done.complete_alone(result.clone());
                 result
             }
             Look::Post(since) => {
@@ -398,9 +414,8 @@ impl Endpoint {
             return r;
         }
         let sh = &self.shared;
-        // The clock is first read after a pass that did not finish the
-        // call (a message already there costs no clock read), then every
-        // 64 passes.
+        // The clock is first read after a few passes that did not finish
+        // the call (`first_clock`), then every 64 passes.
         let mut deadline = since.map(|s| s + self.timeout);
         // A wait that began before its post (a look at the connection)
         // spun from then.
@@ -423,7 +438,7 @@ impl Endpoint {
                 registered = true;
                 sh.drivers.fetch_add(1, Ordering::Relaxed);
             }
-            if passes == 1 || passes.is_multiple_of(64) {
+            if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
                 // Bytes moving for other calls extend the spin, never the
                 // call's own bound.

@@ -285,7 +285,12 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
 
 /// `cached_or_measured`, with the cache in `dir`.
 fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus = machine_cpus();
+    let cores = match cpus.len() {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let measure_watched = |cores| measure_watched_on(&cpus, cores);
     if !own_private_dir(dir) {
         return Some(measure_watched(cores).0);
     }
@@ -408,11 +413,64 @@ fn older_than(path: &std::path::Path, age: Duration) -> bool {
 }
 
 /// `measure`, and how much of the machine others used meanwhile (per
-/// mille; 0 where the kernel does not say).
-fn measure_watched(cores: usize) -> (Machine, u32) {
-    let watch = disturbance::Watch::start();
-    let m = measure(cores);
-    (m, watch.others_permille().unwrap_or(0))
+/// mille; 0 where the kernel does not say), on a thread that may run on
+/// `cpus` (the machine's: see `machine_cpus`), as the threads it starts
+/// may: a rank bound to one core still measures the machine, not that
+/// core (two cores passing bytes, all cores copying). Where the thread
+/// cannot start, on the caller.
+fn measure_watched_on(cpus: &[usize], cores: usize) -> (Machine, u32) {
+    let on = cpus.to_vec();
+    let run = move || {
+        if !on.is_empty() {
+            allow_cpus(&on);
+        }
+        let watch = disturbance::Watch::start();
+        let m = measure(cores);
+        (m, watch.others_permille().unwrap_or(0))
+    };
+    match spawn(run.clone()) {
+        Some(h) => h.join().unwrap_or((UNKNOWN, 0)),
+        None => run(),
+    }
+}
+
+/// The CPUs of the machine that this process's threads may be placed on:
+/// its cgroup's cpuset (a container's share), else every online CPU;
+/// empty where neither can be read. A process bound to fewer (taskset, a
+/// launcher's binding) may still place a thread of its own on them.
+fn machine_cpus() -> Vec<usize> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|text| {
+            // cgroup v2: "0::/path".
+            let path = text
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))?
+                .to_string();
+            std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cpuset.cpus.effective")).ok()
+        })
+        .map(|list| cpu_list(list.trim()))
+        .filter(|cpus| !cpus.is_empty());
+    cgroup.unwrap_or_else(|| {
+        std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .map(|list| cpu_list(list.trim()))
+            .unwrap_or_default()
+    })
+}
+
+/// Lets the calling thread (and the threads it starts) run on `cpus`;
+/// where the system refuses, it keeps the CPUs it had.
+fn allow_cpus(cpus: &[usize]) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes
+    // within it (numbers past its size are skipped); pid 0 is the calling
+    // thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus.iter().filter(|c| **c < libc::CPU_SETSIZE as usize) {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
 }
 
 /// Makes `dir` (mode 0700) if it is not there, and says whether it is

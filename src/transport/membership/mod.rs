@@ -5,6 +5,7 @@
 //! backend), the survivors' ballots at a shrink (`survivors`, carried by
 //! `transport::shrink`).
 
+pub mod cpus;
 pub mod hosts;
 pub mod packed;
 mod reader;

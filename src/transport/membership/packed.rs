@@ -5,6 +5,7 @@
 //! reads the whole roster: at 1024 ranks the ranks' keys side by side
 //! were 60 KiB a rank, and parsing them was most of a rank's init.
 
+use super::cpus::{Cpus, HostCpus};
 use super::hosts::HostId;
 use super::reader::Reader;
 use crate::error::{Error, ErrorKind, Result};
@@ -12,7 +13,7 @@ use crate::transport::machine::{self, Machine, UNKNOWN};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::Arc;
 
-/// What one rank published: "SIZE ADDR HOST PID NCCL BOARD MACHINE".
+/// What one rank published: "SIZE ADDR HOST PID NCCL BOARD MACHINE CPUS".
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Entry {
     /// The world size the rank was started with.
@@ -26,6 +27,8 @@ pub(crate) struct Entry {
     pub board: Option<i32>,
     /// Its machine's profile (see `transport::machine`).
     pub machine: Machine,
+    /// The CPUs it may run on (None: unknown).
+    pub cpus: Option<Cpus>,
 }
 
 /// Where the ranks of a host find its board: the process of the host's
@@ -47,11 +50,15 @@ pub(crate) struct Listing {
     pub boards: Vec<(HostId, Option<BoardAt>)>,
     /// Each host's machine profile, as its first rank published it.
     pub machines: Vec<(HostId, Machine)>,
+    /// What each host's ranks have together (None: some rank's CPUs are
+    /// unknown).
+    pub cpus: Vec<(HostId, Option<HostCpus>)>,
 }
 
 /// The line a rank publishes as its key: "SIZE ADDR HOST PID NCCL BOARD
-/// MACHINE" (the host id has no spaces: see `host_id`; an option's is
+/// MACHINE CPUS" (the host id has no spaces: see `host_id`; an option's is
 /// checked).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn published(
     size: usize,
     addr: SocketAddr,
@@ -60,12 +67,14 @@ pub(crate) fn published(
     offers_nccl: bool,
     board: Option<i32>,
     machine: &Machine,
+    cpus: Option<&Cpus>,
 ) -> String {
     format!(
-        "{size} {addr} {host} {pid} {} {} {}",
+        "{size} {addr} {host} {pid} {} {} {} {}",
         u8::from(offers_nccl),
         board.unwrap_or(-1),
-        machine.to_token()
+        machine.to_token(),
+        Cpus::token(cpus)
     )
 }
 
@@ -104,6 +113,7 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
         .and_then(|b| b.parse().ok())
         .filter(|b| *b >= 0);
     let machine = parts.next().map_or(UNKNOWN, Machine::from_token);
+    let cpus = parts.next().and_then(Cpus::from_token);
     let addr = addr
         .and_then(|a| a.parse().ok())
         .ok_or_else(|| Error::internal(format!("rank {rank} published a bad address '{text}'")))?;
@@ -115,12 +125,13 @@ pub(crate) fn entry(rank: usize, value: &[u8]) -> Result<Entry> {
         offers_nccl,
         board,
         machine,
+        cpus,
     })
 }
 
-/// Moves on with the layout (R5: machine profiles of 52 bytes, with the
-/// swaps), so that a roster of another release is refused, not misread.
-const MAGIC: &[u8; 2] = b"R5";
+/// Moves on with the layout (R6: each host's CPUs), so that a roster of
+/// another release is refused, not misread.
+const MAGIC: &[u8; 2] = b"R6";
 const V4: u8 = 4;
 const V6: u8 = 6;
 
@@ -130,9 +141,15 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     // Each host's first rank's board and machine (ranks come in order).
     let mut boards: Vec<(u32, i32, Machine)> = Vec::new();
     let mut ips: Vec<(IpAddr, u32)> = Vec::new();
+    // Each host's ranks' CPUs.
+    let mut cpus: Vec<Vec<Option<&Cpus>>> = Vec::new();
     let mut ranks = Vec::with_capacity(entries.len() * 11);
     for e in entries {
         let host = index_of(&mut hosts, e.host.as_str());
+        if cpus.len() < hosts.len() {
+            cpus.push(Vec::new());
+        }
+        cpus[host as usize].push(e.cpus.as_ref());
         if boards.len() < hosts.len() {
             boards.push((
                 e.pid,
@@ -154,7 +171,7 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     out.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
-    for (h, (pid, board, machine)) in hosts.iter().zip(&boards) {
+    for ((h, (pid, board, machine)), sets) in hosts.iter().zip(&boards).zip(&cpus) {
         // Host ids are short: a hostname and two numbers, or an option's
         // id of at most 1024 bytes (options.rs); the cut never happens.
         let h = &h.as_bytes()[..h.len().min(u16::MAX as usize)];
@@ -163,6 +180,9 @@ pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
         out.extend_from_slice(&pid.to_le_bytes());
         out.extend_from_slice(&board.to_le_bytes());
         out.extend_from_slice(&machine.to_bytes());
+        let cpus = Cpus::together(sets).unwrap_or(HostCpus { cpus: 0, ranks: 0 });
+        out.extend_from_slice(&cpus.cpus.to_le_bytes());
+        out.extend_from_slice(&cpus.ranks.to_le_bytes());
     }
     out.extend_from_slice(&(ips.len() as u32).to_le_bytes());
     for (ip, scope) in &ips {
@@ -205,11 +225,17 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
     let mut hosts = Vec::with_capacity(host_count.min(bytes.len()));
     let mut boards = Vec::with_capacity(host_count.min(bytes.len()));
     let mut machines = Vec::with_capacity(host_count.min(bytes.len()));
+    let mut cpus = Vec::with_capacity(host_count.min(bytes.len()));
     for _ in 0..host_count {
         let len = r.u16()? as usize;
         let host = HostId::from(String::from_utf8_lossy(r.take(len)?));
         let (pid, fd) = (r.u32()?, r.u32()? as i32);
         let machine = Machine::from_bytes(r.take(machine::BYTES)?.try_into().ok()?);
+        let (count, ranks) = (r.u32()?, r.u32()?);
+        cpus.push((
+            host.clone(),
+            (count > 0 && ranks > 0).then_some(HostCpus { cpus: count, ranks }),
+        ));
         boards.push((host.clone(), (fd >= 0).then_some(BoardAt { pid, fd })));
         machines.push((host.clone(), machine));
         hosts.push(host);
@@ -258,6 +284,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Listing> {
         some_offer_nccl: records.clone().any(|rank| rank[10] != 0),
         boards,
         machines,
+        cpus,
     };
     Some(listing)
 }
@@ -294,9 +321,9 @@ mod tests {
             ..MACHINE
         };
         let lines = [
-            published(3, addr, "a", 1, false, None, &MACHINE),
-            published(3, addr, "b", 2, false, None, &UNKNOWN),
-            published(3, addr, "a", 3, false, None, &other),
+            published(3, addr, "a", 1, false, None, &MACHINE, None),
+            published(3, addr, "b", 2, false, None, &UNKNOWN, None),
+            published(3, addr, "a", 3, false, None, &other, None),
         ];
         let values: Vec<Vec<u8>> = lines.iter().map(|l| l.clone().into_bytes()).collect();
         let listing = decode(&gather(&values, 0, 3).unwrap()).unwrap();
@@ -309,13 +336,13 @@ mod tests {
     #[test]
     fn a_published_line_reads_back_and_gathers_only_one_world_size() {
         let addr: SocketAddr = "10.0.0.1:5000".parse().unwrap();
-        let line = published(2, addr, "h/0a1b2c3d/1", 77, true, None, &MACHINE);
+        let line = published(2, addr, "h/0a1b2c3d/1", 77, true, None, &MACHINE, None);
         let e = entry(0, line.as_bytes()).unwrap();
         assert_eq!(
             (e.addr, e.pid, e.offers_nccl, e.board, e.machine),
             (addr, 77, true, None, MACHINE)
         );
-        let other = published(3, addr, "h", 78, false, Some(4), &UNKNOWN);
+        let other = published(3, addr, "h", 78, false, Some(4), &UNKNOWN, None);
         let values = vec![line.clone().into_bytes(), line.into_bytes()];
         assert_eq!(
             decode(&gather(&values, 0, 2).unwrap()).unwrap().addrs.len(),
@@ -347,7 +374,7 @@ mod tests {
         let bytes = encode(&entries);
         // Hosts and addresses once each: 3 hosts, 3 addresses, 4 ranks.
         assert!(
-            bytes.len() < 2 + 4 + 4 + 3 * (24 + 8 + machine::BYTES) + 4 + 5 + 5 + 21 + 4 * 11,
+            bytes.len() < 2 + 4 + 4 + 3 * (24 + 8 + machine::BYTES + 8) + 4 + 5 + 5 + 21 + 4 * 11,
             "{}",
             bytes.len()
         );
@@ -367,6 +394,30 @@ mod tests {
         assert_eq!(listing.boards.len(), 3);
         assert!(listing.boards.iter().all(|(_, b)| *b == board));
         assert_eq!(&*listing.boards[1].0, "b/0a1b2c3d/4026531841");
+    }
+
+    #[test]
+    fn each_hosts_cpus_are_its_ranks_together() {
+        let addr: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let cpus = |t: &str| Cpus::from_token(t);
+        let lines = [
+            published(4, addr, "a", 1, false, None, &UNKNOWN, cpus("0").as_ref()),
+            published(4, addr, "b", 2, false, None, &UNKNOWN, cpus("0-7").as_ref()),
+            published(4, addr, "a", 3, false, None, &UNKNOWN, cpus("1").as_ref()),
+            published(4, addr, "c", 4, false, None, &UNKNOWN, None),
+        ];
+        let e = entry(2, lines[2].as_bytes()).unwrap();
+        assert_eq!(e.cpus, cpus("1"));
+        let values: Vec<Vec<u8>> = lines.iter().map(|l| l.clone().into_bytes()).collect();
+        let listing = decode(&gather(&values, 0, 4).unwrap()).unwrap();
+        assert_eq!(
+            listing.cpus,
+            vec![
+                ("a".into(), Some(HostCpus { cpus: 2, ranks: 2 })),
+                ("b".into(), Some(HostCpus { cpus: 8, ranks: 1 })),
+                ("c".into(), None),
+            ]
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! roster of a communicator made from some of them (a split's colour, or
 //! the survivors of a failure).
 
+use super::cpus::HostCpus;
 use super::hosts::HostId;
 use crate::transport::machine::{Machine, UNKNOWN};
 use std::net::SocketAddr;
@@ -23,6 +24,9 @@ pub(crate) struct Roster {
     /// `transport::machine`): the tuning model's inputs, alike on every
     /// rank.
     pub machines: Arc<[(HostId, Machine)]>,
+    /// What each host's ranks of the job have together (hosts where some
+    /// rank's CPUs are unknown are left out).
+    pub cpus: Arc<[(HostId, HostCpus)]>,
 }
 
 impl Roster {
@@ -41,6 +45,12 @@ impl Roster {
             .iter()
             .find(|(h, _)| h == host)
             .map_or(UNKNOWN, |(_, m)| *m)
+    }
+
+    /// What the job's ranks on `rank`'s host have together, if known.
+    pub fn cpus_of(&self, rank: usize) -> Option<HostCpus> {
+        let host = &self.hosts[rank];
+        self.cpus.iter().find(|(h, _)| h == host).map(|(_, c)| *c)
     }
 
     /// The roster of a communicator of `members` (ranks of this one, in
@@ -62,6 +72,7 @@ impl Roster {
                 .collect(),
             hosts: members.iter().map(|r| self.hosts[*r].clone()).collect(),
             machines: self.machines.clone(),
+            cpus: self.cpus.clone(),
         }
     }
 }
@@ -93,6 +104,7 @@ mod tests {
                 .collect(),
             hosts: ["a", "b", "a"].iter().map(|h| HostId::from(*h)).collect(),
             machines: Vec::new().into(),
+            cpus: Vec::new().into(),
         };
         let child = parent.subset(&[2, 0], |r| 1000 + r as u16, 42);
         assert_eq!(child.job, [7; 16]);

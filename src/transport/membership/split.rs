@@ -62,6 +62,7 @@ mod tests {
                 .collect(),
             hosts: (0..4).map(|r| HostId::from(format!("h{r}"))).collect(),
             machines: Vec::new().into(),
+            cpus: Vec::new().into(),
         };
         // Colours 1, 2, 1, 1; keys 3, 0, 1, 3.
         let records: Vec<u8> = [(1, 3, 100), (2, 0, 101), (1, 1, 102), (1, 3, 103)]

@@ -286,6 +286,7 @@ mod tests {
                 .collect(),
             hosts: (0..size).map(|r| HostId::from(format!("h{r}"))).collect(),
             machines: Vec::new().into(),
+            cpus: Vec::new().into(),
         }
     }
 

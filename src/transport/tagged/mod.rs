@@ -32,6 +32,7 @@
 
 mod choice;
 mod matching;
+mod posts;
 
 use crate::call::RawBuf;
 use crate::dtype::DType;
@@ -39,15 +40,15 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::sync::lock;
 use crate::transport::channel::{read_remote, read_remote_then_word, Channel};
 use crate::transport::frame::{FrameKind, Header, EAGER_MAX, HEADER_BYTES, TAG_REMOTE_BYTES};
-use crate::transport::signal::Wake;
 use choice::Choices;
 pub use choice::ReadCost;
 use matching::{Arrival, Envelope, Matching, PostedRecv, Remote};
+pub use posts::{Post, Posts};
 use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -122,6 +123,21 @@ impl Done {
             // Under the lock: a sleeper that saw no result holds it until
             // it waits, so this wake cannot fall between its look and its
             // wait.
+            let _held = lock(&self.sleep);
+            self.ready.notify_all();
+        }
+    }
+
+    /// `complete`, by the only thread that can complete it (a receive
+    /// its own wait took back from its slot): no claim to make.
+    pub fn complete_alone(&self, r: Result<Status>) {
+        debug_assert_eq!(self.state.load(Ordering::Relaxed), EMPTY);
+        // SAFETY: no other completer exists, and nobody reads before READY.
+        unsafe { (*self.result.get()).write(r) };
+        // As in `complete`: the swap orders publishing before the look
+        // for sleepers (another thread may wait on the same request).
+        self.state.swap(READY, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _held = lock(&self.sleep);
             self.ready.notify_all();
         }
@@ -309,155 +325,6 @@ pub struct Incoming {
     pub tag: Option<i32>,
     /// The message must have exactly `count` elements (rdist_recv).
     pub exact: bool,
-}
-
-/// A call posted while another thread held the core.
-pub enum Post {
-    Send(Outgoing, Arc<Done>, u64),
-    Recv(Incoming, Arc<Done>, u64),
-}
-
-/// Where calls are posted while the core is held elsewhere (a collective
-/// on another thread): whoever holds it takes them in at its next look,
-/// in the order they came, before anything else is posted.
-///
-/// One non-blocking receive at a time may instead wait beside the queue,
-/// deferred (`defer`): its own wait receives it as a blocking receive
-/// does, straight from the connection with no matching, while it stays in
-/// its slot (`with_deferred`), unless anything else takes the core first,
-/// which posts it (`take_deferred_into`, `push`, `flush_to_queue`): it is
-/// always somewhere, so it keeps its place among the calls.
-pub struct Posts {
-    queue: Mutex<Vec<Post>>,
-    pending: AtomicBool,
-    next_id: AtomicU64,
-    deferred: Mutex<Option<Post>>,
-    has_deferred: AtomicBool,
-    /// Rung on a post, for a holder asleep in poll().
-    pub bell: Wake,
-}
-
-impl Posts {
-    pub fn new() -> Result<Posts> {
-        Ok(Posts {
-            queue: Mutex::new(Vec::new()),
-            pending: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
-            deferred: Mutex::new(None),
-            has_deferred: AtomicBool::new(false),
-            bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
-        })
-    }
-
-    /// A new call's id.
-    #[inline]
-    pub fn new_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    pub fn push(&self, post: Post) {
-        self.enqueue(Some(post));
-    }
-
-    /// Queues `post` (or nothing) behind a deferred receive, which came
-    /// before it, for whoever holds the core.
-    fn enqueue(&self, post: Option<Post>) {
-        let mut q = lock(&self.queue);
-        let deferred = self.take_deferred();
-        if deferred.is_none() && post.is_none() {
-            return;
-        }
-        q.extend(deferred);
-        q.extend(post);
-        drop(q);
-        self.pending.store(true, Ordering::Release);
-        self.bell.ring();
-    }
-
-    /// Defers receive `post` (see `Posts`); given back when another one
-    /// is deferred already (the caller posts it the usual way, which posts
-    /// the other first).
-    pub fn defer(&self, post: Post) -> Option<Post> {
-        let mut slot = lock(&self.deferred);
-        if slot.is_some() {
-            return Some(post);
-        }
-        *slot = Some(post);
-        self.has_deferred.store(true, Ordering::Release);
-        None
-    }
-
-    /// Runs `f` while receive `id` is still deferred, holding its slot, so
-    /// no call can be posted ahead of it meanwhile; `f` says whether the
-    /// receive leaves the slot (then it is handed back with `f`'s result).
-    /// None: it is not deferred (any more): another call posted it. `f`
-    /// must not take the posts in (the slot's lock is held).
-    pub fn with_deferred<R>(
-        &self,
-        id: u64,
-        f: impl FnOnce() -> (R, bool),
-    ) -> Option<(R, Option<Post>)> {
-        if !self.has_deferred.load(Ordering::Acquire) {
-            return None;
-        }
-        let mut slot = lock(&self.deferred);
-        if !matches!(&*slot, Some(Post::Recv(_, _, deferred)) if *deferred == id) {
-            return None;
-        }
-        let (result, leaves) = f();
-        if !leaves {
-            return Some((result, None));
-        }
-        self.has_deferred.store(false, Ordering::Release);
-        Some((result, slot.take()))
-    }
-
-    /// Moves a deferred receive into the queue, for whoever holds the core
-    /// (a caller that cannot take the core and must not leave it behind).
-    pub fn flush_to_queue(&self) {
-        self.enqueue(None);
-    }
-
-    fn take_deferred(&self) -> Option<Post> {
-        if !self.has_deferred.load(Ordering::Acquire) {
-            return None;
-        }
-        let mut slot = lock(&self.deferred);
-        self.has_deferred.store(false, Ordering::Release);
-        slot.take()
-    }
-
-    /// Whether a receive is deferred (looked at without the lock).
-    #[inline]
-    pub fn has_deferred(&self) -> bool {
-        self.has_deferred.load(Ordering::Acquire)
-    }
-
-    /// Posts the deferred receive into `tagged`.
-    pub fn take_deferred_into(&self, tagged: &mut Tagged) {
-        if let Some(post) = self.take_deferred() {
-            tagged.take_post(post);
-        }
-    }
-
-    /// Whether calls wait to be taken in (looked at without the lock).
-    #[inline]
-    pub fn pending(&self) -> bool {
-        self.pending.load(Ordering::Acquire)
-    }
-
-    /// Takes the posted calls into `tagged`, in order.
-    pub fn take_into(&self, tagged: &mut Tagged) {
-        let posts = {
-            let mut q = lock(&self.queue);
-            self.pending.store(false, Ordering::Release);
-            self.bell.drain();
-            std::mem::take(&mut *q)
-        };
-        for post in posts {
-            tagged.take_post(post);
-        }
-    }
 }
 
 /// Where an arriving frame's payload goes (the stream core reads it).
