@@ -441,14 +441,7 @@ fn measure_watched_on(cpus: &[usize], cores: usize) -> (Machine, u32) {
 fn machine_cpus() -> Vec<usize> {
     let cgroup = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
-        .and_then(|text| {
-            // cgroup v2: "0::/path".
-            let path = text
-                .lines()
-                .find_map(|l| l.strip_prefix("0::"))?
-                .to_string();
-            std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cpuset.cpus.effective")).ok()
-        })
+        .and_then(|text| cpuset_of(&text, |path| std::fs::read_to_string(path).ok()))
         .map(|list| cpu_list(list.trim()))
         .filter(|cpus| !cpus.is_empty());
     cgroup.unwrap_or_else(|| {
@@ -456,6 +449,22 @@ fn machine_cpus() -> Vec<usize> {
             .map(|list| cpu_list(list.trim()))
             .unwrap_or_default()
     })
+}
+
+/// The CPU list of the cpuset of the cgroup that `/proc/self/cgroup`'s
+/// `text` names, read with `read`: v2's ("0::/path"), else v1's
+/// ("N:cpuset:/path").
+fn cpuset_of(text: &str, read: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
+    let v1 = text.lines().find_map(|l| Some(l.split_once(":cpuset:")?.1));
+    v2.and_then(|path| read(&format!("/sys/fs/cgroup{path}/cpuset.cpus.effective")))
+        .or_else(|| {
+            v1.and_then(|path| {
+                read(&format!(
+                    "/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus"
+                ))
+            })
+        })
 }
 
 /// Lets the calling thread (and the threads it starts) run on `cpus`;
@@ -1161,6 +1170,34 @@ fn tcp_mbs() -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_machines_cpus_are_its_cgroups_cpuset_v2_or_v1() {
+        let files = |want: &'static str, list: &'static str| {
+            move |path: &str| (path == want).then(|| list.to_string())
+        };
+        let v2 = "0::/user.slice/job\n";
+        assert_eq!(
+            super::cpuset_of(
+                v2,
+                files("/sys/fs/cgroup/user.slice/job/cpuset.cpus.effective", "0-3")
+            ),
+            Some("0-3".into())
+        );
+        let v1 = "4:memory:/x\n3:cpuset:/docker/abc\n0::/\n";
+        assert_eq!(
+            super::cpuset_of(
+                v1,
+                files(
+                    "/sys/fs/cgroup/cpuset/docker/abc/cpuset.effective_cpus",
+                    "2,5"
+                )
+            ),
+            Some("2,5".into())
+        );
+        assert_eq!(super::cpuset_of(v1, |_| None), None);
+        assert!(!super::machine_cpus().is_empty());
+    }
+
     use super::*;
 
     #[test]
