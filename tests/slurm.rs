@@ -1,8 +1,11 @@
 //! Under a real Slurm: slurmctld and slurmd started here (Debian's
 //! slurm-wlm; no munge: auth/none, on loopback), then `srun -n 4` of a C
 //! program that meets through env:// with nothing set by hand, and the
-//! same job with one task killed (the survivors shrink and go on). Prints a `skipped:` line where Slurm is
-//! not installed or cannot start (scripts/setup.sh installs it).
+//! same job with one task killed (the survivors shrink and go on), and
+//! tasks bound to cores of their own (`--cpu-bind=cores`, task/affinity),
+//! which must not take themselves for oversubscribed. Prints a `skipped:`
+//! line where Slurm is not installed or cannot start (scripts/setup.sh
+//! installs it).
 
 mod common;
 
@@ -99,7 +102,7 @@ fn start_slurm() -> Result<Cluster, String> {
     let conf = format!(
         "ClusterName=rdisttest\nSlurmctldHost={host}\nSlurmctldPort={}\nSlurmdPort={}\n\
          AuthType=auth/none\nCredType=cred/none\nProctrackType=proctrack/linuxproc\n\
-         TaskPlugin=task/none\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\n\
+         TaskPlugin=task/affinity\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\n\
          SelectTypeParameters=CR_CPU\nStateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool\n\
          SlurmctldPidFile={d}/ctld.pid\nSlurmdPidFile={d}/d.pid\nSlurmctldLogFile={d}/ctld.log\n\
          SlurmdLogFile={d}/d.log\nSlurmUser=root\nSlurmdUser=root\nReturnToService=2\n\
@@ -150,17 +153,32 @@ fn start_slurm() -> Result<Cluster, String> {
     }
 }
 
+/// One Slurm at a time: two on one host (each test starts its own) get in
+/// each other's way.
+static ONE_SLURM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_slurm() -> std::sync::MutexGuard<'static, ()> {
+    ONE_SLURM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `srun -n tasks program args`, bounded.
 fn srun(cluster: &Cluster, tasks: usize, program: &Path, args: &[&str]) -> (bool, String) {
+    srun_with(cluster, &["--overcommit"], tasks, program, args)
+}
+
+/// `srun`, with `options` first.
+fn srun_with(
+    cluster: &Cluster,
+    options: &[&str],
+    tasks: usize,
+    program: &Path,
+    args: &[&str],
+) -> (bool, String) {
     let out = common::output_within(
         cluster
             .command("srun")
-            .args([
-                "--overcommit",
-                "-n",
-                &tasks.to_string(),
-                "--kill-on-bad-exit=0",
-            ])
+            .args(options)
+            .args(["-n", &tasks.to_string(), "--kill-on-bad-exit=0"])
             .arg(program)
             .args(args)
             .env("LD_LIBRARY_PATH", lib_dir())
@@ -182,6 +200,7 @@ fn srun(cluster: &Cluster, tasks: usize, program: &Path, args: &[&str]) -> (bool
 
 #[test]
 fn srun_starts_a_c_program_that_meets_with_nothing_set_by_hand() {
+    let _one = one_slurm();
     let cluster = match start_slurm() {
         Ok(c) => c,
         Err(why) => {
@@ -222,4 +241,35 @@ fn srun_starts_a_c_program_that_meets_with_nothing_set_by_hand() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn tasks_bound_to_cores_of_their_own_are_not_oversubscribed() {
+    // srun --cpu-bind=cores gives each task one core: the tasks have the
+    // host's cores together, and spin as tasks that are not bound do.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores < 2 {
+        println!("skipped: binding tasks to cores of their own needs 2 CPUs");
+        return;
+    }
+    let _one = one_slurm();
+    let cluster = match start_slurm() {
+        Ok(c) => c,
+        Err(why) => {
+            println!("skipped: no Slurm: {why}");
+            return;
+        }
+    };
+    let exe = cluster.dir.join("slurm_ranks");
+    common::compile_c("tests/c/slurm_ranks.c", &exe, &lib_dir());
+    let bound = ["--cpu-bind=verbose,cores", "--export=ALL,RDIST_DEBUG=INFO"];
+    let (ok, text) = srun_with(&cluster, &bound, 2, &exe, &["run"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("cpu-bind"), "srun did not bind: {text}");
+    let tuning: Vec<&str> = text.lines().filter(|l| l.contains("tuning: ")).collect();
+    assert_eq!(tuning.len(), 2, "{text}");
+    for line in tuning {
+        assert!(line.contains("2 ranks here on 2 cores"), "{line}\n{text}");
+        assert!(!line.contains("oversubscribed"), "{line}");
+    }
 }
