@@ -198,18 +198,27 @@ fn srun_with(
     (out.status.success(), text)
 }
 
-#[test]
-fn srun_starts_a_c_program_that_meets_with_nothing_set_by_hand() {
-    let _one = one_slurm();
+/// A Slurm of this test's own and the rank program compiled beside it;
+/// None (and a `skipped:` line) where Slurm cannot start.
+fn slurm_with_program() -> Option<(Cluster, PathBuf)> {
     let cluster = match start_slurm() {
         Ok(c) => c,
         Err(why) => {
             println!("skipped: no Slurm: {why}");
-            return;
+            return None;
         }
     };
     let exe = cluster.dir.join("slurm_ranks");
     common::compile_c("tests/c/slurm_ranks.c", &exe, &lib_dir());
+    Some((cluster, exe))
+}
+
+#[test]
+fn srun_starts_a_c_program_that_meets_with_nothing_set_by_hand() {
+    let _one = one_slurm();
+    let Some((cluster, exe)) = slurm_with_program() else {
+        return;
+    };
     let (ok, text) = srun(&cluster, 4, &exe, &["run"]);
     assert!(ok, "{text}");
     for r in 0..4 {
@@ -253,15 +262,9 @@ fn tasks_bound_to_cores_of_their_own_are_not_oversubscribed() {
         return;
     }
     let _one = one_slurm();
-    let cluster = match start_slurm() {
-        Ok(c) => c,
-        Err(why) => {
-            println!("skipped: no Slurm: {why}");
-            return;
-        }
+    let Some((cluster, exe)) = slurm_with_program() else {
+        return;
     };
-    let exe = cluster.dir.join("slurm_ranks");
-    common::compile_c("tests/c/slurm_ranks.c", &exe, &lib_dir());
     let bound = ["--cpu-bind=verbose,cores", "--export=ALL,RDIST_DEBUG=INFO"];
     let (ok, text) = srun_with(&cluster, &bound, 2, &exe, &["run"]);
     assert!(ok, "{text}");

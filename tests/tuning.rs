@@ -95,6 +95,15 @@ fn every_rank_chooses_from_rank_0s_profile_whatever_its_own_says() {
     assert!(out.contains("# out of bounds values : 0 OK"), "{out}");
 }
 
+/// The machine profiles cached in `dir`.
+fn profiles(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect()
+}
+
 #[test]
 fn a_machine_is_measured_once_and_its_profile_cached() {
     let dir = std::env::temp_dir().join(format!("rdist-tuning-cache-{}", std::process::id()));
@@ -104,11 +113,7 @@ fn a_machine_is_measured_once_and_its_profile_cached() {
         "exec \"$BENCH\" --op allreduce --min-bytes 8 --max-bytes 8 --reps 1 --seconds 0.01";
     let (ok, out) = launch(2, script, &[("RDIST_CACHE_DIR", cache)]);
     assert!(ok, "{out}");
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-        .collect();
+    let files = profiles(&dir);
     assert_eq!(files.len(), 1, "one profile per machine: {files:?}");
     let line = std::fs::read_to_string(&files[0]).unwrap();
     assert!(line.starts_with("machine4 cores="), "{line}");
@@ -198,11 +203,7 @@ fn ranks_bound_to_cores_of_their_own_spin_and_measure_the_whole_machine() {
     }
     // The profile, measured by a rank bound to one core, is the
     // machine's: its cores, and two of them passing bytes.
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-        .collect();
+    let files = profiles(&dir);
     assert_eq!(files.len(), 1, "{files:?}");
     let profile = std::fs::read_to_string(&files[0]).unwrap();
     assert!(
