@@ -14,6 +14,9 @@
 #                                          allreduce on device buffers through
 #                                          rdist and through NCCL called directly,
 #                                          one rank per GPU; every element checked
+#   bench   host buffers, GPU present      2 ranks, allreduce and exchange of 8 B-4
+#                                          KiB of host memory with the GPU visible
+#                                          and hidden: the driver's pointer query
 #   torch   tests/workers/torch_cuda.py    CUDA tensors through the "rdist" torch
 #                                          backend at 1 and 2 ranks: every call
 #                                          against a reference, in torch's stream
@@ -290,6 +293,31 @@ else
     last=$(tail -1 <<<"$rows")
     read -r size _ rd _ busbw nccl ratio _ <<<"$last"
     pass "$check" "$devices rank(s), $(wc -l <<<"$rows") sizes, all elements right; at $size B: rdist $rd us ($busbw GB/s busbw), NCCL $nccl us, nccl/rdist $ratio; ${secs} s"
+  fi
+fi
+
+# ---- host buffers with a GPU present: what telling host from device costs ----------------
+# With a CUDA device, every buffer's kind is asked of the driver
+# (cuPointerGetAttributes); with CUDA_VISIBLE_DEVICES empty rdist never
+# asks. Two ranks, small host messages, both ways, side by side.
+check="bench host buffers with a GPU present"
+if [ "$devices" -eq 0 ]; then
+  skip "$check" "no GPU: $gpu_reason"
+elif ! [ -x "$release/rdist-bench" ] || ! [ -x "$release/rdistrun" ]; then
+  skip "$check" "no release build in $release"
+else
+  host_bench() {
+    timeout 120 "$release/rdistrun" --nproc-per-node 2 "$release/rdist-bench" --op allreduce,exchange \
+      --min-bytes 8 --max-bytes 4K --factor 8 --seconds 0.1 --reps 5 2>&1 |
+      grep -v '#' | sed 's/^\[rank [0-9]*\] //' | awk 'NF >= 9 {print $1, $6}'
+  }
+  seen=$(host_bench) && hidden=$(CUDA_VISIBLE_DEVICES= host_bench)
+  echo "-- host buffers, 2 ranks (size us): with the GPU visible / hidden"
+  paste <(echo "$seen") <(echo "$hidden")
+  if [ -z "$seen" ] || [ -z "$hidden" ]; then
+    fail "$check" "rdist-bench gave no rows"
+  else
+    pass "$check" "us with the GPU visible / hidden: $(paste -d/ <(awk '{print $2}' <<<"$seen") <(awk '{print $2}' <<<"$hidden") | head -4 | tr '\n' ' ')"
   fi
 fi
 
