@@ -168,9 +168,23 @@ fn ranks_that_run_one_call_by_different_algorithms_are_told_which() {
     );
 }
 
-/// CPUs online on this machine.
-fn online_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+/// The CPUs this process may run on (/proc/self/status's list).
+fn allowed_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let Some(list) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+    else {
+        return Vec::new();
+    };
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        if let (Ok(lo), Ok(hi)) = (lo.parse::<usize>(), hi.parse::<usize>()) {
+            cpus.extend(lo..=hi);
+        }
+    }
+    cpus
 }
 
 #[test]
@@ -179,10 +193,11 @@ fn ranks_bound_to_cores_of_their_own_spin_and_measure_the_whole_machine() {
     // mpirun --bind-to core) leaves each rank one CPU: the host's ranks
     // have two together, and are not oversubscribed; bound to one CPU
     // together, they are.
-    if online_cpus() < 2 {
-        println!("skipped: binding ranks to cores of their own needs 2 CPUs");
+    let cpus = allowed_cpus();
+    let [a, b, ..] = cpus[..] else {
+        println!("skipped: binding ranks to cores of their own needs 2 CPUs (have {cpus:?})");
         return;
-    }
+    };
     let dir = std::env::temp_dir().join(format!("rdist-tuning-bound-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let cache = dir.to_str().unwrap();
@@ -196,7 +211,7 @@ fn ranks_bound_to_cores_of_their_own_spin_and_measure_the_whole_machine() {
         assert_eq!(lines.len(), 2, "{out}");
         lines
     };
-    for line in run("$RANK") {
+    for line in run(&format!("$([ \"$RANK\" = 0 ] && echo {a} || echo {b})")) {
         assert!(line.contains("2 ranks here on 2 cores"), "{line}");
         assert!(!line.contains("oversubscribed"), "{line}");
         assert!(line.contains("spin before sleeping"), "{line}");
@@ -211,7 +226,7 @@ fn ranks_bound_to_cores_of_their_own_spin_and_measure_the_whole_machine() {
         "{profile}"
     );
     assert!(!profile.contains(" pass_mbs=0 "), "{profile}");
-    for line in run("0") {
+    for line in run(&a.to_string()) {
         assert!(line.contains("2 ranks here on 1 cores"), "{line}");
         assert!(line.contains("oversubscribed"), "{line}");
     }

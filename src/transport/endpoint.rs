@@ -361,6 +361,11 @@ impl Endpoint {
     /// it. On timeout the call is withdrawn (its buffer is no longer
     /// touched) and the error names it and what else is pending here.
     pub fn wait(&self, t: &Ticket) -> Result<Status> {
+        // Complete already (a look on another call's behalf took it): no
+        // look at the core, which another call may hold for long.
+        if let Some(r) = t.done.get() {
+            return r.map_err(|e| named(t, e));
+        }
         if let (Described::Recv(r), true) = (&t.call, self.shared.posts.has_deferred()) {
             return self.receive_deferred(t, r).map_err(|e| named(t, e));
         }
@@ -375,9 +380,10 @@ impl Endpoint {
         // untouched until it completes.
         match unsafe { self.look(r, Some(t.id)) } {
             Look::Taken(result) => {
-                // Taken back from its slot by this look: nothing else
-                // holds the call to complete it.
-                t.done.complete_alone(result.clone());
+                // Claimed, not just written: another thread waiting on the
+                // same request may time it out meanwhile (the first result
+                // stays).
+                t.done.complete(result.clone());
                 result
             }
             Look::Post(since) => {

@@ -19,6 +19,7 @@
 //! while they used much of it is measured again, at most every ten
 //! minutes and by one process, and the quieter measurement kept.
 
+pub(crate) mod cgroup;
 mod disturbance;
 mod swaps;
 
@@ -285,10 +286,10 @@ fn cached_or_measured(machine: &str) -> Option<Machine> {
 
 /// `cached_or_measured`, with the cache in `dir`.
 fn cached_or_measured_in(dir: &std::path::Path, machine: &str) -> Option<Machine> {
-    let cpus = machine_cpus();
+    let cpus = cgroup::machine_cpus();
     let cores = match cpus.len() {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+        n => n.min(cgroup::quota_cores().map_or(usize::MAX, |q| q as usize)),
     };
     let measure_watched = |cores| measure_watched_on(&cpus, cores);
     if !own_private_dir(dir) {
@@ -414,57 +415,30 @@ fn older_than(path: &std::path::Path, age: Duration) -> bool {
 
 /// `measure`, and how much of the machine others used meanwhile (per
 /// mille; 0 where the kernel does not say), on a thread that may run on
-/// `cpus` (the machine's: see `machine_cpus`), as the threads it starts
-/// may: a rank bound to one core still measures the machine, not that
-/// core (two cores passing bytes, all cores copying). Where the thread
-/// cannot start, on the caller.
+/// `cpus` (the machine's: see `cgroup::machine_cpus`), as the threads it
+/// starts may: a rank bound to one core still measures the machine, not
+/// that core (two cores passing bytes, all cores copying); `cores` at
+/// most, as many as the thread got. Where no thread can start, on the
+/// caller, within its own CPUs (its binding is the launcher's).
 fn measure_watched_on(cpus: &[usize], cores: usize) -> (Machine, u32) {
-    let on = cpus.to_vec();
-    let run = move || {
-        if !on.is_empty() {
-            allow_cpus(&on);
-        }
+    let watched = |cores: usize| {
         let watch = disturbance::Watch::start();
         let m = measure(cores);
         (m, watch.others_permille().unwrap_or(0))
     };
-    match spawn(run.clone()) {
+    let on = cpus.to_vec();
+    let widened = spawn(move || {
+        if !on.is_empty() {
+            allow_cpus(&on);
+        }
+        // The kernel keeps the thread inside the cgroup's cpuset.
+        let got = allowed_cpus().len();
+        watched(if got > 0 { cores.min(got) } else { cores })
+    });
+    match widened {
         Some(h) => h.join().unwrap_or((UNKNOWN, 0)),
-        None => run(),
+        None => watched(std::thread::available_parallelism().map_or(1, |n| n.get())),
     }
-}
-
-/// The CPUs of the machine that this process's threads may be placed on:
-/// its cgroup's cpuset (a container's share), else every online CPU;
-/// empty where neither can be read. A process bound to fewer (taskset, a
-/// launcher's binding) may still place a thread of its own on them.
-fn machine_cpus() -> Vec<usize> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|text| cpuset_of(&text, |path| std::fs::read_to_string(path).ok()))
-        .map(|list| cpu_list(list.trim()))
-        .filter(|cpus| !cpus.is_empty());
-    cgroup.unwrap_or_else(|| {
-        std::fs::read_to_string("/sys/devices/system/cpu/online")
-            .map(|list| cpu_list(list.trim()))
-            .unwrap_or_default()
-    })
-}
-
-/// The CPU list of the cpuset of the cgroup that `/proc/self/cgroup`'s
-/// `text` names, read with `read`: v2's ("0::/path"), else v1's
-/// ("N:cpuset:/path").
-fn cpuset_of(text: &str, read: impl Fn(&str) -> Option<String>) -> Option<String> {
-    let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
-    let v1 = text.lines().find_map(|l| Some(l.split_once(":cpuset:")?.1));
-    v2.and_then(|path| read(&format!("/sys/fs/cgroup{path}/cpuset.cpus.effective")))
-        .or_else(|| {
-            v1.and_then(|path| {
-                read(&format!(
-                    "/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus"
-                ))
-            })
-        })
 }
 
 /// Lets the calling thread (and the threads it starts) run on `cpus`;
@@ -1170,33 +1144,6 @@ fn tcp_mbs() -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn the_machines_cpus_are_its_cgroups_cpuset_v2_or_v1() {
-        let files = |want: &'static str, list: &'static str| {
-            move |path: &str| (path == want).then(|| list.to_string())
-        };
-        let v2 = "0::/user.slice/job\n";
-        assert_eq!(
-            super::cpuset_of(
-                v2,
-                files("/sys/fs/cgroup/user.slice/job/cpuset.cpus.effective", "0-3")
-            ),
-            Some("0-3".into())
-        );
-        let v1 = "4:memory:/x\n3:cpuset:/docker/abc\n0::/\n";
-        assert_eq!(
-            super::cpuset_of(
-                v1,
-                files(
-                    "/sys/fs/cgroup/cpuset/docker/abc/cpuset.effective_cpus",
-                    "2,5"
-                )
-            ),
-            Some("2,5".into())
-        );
-        assert_eq!(super::cpuset_of(v1, |_| None), None);
-        assert!(!super::machine_cpus().is_empty());
-    }
 
     use super::*;
 

@@ -29,6 +29,8 @@ pub(crate) struct HostCpus {
 /// A set with more ranges than this is published as unknown: the token
 /// stays short, and such masks are not what launchers make.
 const MOST_RANGES: usize = 64;
+/// The highest CPU number a token may name (Linux has at most 8192).
+const MOST_CPU: u32 = 65535;
 
 impl Cpus {
     /// This process's (None where the system does not say), looked up
@@ -53,12 +55,12 @@ impl Cpus {
         // SAFETY: CPU_ISSET reads the set filled above, within its size.
         let cpus = (0..max).filter(|c| unsafe { libc::CPU_ISSET(*c, &set) });
         let mut c = Cpus::from_cpus(cpus.map(|c| c as u32))?;
-        // The standard library counts the quota too: fewer than the mask
-        // means the quota is the bound.
+        // The cgroup's quota, whatever this rank's mask (ranks bound to a
+        // core each share it); else the standard library's count, which
+        // includes it: fewer than the mask means a quota is the bound.
         let usable = std::thread::available_parallelism().map_or(0, |n| n.get()) as u32;
-        if usable > 0 && usable < c.count() {
-            c.quota = Some(usable);
-        }
+        c.quota = crate::transport::machine::cgroup::quota_cores()
+            .or((usable > 0 && usable < c.count()).then_some(usable));
         Some(c)
     }
 
@@ -79,7 +81,12 @@ impl Cpus {
 
     /// How many CPUs.
     pub fn count(&self) -> u32 {
-        self.ranges.iter().map(|(lo, hi)| hi - lo + 1).sum()
+        let n: u64 = self
+            .ranges
+            .iter()
+            .map(|(lo, hi)| u64::from(hi - lo) + 1)
+            .sum();
+        n.min(u64::from(u32::MAX)) as u32
     }
 
     /// The token a rank publishes: a CPU list as sysfs writes one
@@ -118,7 +125,8 @@ impl Cpus {
                     (c, c)
                 }
             };
-            if lo > hi || ranges.last().is_some_and(|(_, prev)| lo <= prev + 1) {
+            // Sorted, apart, and CPU numbers a kernel can have.
+            if lo > hi || hi > MOST_CPU || ranges.last().is_some_and(|(_, prev)| lo <= prev + 1) {
                 return None;
             }
             ranges.push((lo, hi));
@@ -140,20 +148,20 @@ impl Cpus {
             quota = quota.min(set.quota.unwrap_or(u32::MAX));
         }
         all.sort_unstable();
-        let mut cpus = 0u32;
+        let mut cpus = 0u64;
         let mut upto: Option<u32> = None;
         for (lo, hi) in all {
             let from = match upto {
                 Some(u) if u >= hi => continue,
-                Some(u) if u >= lo => u + 1,
-                _ => lo,
+                Some(u) if u >= lo => u64::from(u) + 1,
+                _ => u64::from(lo),
             };
-            cpus += hi - from + 1;
+            cpus += u64::from(hi) + 1 - from;
             upto = Some(hi);
         }
         Some(HostCpus {
-            cpus: cpus.min(quota),
-            ranks: sets.len() as u32,
+            cpus: cpus.min(u64::from(quota)) as u32,
+            ranks: sets.len().min(u32::MAX as usize) as u32,
         })
     }
 }
@@ -172,7 +180,21 @@ mod tests {
             assert_eq!(Cpus::token(Some(&set(token))), token);
         }
         assert_eq!(Cpus::token(None), "-");
-        for bad in ["", "-", "3-1", "1,1", "0-3,2", "a", "0/0", "0/x", "1,,2"] {
+        for bad in [
+            "",
+            "-",
+            "3-1",
+            "1,1",
+            "0-3,2",
+            "a",
+            "0/0",
+            "0/x",
+            "1,,2",
+            "4294967295,5",
+            "4294967295,0",
+            "0-4294967295",
+            "65536",
+        ] {
             assert!(Cpus::from_token(bad).is_none(), "{bad}");
         }
         let c = Cpus::from_cpus([0, 1, 2, 5, 7, 8].into_iter()).unwrap();
@@ -196,6 +218,13 @@ mod tests {
         assert_eq!(host.unwrap().cpus, 12);
         let host = Cpus::together(&[Some(&set("0-15/3")), Some(&set("0-15/3"))]).unwrap();
         assert_eq!(host.cpus, 3);
+        // Ranks bound to a core each under one quota.
+        let host = Cpus::together(&[Some(&set("0/1")), Some(&set("1/1"))]).unwrap();
+        assert_eq!(host, HostCpus { cpus: 1, ranks: 2 });
+        let widest = set("0-65535");
+        assert_eq!(widest.count(), 65536);
+        let host = Cpus::together(&[Some(&widest), Some(&set("0-65535"))]).unwrap();
+        assert_eq!(host.cpus, 65536);
         assert_eq!(Cpus::together(&[Some(&set("0")), None]), None);
     }
 

@@ -128,21 +128,6 @@ impl Done {
         }
     }
 
-    /// `complete`, by the only thread that can complete it (a receive
-    /// its own wait took back from its slot): no claim to make.
-    pub fn complete_alone(&self, r: Result<Status>) {
-        debug_assert_eq!(self.state.load(Ordering::Relaxed), EMPTY);
-        // SAFETY: no other completer exists, and nobody reads before READY.
-        unsafe { (*self.result.get()).write(r) };
-        // As in `complete`: the swap orders publishing before the look
-        // for sleepers (another thread may wait on the same request).
-        self.state.swap(READY, Ordering::SeqCst);
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            let _held = lock(&self.sleep);
-            self.ready.notify_all();
-        }
-    }
-
     #[inline]
     pub fn is_finished(&self) -> bool {
         self.state.load(Ordering::Acquire) == READY

@@ -194,12 +194,12 @@ impl Deferred {
             })
     }
 
-    /// The post, for the holder of a claim.
-    #[allow(clippy::mut_from_ref)]
+    /// The post, for the holder of a claim (borrowed from the claim, so
+    /// one claim lends it once at a time).
     #[inline]
-    fn post(&self, _claim: &Claim<'_>) -> &mut Option<Post> {
+    fn post<'c>(claim: &'c mut Claim<'_>) -> &'c mut Option<Post> {
         // SAFETY: the claim makes this thread the only one touching it.
-        unsafe { &mut *self.post.get() }
+        unsafe { &mut *claim.slot.post.get() }
     }
 
     #[inline]
@@ -211,7 +211,7 @@ impl Deferred {
             return Some(post);
         };
         claim.back_to = post.id();
-        *self.post(&claim) = Some(post);
+        *Deferred::post(&mut claim) = Some(post);
         None
     }
 
@@ -226,28 +226,32 @@ impl Deferred {
             return Some((result, None));
         }
         claim.back_to = EMPTY;
-        Some((result, self.post(&claim).take()))
+        Some((result, Deferred::post(&mut claim).take()))
     }
 
     /// Takes the deferred receive out, waiting while another thread holds
-    /// the slot (briefly: a put, or its owner's look at one connection).
+    /// the slot: a put, or its owner's look at one connection (which may
+    /// report a failure to the peers first: up to a fraction of a second,
+    /// slept through after a short spin).
     fn take(&self) -> Option<Post> {
         let mut passes = 0u32;
         loop {
             match self.state.load(Ordering::Acquire) {
                 EMPTY => return None,
                 BUSY => {
-                    passes = passes.wrapping_add(1);
+                    passes = passes.saturating_add(1);
                     if passes < 64 {
                         std::hint::spin_loop();
-                    } else {
+                    } else if passes < 128 {
                         std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
                     }
                 }
                 id => {
                     if let Some(mut claim) = self.claim(id) {
                         claim.back_to = EMPTY;
-                        return self.post(&claim).take();
+                        return Deferred::post(&mut claim).take();
                     }
                 }
             }
