@@ -501,6 +501,22 @@ fn stub_stall_stream() -> unsafe extern "C" fn(*mut std::ffi::c_void, i32) {
     }
 }
 
+/// The doubles' count of pointer queries answered so far.
+fn stub_pointer_queries() -> u64 {
+    // SAFETY: as in `stub_stall_stream`; the symbol takes nothing and
+    // returns an unsigned long.
+    unsafe {
+        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!lib.is_null(), "the CUDA doubles are not loaded");
+        let f = libc::dlsym(lib, c"rdist_stub_pointer_queries".as_ptr());
+        assert!(!f.is_null(), "rdist_stub_pointer_queries is missing");
+        let f = std::mem::transmute::<*mut std::ffi::c_void, unsafe extern "C" fn() -> libc::c_ulong>(
+            f,
+        );
+        f() as u64
+    }
+}
+
 /// A one-rank NCCL communicator on device 0 (made current), with
 /// `timeout_ms` when given.
 fn nccl_world_of_one(timeout_ms: Option<&str>) -> Comm {
@@ -718,6 +734,52 @@ fn worker_process() {
                     comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
                     assert!(v.iter().all(|x| *x == 3));
                 },
+            );
+            println!("DONE");
+        }
+        // Host buffers on the stack and in the brk heap: told apart with
+        // no pointer query; a device buffer still asks.
+        "host_without_query" => {
+            // SAFETY: reads the break.
+            let heap_end = unsafe { libc::sbrk(0) } as usize;
+            common::world(
+                2,
+                options(&[("backend", "socket")]),
+                Duration::from_secs(50),
+                move |comm| {
+                    let before = stub_pointer_queries();
+                    for _ in 0..100 {
+                        let mut v = [comm.rank() as i32 + 1; 16];
+                        comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                        assert!(v.iter().all(|x| *x == 3));
+                    }
+                    // The heap's last bytes, as a send's buffer.
+                    let byte = (heap_end - 1) as *const u8;
+                    let peer = 1 - comm.rank();
+                    let mut got = [0u8; 1];
+                    // SAFETY: the last byte of the brk heap is mapped
+                    // (malloc's); it is only read.
+                    let last = unsafe { std::slice::from_raw_parts(byte, 1) };
+                    if comm.rank() == 0 {
+                        comm.send(last, peer).unwrap();
+                        comm.recv(&mut got, peer).unwrap();
+                    } else {
+                        comm.recv(&mut got, peer).unwrap();
+                        comm.send(last, peer).unwrap();
+                    }
+                    let queries = stub_pointer_queries() - before;
+                    println!("rank {}: {queries} pointer queries", comm.rank());
+                },
+            );
+            let comm = nccl_world_of_one(None);
+            let buf = device::Buffer::new(&encode_all(DType::Float32, [1, 2, 3]));
+            let before = stub_pointer_queries();
+            // SAFETY: the buffer outlives the stream's work (synchronised below).
+            unsafe { comm.run_on(in_place_sum(&buf, 3), Stream(device::stream())) }.unwrap();
+            device::sync(device::stream());
+            println!(
+                "device buffer: {} pointer queries",
+                stub_pointer_queries() - before
             );
             println!("DONE");
         }
@@ -1223,6 +1285,26 @@ fn host_buffers_are_told_apart_on_a_thread_with_no_context() {
     let env = [("RDIST_STUB_POINTER_NEEDS_CONTEXT", "1")];
     let (out, _) = run_role("host_without_context", &env, true);
     assert!(stdout(&out).contains("DONE"), "{}", stderr(&out));
+}
+
+#[test]
+fn host_buffers_on_the_stack_and_the_heap_ask_the_driver_nothing() {
+    // With a device present, every buffer's kind was asked of the driver
+    // (a query per buffer, per call); a stack or brk-heap address never
+    // holds device memory.
+    let (out, _) = run_role("host_without_query", &[], true);
+    let text = stdout(&out);
+    assert!(text.contains("DONE"), "{text}\n{}", stderr(&out));
+    for r in 0..2 {
+        assert!(
+            text.contains(&format!("rank {r}: 0 pointer queries")),
+            "{text}"
+        );
+    }
+    assert!(
+        !text.contains("device buffer: 0 pointer queries") && text.contains("device buffer: "),
+        "a device buffer is asked about: {text}"
+    );
 }
 
 #[test]

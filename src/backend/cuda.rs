@@ -153,7 +153,9 @@ impl Cuda {
     /// driver cannot say: guessing "host" would have the CPU touch
     /// device memory.
     pub fn memory(&self, addr: usize) -> Result<Memory> {
-        if addr == 0 {
+        // No device memory is ever there: no driver call (it costs every
+        // call with a GPU present, host buffers included).
+        if addr == 0 || super::host_memory::surely_host(addr) {
             return Ok(Memory::Host);
         }
         let mut attrs = [

@@ -5,11 +5,12 @@
 //! device buffers NCCL cannot take. `messages` posts tagged messages on
 //! host memory to the transport's endpoint. Every call of either kind is
 //! numbered and traced in the `ledger`. `cuda` is the driver, loaded at
-//! run time.
+//! run time; `host_memory` knows some host buffers without asking it.
 
 pub(crate) mod board;
 pub mod cuda;
 pub(crate) mod engine;
+pub(crate) mod host_memory;
 pub(crate) mod ledger;
 pub(crate) mod messages;
 pub mod nccl;

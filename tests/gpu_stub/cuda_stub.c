@@ -936,8 +936,18 @@ static CUresult pointer_query_context(void)
     return r;
 }
 
+/* Pointer queries answered so far (a test checks which buffers rdist
+ * tells apart without asking). */
+static unsigned long g_pointer_queries;
+
+EXPORT unsigned long rdist_stub_pointer_queries(void)
+{
+    return __atomic_load_n(&g_pointer_queries, __ATOMIC_RELAXED);
+}
+
 EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr)
 {
+    __atomic_add_fetch(&g_pointer_queries, 1, __ATOMIC_RELAXED);
     REQUIRE_INIT();
     CUresult needs = pointer_query_context();
     if (needs)
@@ -951,6 +961,7 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr
 
 EXPORT CUresult cuPointerGetAttributes(unsigned num, int *attributes, void **data, CUdeviceptr ptr)
 {
+    __atomic_add_fetch(&g_pointer_queries, 1, __ATOMIC_RELAXED);
     REQUIRE_INIT();
     if (num == 0 || !attributes || !data)
         return CUDA_ERROR_INVALID_VALUE;
