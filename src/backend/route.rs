@@ -29,12 +29,19 @@ pub(crate) fn route(
     let mut device: Vec<(RawBuf, bool, usize, Stream)> = Vec::new();
     let mut host = 0usize;
     let mut places = Vec::new();
+    // An in-place call names its buffer twice: the driver is asked once.
+    let mut last: Option<(usize, Memory)> = None;
     for (call, &stream) in calls.iter().zip(streams) {
         for (buf, read) in call.buffers() {
             if buf.is_empty() {
                 continue;
             }
-            match cuda.memory(buf.addr())? {
+            let memory = match last {
+                Some((addr, m)) if addr == buf.addr() => m,
+                _ => cuda.memory(buf.addr())?,
+            };
+            last = Some((buf.addr(), memory));
+            match memory {
                 Memory::Host => host += 1,
                 Memory::Device { ordinal, context } => {
                     device.push((buf, read, context, stream));
