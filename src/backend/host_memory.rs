@@ -1,29 +1,51 @@
 //! Addresses that are host memory whatever the CUDA driver would say: the
-//! brk heap (where malloc keeps small allocations) and the calling
-//! thread's stack. The driver never maps device memory there, and asking
-//! it (`cuPointerGetAttributes`) costs every call a buffer's kind is
-//! needed for, on every machine with a GPU, host buffers included.
+//! brk heap (where malloc keeps the main thread's small allocations) and
+//! the live part of the calling thread's stack. The driver maps device
+//! memory into neither (both are single mappings of their own, and a
+//! caller's buffer on its stack lies between the stack pointer and the
+//! stack's top), and asking it (`cuPointerGetAttributes`) costs every call
+//! a buffer's kind is needed for, on every machine with a GPU, host
+//! buffers included. Anything else is still asked.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// Whether `addr` is in the brk heap or in the calling thread's stack.
+/// Whether `addr` is in the brk heap or in the calling thread's live stack.
 #[inline]
 pub(crate) fn surely_host(addr: usize) -> bool {
-    in_heap(addr) || in_own_stack(addr)
+    in_heap(addr) || in_live_stack(addr)
 }
 
 /// Whether `addr` lies in the brk heap as it is now.
 #[inline]
 fn in_heap(addr: usize) -> bool {
-    static START: OnceLock<usize> = OnceLock::new();
-    let start = *START.get_or_init(heap_start);
-    // SAFETY: sbrk(0) only reads the current break (no change).
-    start != 0 && addr >= start && addr < unsafe { libc::sbrk(0) } as usize
+    let Some((start, brk)) = heap() else {
+        return false;
+    };
+    // SAFETY: glibc's current break, an aligned word it keeps; read,
+    // never written (sbrk(0) may write it, racing a first malloc
+    // elsewhere).
+    let end = unsafe { (*brk).load(Ordering::Relaxed) };
+    addr >= start && addr < end
 }
 
-/// Where the brk heap starts (`start_brk`, field 47 of /proc/self/stat;
-/// 0 where it cannot be read: no fast path then).
+/// Where the brk heap starts (`start_brk`, field 47 of /proc/self/stat)
+/// and glibc's word holding the current break (`__curbrk`); None where
+/// either is missing (another C library: no heap fast path then).
+fn heap() -> Option<(usize, *const AtomicUsize)> {
+    static HEAP: OnceLock<Option<(usize, usize)>> = OnceLock::new();
+    let h = HEAP.get_or_init(|| {
+        // SAFETY: looks a data symbol up in the loaded objects.
+        let brk = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__curbrk".as_ptr()) };
+        let aligned = brk as usize % std::mem::align_of::<AtomicUsize>() == 0;
+        (!brk.is_null() && aligned).then(|| (heap_start(), brk as usize))
+    });
+    h.filter(|(start, _)| *start != 0)
+        .map(|(start, brk)| (start, brk as *const AtomicUsize))
+}
+
+/// `start_brk` from /proc/self/stat (0 where it cannot be read).
 fn heap_start() -> usize {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return 0;
@@ -45,9 +67,13 @@ thread_local! {
     static STACK: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
 }
 
-/// Whether `addr` lies in the calling thread's stack.
+/// Whether `addr` lies between the calling thread's stack pointer and its
+/// stack's top: the main thread's reported range reaches down to the next
+/// mapping (or further, with an unlimited stack limit), where later
+/// mappings may land; the part in use is the stack's own.
 #[inline]
-fn in_own_stack(addr: usize) -> bool {
+fn in_live_stack(addr: usize) -> bool {
+    let sp = stack_pointer();
     STACK
         .try_with(|s| {
             let (low, high) = s.get().unwrap_or_else(|| {
@@ -55,9 +81,18 @@ fn in_own_stack(addr: usize) -> bool {
                 s.set(Some(bounds));
                 bounds
             });
-            addr >= low && addr < high
+            // Off the thread's stack (a signal stack, a fiber): not known.
+            low <= sp && sp < high && addr >= sp && addr < high
         })
         .unwrap_or(false)
+}
+
+/// About where the stack pointer is: a local of a frame of its own, below
+/// every caller's.
+#[inline(never)]
+fn stack_pointer() -> usize {
+    let here = 0u8;
+    std::hint::black_box(&here) as *const u8 as usize
 }
 
 /// The calling thread's stack as pthread reports it.
@@ -76,7 +111,7 @@ fn own_stack() -> (usize, usize) {
         if rc != 0 || base.is_null() {
             return (0, 0);
         }
-        (base as usize, base as usize + size)
+        (base as usize, (base as usize).saturating_add(size))
     }
 }
 
@@ -85,19 +120,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn small_allocations_and_locals_are_host_and_a_fresh_mapping_is_not_known() {
+    fn locals_and_the_heap_are_host_and_a_fresh_mapping_is_not_known() {
         let local = [0u8; 64];
         assert!(surely_host(local.as_ptr() as usize), "a local");
-        // The heap's first and last bytes (a test runs on a thread of its
-        // own, whose allocations come from another arena of malloc's).
-        let start = heap_start();
-        // SAFETY: reads the break.
-        let end = unsafe { libc::sbrk(0) } as usize;
-        assert!(start != 0 && start <= end, "{start:#x} {end:#x}");
-        if start < end {
-            assert!(surely_host(start) && surely_host(end - 1));
+        // Below the stack pointer: not the live stack.
+        assert!(!in_live_stack(stack_pointer() - 4096));
+        // The heap's first byte, where glibc's break is known (a test
+        // runs on a thread of its own, whose allocations come from another
+        // arena of malloc's, so the heap is not this test's to size).
+        if let Some((start, _)) = heap() {
+            assert!(surely_host(start));
         }
-        assert!(!in_heap(end));
         // A fresh anonymous mapping is neither: the driver is asked.
         // SAFETY: a plain anonymous mapping, unmapped below.
         let p = unsafe {
@@ -122,7 +155,7 @@ mod tests {
         .join()
         .unwrap();
         assert!(theirs.1, "a local of that thread, seen from it");
-        assert!(!in_own_stack(theirs.0), "seen from this one");
+        assert!(!in_live_stack(theirs.0), "seen from this one");
         assert!(!surely_host(0));
     }
 }
