@@ -38,7 +38,7 @@ fn heap() -> Option<(usize, *const AtomicUsize)> {
     let h = HEAP.get_or_init(|| {
         // SAFETY: looks a data symbol up in the loaded objects.
         let brk = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__curbrk".as_ptr()) };
-        let aligned = brk as usize % std::mem::align_of::<AtomicUsize>() == 0;
+        let aligned = (brk as usize).is_multiple_of(std::mem::align_of::<AtomicUsize>());
         (!brk.is_null() && aligned).then(|| (heap_start(), brk as usize))
     });
     h.filter(|(start, _)| *start != 0)
