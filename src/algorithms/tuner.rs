@@ -345,9 +345,11 @@ pub fn plan(i: &Inputs) -> Plan {
         )
     } else if memory_bound {
         format!(
-            "{} ranks here copying {:.1} GB/s each would ask {:.1} GB/s of a memory system that gives \
-             {:.1} GB/s: memory-bound, so shared-memory payloads from {} that are not reduced go single copy",
+            "{} ranks here on {} cores, waiting ranks spinning before they sleep, copying {:.1} GB/s each \
+             would ask {:.1} GB/s of a memory system that gives {:.1} GB/s: memory-bound, so \
+             shared-memory payloads from {} that are not reduced go single copy",
             i.host_ranks,
+            i.cores,
             f64::from(here.copy_one_mbs) / 1000.0,
             demand as f64 / 1000.0,
             f64::from(here.copy_all_mbs) / 1000.0,
