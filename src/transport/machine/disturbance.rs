@@ -39,25 +39,17 @@ fn others_permille(a: &Times, b: &Times) -> Option<u32> {
 
 fn times() -> Option<Times> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let (busy, total) = ticks_of(&stat, usable_cpus().as_deref())?;
+    let (busy, total) = ticks_of(
+        &stat,
+        Some(super::allowed_cpus())
+            .filter(|c| !c.is_empty())
+            .as_deref(),
+    )?;
     Some(Times {
         busy,
         total,
         own: own_ticks()?,
     })
-}
-
-/// The CPUs this process may run on (None: every CPU).
-fn usable_cpus() -> Option<Vec<usize>> {
-    // SAFETY: sched_getaffinity fills the set it is given; CPU_ISSET reads it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return None;
-        }
-        let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-        Some((0..max).filter(|&c| libc::CPU_ISSET(c, &set)).collect())
-    }
 }
 
 /// Busy and total ticks of the CPUs in `cpus` (None: all, the first

@@ -1003,8 +1003,9 @@ fn cpu_list(s: &str) -> Vec<usize> {
     out
 }
 
-/// The cores this process may run on.
-fn allowed_cpus() -> Vec<usize> {
+/// The CPUs the calling thread may run on (empty where the system does
+/// not say).
+pub(crate) fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
     // writes at most its size.
     unsafe {

@@ -42,19 +42,8 @@ impl Cpus {
     }
 
     fn look_up() -> Option<Cpus> {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
-        // writes at most its size.
-        let set = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-                return None;
-            }
-            set
-        };
-        let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: CPU_ISSET reads the set filled above, within its size.
-        let cpus = (0..max).filter(|c| unsafe { libc::CPU_ISSET(*c, &set) });
-        let mut c = Cpus::from_cpus(cpus.map(|c| c as u32))?;
+        let cpus = crate::transport::machine::allowed_cpus();
+        let mut c = Cpus::from_cpus(cpus.into_iter().map(|c| c as u32))?;
         // The cgroup's quota, whatever this rank's mask (ranks bound to a
         // core each share it); else the standard library's count, which
         // includes it: fewer than the mask means a quota is the bound.
