@@ -4,9 +4,11 @@
 # namespace of its own (nothing is added to the machine's own network).
 # Needs root (ip, tc).
 #
-#   scripts/cluster.sh up N [--rate R] [--burst B] [--delay D] [--loss L] [--name NAME]
+#   scripts/cluster.sh up N [--rate R] [--burst B] [--delay D] [--loss L] [--cc CC] [--name NAME]
 #       makes hosts NAME-h0 .. NAME-h<N-1>; --rate shapes each host's
 #       link both ways (tc tbf, e.g. 1gbit; --burst, default 256kb);
+#       --cc sets the hosts' TCP congestion control (e.g. cubic, bbr;
+#       default: the machine's, which a namespace inherits);
 #       --delay D (e.g. 20ms, one way) and --loss L (e.g. 1%) impair every
 #       packet between hosts: netem where the kernel has it, otherwise
 #       iptables and scripts/link_delay.py (this says which)
@@ -118,10 +120,11 @@ case "$cmd" in
   up)
     n=${1:-}; [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "up needs a host count (1..200)"
     shift
-    rate="" burst=256kb delay="" loss=""
+    rate="" burst=256kb delay="" loss="" cc=""
     while [ $# -gt 0 ]; do
       case "$1" in
         --rate) rate=$2; shift 2 ;;
+        --cc) cc=$2; shift 2 ;;
         --burst) burst=$2; shift 2 ;;
         --delay) delay=$2; shift 2 ;;
         --loss) loss=$2; shift 2 ;;
@@ -130,6 +133,11 @@ case "$cmd" in
       esac
     done
     [ -z "$(hosts)" ] || die "a cluster named $name exists (cluster.sh down --name $name)"
+    if [ -n "$cc" ] && ! grep -qw -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control; then
+      modprobe "tcp_$cc" 2>/dev/null || true
+      grep -qw -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control ||
+        die "--cc $cc: this kernel offers $(cat /proc/sys/net/ipv4/tcp_available_congestion_control)"
+    fi
     # Half a cluster is no cluster: undo it on any failure.
     trap 'bash "$0" down --name "$name"; echo "cluster.sh: up failed; removed what was made" >&2' ERR
     sw="${name}-sw"
@@ -141,6 +149,9 @@ case "$cmd" in
       h="${name}-h$k"
       ip netns add "$h"
       ip -n "$h" link set lo up
+      if [ -n "$cc" ]; then
+        ip netns exec "$h" sysctl -qw net.ipv4.tcp_congestion_control="$cc"
+      fi
       # The veth is made in the host's namespace, its peer moved to the
       # switch (retried: namespaces made at the same moment by another
       # cluster can make the peer's reference briefly invalid).
@@ -162,7 +173,7 @@ case "$cmd" in
         impair "$h"
       fi
     done
-    echo "cluster $name: $n hosts, $(subnet).10-$(( 9 + n ))${rate:+, links $rate}"
+    echo "cluster $name: $n hosts, $(subnet).10-$(( 9 + n ))${rate:+, links $rate}, TCP $(ip netns exec "${name}-h0" cat /proc/sys/net/ipv4/tcp_congestion_control)"
     ;;
   run)
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do

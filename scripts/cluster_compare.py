@@ -224,6 +224,8 @@ def main():
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--rate", default="1gbit")
+    p.add_argument("--cc", default="",
+                   help="the hosts' TCP congestion control (cubic, bbr, ...; default: this machine's)")
     p.add_argument("--sizes", default=f"{4 * MiB},{64 * MiB}",
                    help="allreduce, broadcast and allgather sizes ('' for none)")
     p.add_argument("--p2p-sizes", default="",
@@ -250,12 +252,18 @@ def main():
     a.outdir = os.path.abspath(a.outdir)
     name = f"rdcmp{os.getpid() % 10000}"
     n = a.hosts * a.per_host
-    up = cluster("up", str(a.hosts), "--rate", a.rate, "--name", name, check=False)
+    up = cluster("up", str(a.hosts), "--rate", a.rate, *(("--cc", a.cc) if a.cc else ()),
+                 "--name", name, check=False)
     if up.returncode != 0:
         raise SystemExit(f"cluster_compare: cluster.sh up failed: {up.stderr.strip()}")
     records, meta = [], {"hosts": a.hosts, "per_host": a.per_host, "rate": a.rate,
                          "date": datetime.date.today().isoformat(), "peers": {}}
     try:
+        # What TCP's congestion control is decides the tails across hosts
+        # (BBR and cubic differ on shaped links): every table says which.
+        meta["tcp_congestion_control"] = sh(
+            "ip", "netns", "exec", f"{name}-h0", "cat", "/proc/sys/net/ipv4/tcp_congestion_control",
+            check=False).stdout.strip() or "unknown"
         nominal = rate_bytes(a.rate)
         goodput = tcp_goodput(name)
         meta["link_nominal_Bps"], meta["link_tcp_Bps"] = nominal, goodput
@@ -300,6 +308,7 @@ def table(records, meta, a, n):
     lines = [
         f"### {a.hosts} hosts x {a.per_host} ranks, links {a.rate} ({meta['date']})",
         "",
+        f"TCP congestion control: {meta.get('tcp_congestion_control', 'unknown')}. "
         f"Link: nominal {meta['link_nominal_Bps'] / 1e9:.4f} GB/s; one bulk TCP stream "
         f"{meta['link_tcp_Bps'] / 1e9:.4f} GB/s. busbw in GB/s; in brackets, the fraction of "
         "the link-bound busbw (nominal / TCP stream). Barrier in ms; ping-pong (half the round "

@@ -12,9 +12,10 @@
 # two launches each, far apart in time, the better kept: a VM's speed can
 # change for minutes at a time; ~20 min more), as a second table.
 #   QUICK=1 scripts/compare.sh   smoke run (~2 min)
-#   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit]
+#   scripts/compare.sh --cluster [--hosts 3] [--per-host 2] [--rate 1gbit] [--cc cubic]
 #       across hosts instead: a namespace cluster (scripts/cluster.sh, root)
-#       with shaped links; rdist, Gloo, Open MPI and MPICH native workers
+#       with shaped links (--cc: the hosts' TCP congestion control; by
+#       default this machine's, which every table names); rdist, Gloo, Open MPI and MPICH native workers
 #       and torch's gloo under torchrun per host (scripts/cluster_compare.py);
 #       writes build/compare/cluster-<date>.* (~6 min for 3 hosts)
 #   scripts/compare.sh --cluster --hosts 2 --per-host 1 --rate 10gbit --sizes '' \
