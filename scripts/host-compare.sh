@@ -17,7 +17,8 @@
 # then the large cells again with data just made (a second table;
 # HOST_COMPARE_FRESH=0 skips it).
 # Writes build/host-compare/: tuning.txt (the tuning model's inputs and
-# choices), memory-model.txt (64 MiB allreduce against the model),
+# choices), core-trips.txt (a cache line's trip between CPU pairs),
+# memory-model.txt (64 MiB allreduce against the model),
 # results-<date>.{json,md} (every number) and
 # performance.md (each cell's ratio to torch gloo, as scripts/compare.sh
 # writes docs/performance.md), busbw.png when matplotlib is there.
@@ -74,6 +75,23 @@ for w in ${worlds//,/ }; do
   rm -f "$out"/tuning-*.log
 done
 cat "$out/tuning.txt"
+# The cache-line trip from the first allowed CPU to each other one, into
+# core-trips.txt: on a host whose cores are not all equally near (other
+# sockets, other core complexes), the shared-memory rings slow down far
+# more between far cores than reading the peer's memory does (on this
+# project's EPYC VM, 10x against 1.1x when its two vCPUs move apart), so
+# the tuner's ring or single-copy choice, made from one pair's figures,
+# may be wrong for ranks placed far apart.
+: > "$out/core-trips.txt"
+if [ -x "$bundle/bench/core_trip" ] && command -v taskset >/dev/null; then
+  allowed=$("$py" -c 'import os; print(" ".join(map(str, sorted(os.sched_getaffinity(0)))))')
+  first=${allowed%% *}
+  for c in ${allowed#* }; do
+    [ "$c" = "$first" ] && continue
+    echo "cpu $first - cpu $c: $(timeout 20 taskset -c "$first,$c" "$bundle/bench/core_trip" 2>/dev/null | tail -1) ns" >> "$out/core-trips.txt"
+  done
+  echo "cache-line trip from cpu $first, ns: $(awk '{print $(NF-1)}' "$out/core-trips.txt" | sort -n | awk '{a[NR]=$1} END {if (NR) print "min", a[1], "median", a[int((NR+1)/2)], "max", a[NR], "over", NR, "cpus"}')"
+fi
 # 64 MiB allreduce on shared memory against the memory-bandwidth model
 # (rdist-bench prints the model under its table), per world, into
 # memory-model.txt.
