@@ -133,10 +133,15 @@ case "$cmd" in
       esac
     done
     [ -z "$(hosts)" ] || die "a cluster named $name exists (cluster.sh down --name $name)"
-    if [ -n "$cc" ] && ! grep -qw -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control; then
-      modprobe "tcp_$cc" 2>/dev/null || true
-      grep -qw -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control ||
-        die "--cc $cc: this kernel offers $(cat /proc/sys/net/ipv4/tcp_available_congestion_control)"
+    if [ -n "$cc" ]; then
+      if ! grep -qwF -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control; then
+        modprobe "tcp_$cc" 2>/dev/null || true
+        grep -qwF -- "$cc" /proc/sys/net/ipv4/tcp_available_congestion_control ||
+          die "--cc $cc: this kernel offers $(cat /proc/sys/net/ipv4/tcp_available_congestion_control)"
+      fi
+      # A namespace may only pick what the machine allows.
+      grep -qwF -- "$cc" /proc/sys/net/ipv4/tcp_allowed_congestion_control ||
+        die "--cc $cc: not in net.ipv4.tcp_allowed_congestion_control ($(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control)); add it there first"
     fi
     # Half a cluster is no cluster: undo it on any failure.
     trap 'bash "$0" down --name "$name"; echo "cluster.sh: up failed; removed what was made" >&2' ERR

@@ -77,20 +77,27 @@ done
 cat "$out/tuning.txt"
 # The cache-line trip from the first allowed CPU to each other one, into
 # core-trips.txt: on a host whose cores are not all equally near (other
-# sockets, other core complexes), the shared-memory rings slow down far
-# more between far cores than reading the peer's memory does (on this
-# project's EPYC VM, 10x against 1.1x when its two vCPUs move apart), so
-# the tuner's ring or single-copy choice, made from one pair's figures,
-# may be wrong for ranks placed far apart.
+# sockets, other core complexes), the shared-memory rings can slow down
+# far more between far cores than reading the peer's memory does (on
+# this project's EPYC VM, point-to-point up to 15x against about 1x when
+# its two vCPUs move apart; a 1 MiB allreduce 4-6x whichever path), so
+# the tuner's choice, made from one pair's figures, may be wrong for
+# ranks placed far apart.
 : > "$out/core-trips.txt"
 if [ -x "$bundle/bench/core_trip" ] && command -v taskset >/dev/null; then
   allowed=$("$py" -c 'import os; print(" ".join(map(str, sorted(os.sched_getaffinity(0)))))')
   first=${allowed%% *}
-  for c in ${allowed#* }; do
+  for c in $allowed; do
     [ "$c" = "$first" ] && continue
-    echo "cpu $first - cpu $c: $(timeout 20 taskset -c "$first,$c" "$bundle/bench/core_trip" 2>/dev/null | tail -1) ns" >> "$out/core-trips.txt"
+    t=$(timeout 20 taskset -c "$first,$c" "$bundle/bench/core_trip" 2>/dev/null | tail -1 || true)
+    if [[ $t =~ ^[0-9]+(\.[0-9]+)?$ ]]; then t="$t ns"; else t=failed; fi
+    echo "cpu $first - cpu $c: $t" >> "$out/core-trips.txt"
   done
-  echo "cache-line trip from cpu $first, ns: $(awk '{print $(NF-1)}' "$out/core-trips.txt" | sort -n | awk '{a[NR]=$1} END {if (NR) print "min", a[1], "median", a[int((NR+1)/2)], "max", a[NR], "over", NR, "cpus"}')"
+  summary=$(awk '$(NF-1) ~ /^[0-9.]+$/ {print $(NF-1)}' "$out/core-trips.txt" | sort -n |
+    awk '{a[NR]=$1} END {if (NR) print "min", a[1], "median", a[int((NR+1)/2)], "max", a[NR], "over", NR, "cpus"}')
+  echo "cache-line trip from cpu $first, ns: ${summary:-none measured (one CPU, or core_trip failed)}"
+else
+  echo "skipped: core trips (no core_trip in the bundle, or no taskset)" | tee "$out/core-trips.txt"
 fi
 # 64 MiB allreduce on shared memory against the memory-bandwidth model
 # (rdist-bench prints the model under its table), per world, into
