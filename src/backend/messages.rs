@@ -20,11 +20,19 @@ pub(crate) struct Messages {
 /// A posted tagged call.
 pub struct Posted {
     ticket: Ticket,
-    /// Its number in the ledger, and what the trace records.
+    /// What the trace records of it, when tracing: boxed, so that the
+    /// request a small message makes stays small (it is moved through
+    /// every layer, and into its handle).
+    traced: Option<Box<Traced>>,
+}
+
+/// A posted call as the trace records it.
+struct Traced {
+    /// Its number in the ledger.
     seq: u64,
     name: &'static str,
     bytes: usize,
-    started: Option<Instant>,
+    started: Instant,
     recorded: AtomicBool,
 }
 
@@ -44,19 +52,16 @@ impl Messages {
     ) -> Posted {
         // Numbered for the trace, which is the only reader of the number
         // (an atomic add a call saved otherwise).
-        let tracing = self.ledger.tracing();
-        Posted {
-            ticket,
-            seq: if tracing {
-                self.ledger.next_tagged()
-            } else {
-                0
-            },
-            name,
-            bytes,
-            started: tracing.then(|| since.unwrap_or_else(Instant::now)),
-            recorded: AtomicBool::new(false),
-        }
+        let traced = self.ledger.tracing().then(|| {
+            Box::new(Traced {
+                seq: self.ledger.next_tagged(),
+                name,
+                bytes,
+                started: since.unwrap_or_else(Instant::now),
+                recorded: AtomicBool::new(false),
+            })
+        });
+        Posted { ticket, traced }
     }
 
     /// Posts a send; it starts at once. `blocking`: the caller waits for
@@ -153,15 +158,18 @@ impl Messages {
 
     /// Whether posted call `p` completed, and is traced if it is to be.
     pub(crate) fn settled(&self, p: &Posted) -> bool {
-        p.ticket.done.is_finished() && (p.started.is_none() || p.recorded.load(Ordering::Relaxed))
+        p.ticket.done.is_finished()
+            && p.traced
+                .as_ref()
+                .is_none_or(|t| t.recorded.load(Ordering::Relaxed))
     }
 
     /// Records a completed call in the trace, once.
     fn note(&self, p: &Posted, ok: bool) {
-        if let Some(started) = p.started {
-            if !p.recorded.swap(true, Ordering::Relaxed) {
+        if let Some(t) = &p.traced {
+            if !t.recorded.swap(true, Ordering::Relaxed) {
                 self.ledger
-                    .record_tagged(p.name, p.seq, p.bytes, started, ok);
+                    .record_tagged(t.name, t.seq, t.bytes, t.started, ok);
             }
         }
     }

@@ -101,7 +101,7 @@ impl Completion {
 }
 
 /// A non-blocking call in flight.
-pub struct Request(Kind, Option<Box<[usize]>>);
+pub struct Request(Kind);
 
 enum Kind {
     /// A collective, or a device send/receive, on the worker.
@@ -117,7 +117,7 @@ enum Kind {
 
 impl Request {
     fn p2p(messages: Arc<Messages>, posted: Posted) -> Request {
-        Request(Kind::P2p { messages, posted }, None)
+        Request(Kind::P2p { messages, posted })
     }
 
     /// Blocks until the call completes and returns its result (bounded by
@@ -157,7 +157,14 @@ impl Request {
     /// Keeps `arrays` (the counts an uneven collective reads) alive with
     /// the request, until it is freed after completing.
     pub(crate) fn keeping(mut self, arrays: Box<[usize]>) -> Request {
-        self.1 = Some(arrays);
+        match &mut self.0 {
+            Kind::Queued(q) => q.arrays = Some(arrays),
+            // Collectives are queued; anything else is finished before
+            // the arrays it might read go.
+            _ => {
+                let _ = self.wait();
+            }
+        }
         self
     }
 
@@ -181,6 +188,8 @@ struct Queued {
     owner: Option<Arc<Runner>>,
     /// The communicator, to abort if the call never completes.
     comm: Weak<Runner>,
+    /// The counts an uneven collective reads (see `Request::keeping`).
+    arrays: Option<Box<[usize]>>,
 }
 
 /// How long a wait for queued calls may last. Calls are bounded by the
@@ -457,15 +466,13 @@ impl Runner {
     }
 
     fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
-        Request(
-            Kind::Queued(Queued {
-                done,
-                timeout: self.timeout,
-                owner: held.then(|| self.clone()),
-                comm: Arc::downgrade(self),
-            }),
-            None,
-        )
+        Request(Kind::Queued(Queued {
+            done,
+            timeout: self.timeout,
+            owner: held.then(|| self.clone()),
+            comm: Arc::downgrade(self),
+            arrays: None,
+        }))
     }
 
     /// A collective's timeout says what the other ranks last did (the
@@ -547,7 +554,7 @@ impl Runner {
         blocking: bool,
     ) -> Result<Request> {
         if let Some(status) = self.messages.send_now(msg) {
-            return Ok(Request(Kind::Complete(status), None));
+            return Ok(Request(Kind::Complete(status)));
         }
         let posted = self.messages.send(msg, blocking)?;
         Ok(Request::p2p(self.messages.clone(), posted))
