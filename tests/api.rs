@@ -404,9 +404,25 @@ fn trace_file_records_every_operation_per_rank() {
         &format!("{}/trace-{{rank}}.json", dir.display()),
     )
     .unwrap();
+    // Point-to-point too: a posted receive, and a send too large to be
+    // written whole at once (both numbered and traced when they complete).
+    const P2P: usize = 300_000;
     common::world(2, o, LIMIT, |comm| {
         comm.allreduce(&mut [1.0f64; 100], ReduceOp::Sum).unwrap();
         comm.barrier().unwrap();
+        let peer = 1 - comm.rank();
+        let d = Data {
+            count: P2P,
+            dtype: DType::Uint64,
+        };
+        let mut got = vec![0u64; P2P];
+        let recv = unsafe {
+            comm.submit(Call::recv(got.as_mut_ptr().cast(), d, peer as i64, 2).unwrap())
+                .unwrap()
+        };
+        comm.send(&vec![7u64; P2P], peer).unwrap();
+        recv.wait().unwrap();
+        assert!(got.iter().all(|v| *v == 7));
     });
     for r in 0..2 {
         let text = std::fs::read_to_string(dir.join(format!("trace-{r}.json"))).unwrap();
@@ -419,6 +435,15 @@ fn trace_file_records_every_operation_per_rank() {
             text.contains("\"name\":\"barrier\"") && text.contains(&format!("\"pid\":{r}")),
             "{text}"
         );
+        for name in ["send", "recv"] {
+            let event = format!("\"name\":\"{name}\"");
+            let line = text.lines().find(|l| l.contains(&event));
+            assert!(
+                line.is_some_and(|l| l.contains(&format!("\"bytes\":{}", P2P * 8))),
+                "no {name} of {} bytes traced: {text}",
+                P2P * 8
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(dir);
 }
