@@ -415,13 +415,35 @@ fn trace_file_records_every_operation_per_rank() {
             count: P2P,
             dtype: DType::Uint64,
         };
+        let out = vec![7u64; P2P];
         let mut got = vec![0u64; P2P];
+        // Non-blocking both ways, then blocking both ways.
         let recv = unsafe {
             comm.submit(Call::recv(got.as_mut_ptr().cast(), d, peer as i64, 2).unwrap())
                 .unwrap()
         };
-        comm.send(&vec![7u64; P2P], peer).unwrap();
+        let send = unsafe {
+            comm.submit(
+                Call::new(
+                    OpKind::Send,
+                    out.as_ptr().cast(),
+                    std::ptr::null_mut(),
+                    d,
+                    ReduceOp::Sum,
+                    peer as i64,
+                    comm.rank(),
+                    2,
+                )
+                .unwrap(),
+            )
+            .unwrap()
+        };
         recv.wait().unwrap();
+        send.wait().unwrap();
+        assert!(got.iter().all(|v| *v == 7));
+        got.fill(0);
+        comm.send(&out, peer).unwrap();
+        comm.recv(&mut got, peer).unwrap();
         assert!(got.iter().all(|v| *v == 7));
     });
     for r in 0..2 {
@@ -435,12 +457,14 @@ fn trace_file_records_every_operation_per_rank() {
             text.contains("\"name\":\"barrier\"") && text.contains(&format!("\"pid\":{r}")),
             "{text}"
         );
+        // Each point-to-point call once, with its bytes.
         for name in ["send", "recv"] {
             let event = format!("\"name\":\"{name}\"");
-            let line = text.lines().find(|l| l.contains(&event));
+            let bytes = format!("\"bytes\":{},", P2P * 8);
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains(&event)).collect();
             assert!(
-                line.is_some_and(|l| l.contains(&format!("\"bytes\":{}", P2P * 8))),
-                "no {name} of {} bytes traced: {text}",
+                lines.len() == 2 && lines.iter().all(|l| l.contains(&bytes)),
+                "want two {name}s of {} bytes traced: {text}",
                 P2P * 8
             );
         }

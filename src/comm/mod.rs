@@ -402,10 +402,16 @@ impl Comm {
     ///
     /// # Safety
     /// The call's buffers valid until the request completes; the call's
-    /// layouts point into `arrays`.
+    /// layouts point into `arrays`; the request kept (not dropped) until
+    /// it completes, since the arrays go with it.
     pub unsafe fn submit_uneven(&self, call: Call, arrays: Box<[usize]>) -> Result<Request> {
         self.birth.check()?;
-        Ok(self.submit(call)?.keeping(arrays))
+        if group::active() {
+            return Err(Error::invalid_usage(
+                "non-blocking calls cannot be made inside rdist_group_start/end (use the blocking calls there)",
+            ));
+        }
+        self.runner.submit_keeping(call, arrays)
     }
 
     /// Collective: ranks with equal `color` form a new communicator ordered

@@ -154,20 +154,6 @@ impl Request {
         }
     }
 
-    /// Keeps `arrays` (the counts an uneven collective reads) alive with
-    /// the request, until it is freed after completing.
-    pub(crate) fn keeping(mut self, arrays: Box<[usize]>) -> Request {
-        match &mut self.0 {
-            Kind::Queued(q) => q.arrays = Some(arrays),
-            // Collectives are queued; anything else is finished before
-            // the arrays it might read go.
-            _ => {
-                let _ = self.wait();
-            }
-        }
-        self
-    }
-
     /// Who sent what, once a point-to-point call completed (None for
     /// other calls, or while in flight).
     pub fn status(&self) -> Option<Status> {
@@ -188,8 +174,9 @@ struct Queued {
     owner: Option<Arc<Runner>>,
     /// The communicator, to abort if the call never completes.
     comm: Weak<Runner>,
-    /// The counts an uneven collective reads (see `Request::keeping`).
-    arrays: Option<Box<[usize]>>,
+    /// The counts an uneven collective reads, kept while it may read them
+    /// (see `Runner::submit_keeping`).
+    _arrays: Option<Box<[usize]>>,
 }
 
 /// How long a wait for queued calls may last. Calls are bounded by the
@@ -453,6 +440,28 @@ impl Runner {
         calls: Vec<Call>,
         streams: Option<Vec<Stream>>,
     ) -> Result<Request> {
+        self.submit_with(calls, streams, None)
+    }
+
+    /// Queues an uneven collective; its request keeps `arrays` (the
+    /// counts and offsets the call reads) until it is freed.
+    ///
+    /// # Safety
+    /// As `submit`; the call's layouts point into `arrays`.
+    pub(crate) unsafe fn submit_keeping(
+        self: &Arc<Self>,
+        call: Call,
+        arrays: Box<[usize]>,
+    ) -> Result<Request> {
+        self.submit_with(vec![call], None, Some(arrays))
+    }
+
+    fn submit_with(
+        self: &Arc<Self>,
+        calls: Vec<Call>,
+        streams: Option<Vec<Stream>>,
+        arrays: Option<Box<[usize]>>,
+    ) -> Result<Request> {
         self.start_held()?;
         let done = Arc::new(Completion::default());
         let finish_on_device = streams.is_none();
@@ -462,17 +471,24 @@ impl Runner {
             finish_on_device,
             done: vec![done.clone()],
         })?;
-        Ok(self.request(done, false))
+        Ok(Request(Kind::Queued(Queued {
+            _arrays: arrays,
+            ..self.queued_request(done, false)
+        })))
     }
 
     fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
-        Request(Kind::Queued(Queued {
+        Request(Kind::Queued(self.queued_request(done, held)))
+    }
+
+    fn queued_request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Queued {
+        Queued {
             done,
             timeout: self.timeout,
             owner: held.then(|| self.clone()),
             comm: Arc::downgrade(self),
-            arrays: None,
-        }))
+            _arrays: None,
+        }
     }
 
     /// A collective's timeout says what the other ranks last did (the
@@ -668,6 +684,10 @@ impl Runner {
     }
 
     fn enqueue(self: &Arc<Self>, job: Job) -> Result<()> {
+        // The worker first: a job queued with no worker to run it would
+        // run later, after its caller was told it failed (and reused its
+        // buffers).
+        self.ensure_worker()?;
         {
             let mut q = lock(&self.queue);
             if q.closing {
@@ -678,7 +698,7 @@ impl Runner {
             self.queued.store(q.unfinished, Ordering::Release);
         }
         self.queue_changed.notify_all();
-        self.ensure_worker()
+        Ok(())
     }
 
     fn ensure_worker(self: &Arc<Self>) -> Result<()> {
