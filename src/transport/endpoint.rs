@@ -9,6 +9,7 @@ use super::link::Links;
 use super::media;
 use super::medium::{Layout, Wanted};
 use super::mesh::MeshSpec;
+use super::preemption;
 use super::service::{self, Shared};
 use super::signal::{AbortSignal, Wake};
 use super::stream::{Drive, RecvNow, StreamTransport, Tuning};
@@ -230,6 +231,7 @@ impl Endpoint {
         let mut began: Option<Instant> = None;
         let mut passes = 0u32;
         let mut registered = false;
+        let spin = self.spin(r.buf.len());
         let look = loop {
             if let Some(mut core) = try_lock(&sh.core) {
                 let now = match deferred {
@@ -281,9 +283,10 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
+                preemption::looked(now);
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
-                if now >= began + self.spin.min(self.timeout) {
+                if now >= began + spin.min(self.timeout) {
                     break Look::Post(began);
                 }
             }
@@ -337,6 +340,17 @@ impl Endpoint {
             sh.nudge();
         }
         Ok(())
+    }
+
+    /// How long a wait for `bytes` spins before it sleeps: none for a
+    /// large one while other work shares the cores (see `preemption`);
+    /// ranks that outnumber the cores yield instead.
+    #[inline]
+    fn spin(&self, bytes: usize) -> Duration {
+        match self.yield_when_idle {
+            true => self.spin,
+            false => preemption::spin(self.spin, bytes),
+        }
     }
 
     /// The pass of a spin after which the clock is first read: a reading
@@ -425,7 +439,12 @@ impl Endpoint {
         let mut deadline = since.map(|s| s + self.timeout);
         // A wait that began before its post (a look at the connection)
         // spun from then.
-        let mut spin_until: Option<Instant> = since.map(|s| s + self.spin);
+        let bytes = match &t.call {
+            Described::Send(m) => m.buf.len(),
+            Described::Recv(r) => r.buf.len(),
+        };
+        let spin = self.spin(bytes);
+        let mut spin_until: Option<Instant> = since.map(|s| s + spin);
         let mut passes = 0u32;
         let mut registered = false;
         while !t.done.is_finished() {
@@ -446,10 +465,11 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
+                preemption::looked(now);
                 // Bytes moving for other calls extend the spin, never the
                 // call's own bound.
                 if now >= *deadline.get_or_insert(now + self.timeout)
-                    || now >= *spin_until.get_or_insert(now + self.spin)
+                    || now >= *spin_until.get_or_insert(now + spin)
                 {
                     break;
                 }

@@ -20,6 +20,7 @@ pub mod media;
 pub mod medium;
 pub mod membership;
 pub mod mesh;
+pub(crate) mod preemption;
 mod service;
 pub mod shm;
 pub mod shrink;

@@ -4,7 +4,7 @@
 
 use super::{Gone, Progress, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::Xfer;
+use crate::transport::{preemption, Dir, Xfer};
 use std::io;
 use std::time::{Duration, Instant};
 
@@ -108,6 +108,12 @@ impl StreamTransport {
     }
 
     fn progress(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, spin: Duration) -> Result<()> {
+        // None while other work shares the cores (see `preemption`);
+        // ranks that outnumber the cores yield instead.
+        let spin = match self.yield_when_idle {
+            true => spin,
+            false => preemption::spin(spin, xfer_bytes(xfers)),
+        };
         self.check_xfers(xfers)?;
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
@@ -191,6 +197,7 @@ impl StreamTransport {
                     break;
                 }
             }
+            preemption::looked(now);
             if self.moved != last_moved {
                 last_moved = self.moved;
                 idle_since = Some(now);
@@ -392,6 +399,19 @@ impl StreamTransport {
         }
         Ok(())
     }
+}
+
+/// The most bytes one transfer of the exchange moves (what decides whether
+/// a wait for it spins while other work shares the cores).
+fn xfer_bytes(xfers: &mut [Xfer<'_>]) -> usize {
+    xfers
+        .iter_mut()
+        .map(|x| match &mut x.dir {
+            Dir::Send(d) => d.len(),
+            Dir::Recv(b) | Dir::RecvReduce(b, ..) => b.len(),
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
