@@ -283,7 +283,9 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
-                preemption::looked(now);
+                if !self.yield_when_idle {
+                    preemption::looked(now);
+                }
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
                 if now >= began + spin.min(self.timeout) {
@@ -465,7 +467,9 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
-                preemption::looked(now);
+                if !self.yield_when_idle {
+                    preemption::looked(now);
+                }
                 // Bytes moving for other calls extend the spin, never the
                 // call's own bound.
                 if now >= *deadline.get_or_insert(now + self.timeout)

@@ -197,7 +197,9 @@ impl StreamTransport {
                     break;
                 }
             }
-            preemption::looked(now);
+            if !self.yield_when_idle {
+                preemption::looked(now);
+            }
             if self.moved != last_moved {
                 last_moved = self.moved;
                 idle_since = Some(now);
@@ -403,10 +405,10 @@ impl StreamTransport {
 
 /// The most bytes one transfer of the exchange moves (what decides whether
 /// a wait for it spins while other work shares the cores).
-fn xfer_bytes(xfers: &mut [Xfer<'_>]) -> usize {
+fn xfer_bytes(xfers: &[Xfer<'_>]) -> usize {
     xfers
-        .iter_mut()
-        .map(|x| match &mut x.dir {
+        .iter()
+        .map(|x| match &x.dir {
             Dir::Send(d) => d.len(),
             Dir::Recv(b) | Dir::RecvReduce(b, ..) => b.len(),
         })
