@@ -100,50 +100,11 @@ fn groups_let_ranks_swap_with_a_neighbour_and_themselves() {
         };
         unsafe {
             rdist::internals::group::start();
-            comm.run(
-                Call::new(
-                    OpKind::Send,
-                    out.as_ptr().cast(),
-                    std::ptr::null_mut(),
-                    d(big),
-                    ReduceOp::Sum,
-                    left as i64,
-                    r,
-                    n,
-                )
-                .unwrap(),
-            )
-            .unwrap();
-            comm.run(
-                Call::new(
-                    OpKind::Send,
-                    out.as_ptr().cast(),
-                    std::ptr::null_mut(),
-                    d(big),
-                    ReduceOp::Sum,
-                    right as i64,
-                    r,
-                    n,
-                )
-                .unwrap(),
-            )
-            .unwrap();
+            comm.run(send_call(&out, d(big), left, r, n)).unwrap();
+            comm.run(send_call(&out, d(big), right, r, n)).unwrap();
             comm.run(Call::recv(from_self.as_mut_ptr().cast(), d(4), r as i64, n).unwrap())
                 .unwrap();
-            comm.run(
-                Call::new(
-                    OpKind::Send,
-                    out.as_ptr().cast(),
-                    std::ptr::null_mut(),
-                    d(4),
-                    ReduceOp::Sum,
-                    r as i64,
-                    r,
-                    n,
-                )
-                .unwrap(),
-            )
-            .unwrap();
+            comm.run(send_call(&out, d(4), r, r, n)).unwrap();
             comm.run(Call::recv(from_left.as_mut_ptr().cast(), d(big), left as i64, n).unwrap())
                 .unwrap();
             comm.run(Call::recv(from_right.as_mut_ptr().cast(), d(big), right as i64, n).unwrap())
@@ -423,20 +384,8 @@ fn trace_file_records_every_operation_per_rank() {
                 .unwrap()
         };
         let send = unsafe {
-            comm.submit(
-                Call::new(
-                    OpKind::Send,
-                    out.as_ptr().cast(),
-                    std::ptr::null_mut(),
-                    d,
-                    ReduceOp::Sum,
-                    peer as i64,
-                    comm.rank(),
-                    2,
-                )
-                .unwrap(),
-            )
-            .unwrap()
+            comm.submit(send_call(&out, d, peer, comm.rank(), 2))
+                .unwrap()
         };
         recv.wait().unwrap();
         send.wait().unwrap();
@@ -484,19 +433,7 @@ fn a_blocking_send_or_receive_starts_the_held_ones_with_it() {
             count: c,
             dtype: DType::Uint64,
         };
-        let send_call = |buf: &[u64], to: usize| {
-            Call::new(
-                OpKind::Send,
-                buf.as_ptr().cast(),
-                std::ptr::null_mut(),
-                d(buf.len()),
-                ReduceOp::Sum,
-                to as i64,
-                r,
-                n,
-            )
-            .unwrap()
-        };
+        let send_to = |buf: &[u64], to: usize| send_call(buf, d(buf.len()), to, r, n);
         for (round, len) in [1usize, 300_000].into_iter().enumerate() {
             let tag = (round * 1000 + r) as u64;
             let out = vec![tag; len];
@@ -511,7 +448,7 @@ fn a_blocking_send_or_receive_starts_the_held_ones_with_it() {
             assert!(got.iter().all(|v| *v == (round * 1000 + left) as u64));
             // isend left; receive from the right (blocking); wait.
             let mut got = vec![0u64; len];
-            let send = unsafe { comm.submit(send_call(&out, left)) }.unwrap();
+            let send = unsafe { comm.submit(send_to(&out, left)) }.unwrap();
             comm.recv(&mut got, right).unwrap();
             send.wait().unwrap();
             assert!(got.iter().all(|v| *v == (round * 1000 + right) as u64));
@@ -537,20 +474,8 @@ fn irecv_before_isend_on_every_rank_does_not_deadlock() {
             .unwrap()
         };
         let send = unsafe {
-            comm.submit(
-                Call::new(
-                    OpKind::Send,
-                    out.as_ptr().cast(),
-                    std::ptr::null_mut(),
-                    d(300_000),
-                    ReduceOp::Sum,
-                    right as i64,
-                    r,
-                    n,
-                )
-                .unwrap(),
-            )
-            .unwrap()
+            comm.submit(send_call(&out, d(300_000), right, r, n))
+                .unwrap()
         };
         while recv.test().is_none() {
             std::thread::yield_now();
@@ -559,4 +484,19 @@ fn irecv_before_isend_on_every_rank_does_not_deadlock() {
         send.wait().unwrap();
         assert!(from_left.iter().all(|v| *v == left as u64 * 100));
     });
+}
+
+/// A plain send of `data` from `buf` to rank `peer`, by rank `rank` of `size`.
+fn send_call<T>(buf: &[T], data: Data, peer: usize, rank: usize, size: usize) -> Call {
+    Call::new(
+        OpKind::Send,
+        buf.as_ptr().cast(),
+        std::ptr::null_mut(),
+        data,
+        ReduceOp::Sum,
+        peer as i64,
+        rank,
+        size,
+    )
+    .unwrap()
 }
