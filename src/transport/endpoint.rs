@@ -284,7 +284,7 @@ impl Endpoint {
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
                 if !self.yield_when_idle {
-                    preemption::looked(now);
+                    preemption::looked(now, self.shared.rank);
                 }
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
@@ -468,7 +468,7 @@ impl Endpoint {
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
                 if !self.yield_when_idle {
-                    preemption::looked(now);
+                    preemption::looked(now, self.shared.rank);
                 }
                 // Bytes moving for other calls extend the spin, never the
                 // call's own bound.

@@ -91,11 +91,12 @@ pub fn spin(configured: Duration, bytes: usize) -> Duration {
     DETECTOR.spin(configured, bytes, Instant::now)
 }
 
-/// A spinning wait's clock read at `now`: samples the thread's run delay
-/// when a sample is due, and ends the sleeping once the hold is over.
+/// A spinning wait's clock read at `now`, on rank `rank` (which the log
+/// names): samples the thread's run delay when a sample is due, and ends
+/// the sleeping once the hold is over.
 #[inline]
-pub fn looked(now: Instant) {
-    DETECTOR.looked(now, run_delay);
+pub fn looked(now: Instant, rank: usize) {
+    DETECTOR.looked(now, rank, run_delay);
 }
 
 impl Detector {
@@ -126,13 +127,13 @@ impl Detector {
     }
 
     #[inline]
-    fn looked(&self, now: Instant, read: impl FnOnce() -> Option<u64>) {
+    fn looked(&self, now: Instant, rank: usize, read: impl FnOnce() -> Option<u64>) {
         let t = stamp(now);
         if self.sleeping.load(Ordering::Acquire) && t >= self.sleep_until.load(Ordering::Relaxed) {
             self.end_hold(t);
         }
         if t >= self.next_sample.load(Ordering::Relaxed) {
-            self.sample(t, read);
+            self.sample(t, rank, read);
         }
     }
 
@@ -143,7 +144,7 @@ impl Detector {
     }
 
     #[cold]
-    fn sample(&self, t: u64, read: impl FnOnce() -> Option<u64>) {
+    fn sample(&self, t: u64, rank: usize, read: impl FnOnce() -> Option<u64>) {
         self.next_sample
             .store(t + nanos(SAMPLE_EVERY), Ordering::Relaxed);
         let Some(delay) = read() else { return };
@@ -161,11 +162,11 @@ impl Detector {
         };
         ROW.set(row);
         if row >= IN_A_ROW {
-            self.contended(t);
+            self.contended(t, rank);
         }
     }
 
-    fn contended(&self, t: u64) {
+    fn contended(&self, t: u64, rank: usize) {
         if self.sleeping.load(Ordering::Relaxed) {
             return;
         }
@@ -187,7 +188,7 @@ impl Detector {
         {
             crate::log::emit(
                 crate::options::LogLevel::Info,
-                None,
+                Some(rank),
                 "other work shares this process's cores (a waiting thread was off its core a tenth of the time or more, three samples in a row): waits for more than 256 KiB sleep at once while it does",
             );
         }
@@ -226,14 +227,14 @@ mod tests {
         let samples = |t: u64, n: u64, share: f64| {
             for i in 0..n {
                 delay.set(delay.get() + (ms(10) as f64 * share) as u64);
-                d.sample(t + ms(10 * i), || Some(delay.get()));
+                d.sample(t + ms(10 * i), 0, || Some(delay.get()));
             }
             t + ms(10 * (n - 1))
         };
         // A clock read that samples nothing (not due).
         let look = |t: u64| {
             d.next_sample.store(u64::MAX, Ordering::Relaxed);
-            d.looked(at(t), || panic!("no sample is due"));
+            d.looked(at(t), 0, || panic!("no sample is due"));
         };
         let big = |t: u64| d.spin(spin, SPIN_BYTES + 1, || at(t));
         let small = |t: u64| d.spin(spin, SPIN_BYTES, || at(t));
@@ -270,7 +271,7 @@ mod tests {
         // A sample long after the last one says nothing (sleeps between).
         let t = samples(t + hold + ms(10), 1, 0.01);
         delay.set(delay.get() + ms(600));
-        d.sample(t + ms(1000), || Some(delay.get()));
+        d.sample(t + ms(1000), 0, || Some(delay.get()));
         assert_eq!(big(t + ms(1000)), spin);
         // The file is there on Linux, and counts up.
         let a = run_delay().expect("/proc/thread-self/schedstat");

@@ -198,7 +198,7 @@ impl StreamTransport {
                 }
             }
             if !self.yield_when_idle {
-                preemption::looked(now);
+                preemption::looked(now, self.rank);
             }
             if self.moved != last_moved {
                 last_moved = self.moved;
