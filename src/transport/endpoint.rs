@@ -231,7 +231,7 @@ impl Endpoint {
         let mut began: Option<Instant> = None;
         let mut passes = 0u32;
         let mut registered = false;
-        let spin = self.spin(r.buf.len());
+        let spin = preemption::spin(self.spin, self.yield_when_idle, || r.buf.len());
         let look = loop {
             if let Some(mut core) = try_lock(&sh.core) {
                 let now = match deferred {
@@ -283,9 +283,7 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
-                if !self.yield_when_idle {
-                    preemption::looked(now, self.shared.rank);
-                }
+                preemption::looked(now, self.shared.rank, self.yield_when_idle);
                 let began = *began.get_or_insert(now);
                 // Never past the timeout, whatever the spin window.
                 if now >= began + spin.min(self.timeout) {
@@ -342,17 +340,6 @@ impl Endpoint {
             sh.nudge();
         }
         Ok(())
-    }
-
-    /// How long a wait for `bytes` spins before it sleeps: none for a
-    /// large one while other work shares the cores (see `preemption`);
-    /// ranks that outnumber the cores yield instead.
-    #[inline]
-    fn spin(&self, bytes: usize) -> Duration {
-        match self.yield_when_idle {
-            true => self.spin,
-            false => preemption::spin(self.spin, bytes),
-        }
     }
 
     /// The pass of a spin after which the clock is first read: a reading
@@ -441,11 +428,10 @@ impl Endpoint {
         let mut deadline = since.map(|s| s + self.timeout);
         // A wait that began before its post (a look at the connection)
         // spun from then.
-        let bytes = match &t.call {
+        let spin = preemption::spin(self.spin, self.yield_when_idle, || match &t.call {
             Described::Send(m) => m.buf.len(),
             Described::Recv(r) => r.buf.len(),
-        };
-        let spin = self.spin(bytes);
+        });
         let mut spin_until: Option<Instant> = since.map(|s| s + spin);
         let mut passes = 0u32;
         let mut registered = false;
@@ -467,9 +453,7 @@ impl Endpoint {
             }
             if passes == self.first_clock() || passes.is_multiple_of(64) {
                 let now = Instant::now();
-                if !self.yield_when_idle {
-                    preemption::looked(now, self.shared.rank);
-                }
+                preemption::looked(now, self.shared.rank, self.yield_when_idle);
                 // Bytes moving for other calls extend the spin, never the
                 // call's own bound.
                 if now >= *deadline.get_or_insert(now + self.timeout)

@@ -83,20 +83,26 @@ fn nanos(d: Duration) -> u64 {
     d.as_nanos() as u64
 }
 
-/// How long a wait for `bytes` spins before it sleeps: `configured`, or
-/// nothing while other work shares the cores and the wait is for more
-/// than `SPIN_BYTES`.
+/// How long a wait for `bytes` (counted only when asked) spins before it
+/// sleeps: `configured`, or nothing while other work shares the cores and
+/// the wait is for more than `SPIN_BYTES`. A wait that `yields` (its ranks
+/// outnumber the cores) keeps `configured`.
 #[inline]
-pub fn spin(configured: Duration, bytes: usize) -> Duration {
+pub fn spin(configured: Duration, yields: bool, bytes: impl FnOnce() -> usize) -> Duration {
+    if yields {
+        return configured;
+    }
     DETECTOR.spin(configured, bytes, Instant::now)
 }
 
 /// A spinning wait's clock read at `now`, on rank `rank` (which the log
 /// names): samples the thread's run delay when a sample is due, and ends
-/// the sleeping once the hold is over.
+/// the sleeping once the hold is over. A wait that `yields` does not ask.
 #[inline]
-pub fn looked(now: Instant, rank: usize) {
-    DETECTOR.looked(now, rank, run_delay);
+pub fn looked(now: Instant, rank: usize, yields: bool) {
+    if !yields {
+        DETECTOR.looked(now, rank, run_delay);
+    }
 }
 
 impl Detector {
@@ -112,8 +118,13 @@ impl Detector {
     }
 
     #[inline]
-    fn spin(&self, configured: Duration, bytes: usize, now: impl FnOnce() -> Instant) -> Duration {
-        if bytes <= SPIN_BYTES || !self.sleeping.load(Ordering::Acquire) {
+    fn spin(
+        &self,
+        configured: Duration,
+        bytes: impl FnOnce() -> usize,
+        now: impl FnOnce() -> Instant,
+    ) -> Duration {
+        if !self.sleeping.load(Ordering::Acquire) || bytes() <= SPIN_BYTES {
             return configured;
         }
         // A hold that ran out while nobody waited (a compute phase) ends
@@ -236,8 +247,8 @@ mod tests {
             d.next_sample.store(u64::MAX, Ordering::Relaxed);
             d.looked(at(t), 0, || panic!("no sample is due"));
         };
-        let big = |t: u64| d.spin(spin, SPIN_BYTES + 1, || at(t));
-        let small = |t: u64| d.spin(spin, SPIN_BYTES, || at(t));
+        let big = |t: u64| d.spin(spin, || SPIN_BYTES + 1, || at(t));
+        let small = |t: u64| d.spin(spin, || SPIN_BYTES, || at(t));
         let t0 = stamp(Instant::now()) + ms(1000);
         assert_eq!(big(t0), spin);
         // 1 % delay is a core of one's own; one sample at half is a stray

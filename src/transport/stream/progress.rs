@@ -108,12 +108,8 @@ impl StreamTransport {
     }
 
     fn progress(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, spin: Duration) -> Result<()> {
-        // None while other work shares the cores (see `preemption`);
-        // ranks that outnumber the cores yield instead.
-        let spin = match self.yield_when_idle {
-            true => spin,
-            false => preemption::spin(spin, xfer_bytes(xfers)),
-        };
+        // None for a large exchange while other work shares the cores.
+        let spin = preemption::spin(spin, self.yield_when_idle, || xfer_bytes(xfers));
         self.check_xfers(xfers)?;
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(Some(Gone::Lost(why))) = conn.as_ref().map(|c| &c.gone) {
@@ -197,9 +193,7 @@ impl StreamTransport {
                     break;
                 }
             }
-            if !self.yield_when_idle {
-                preemption::looked(now, self.rank);
-            }
+            preemption::looked(now, self.rank, self.yield_when_idle);
             if self.moved != last_moved {
                 last_moved = self.moved;
                 idle_since = Some(now);
