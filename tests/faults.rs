@@ -43,6 +43,9 @@ fn worker_process() {
         return;
     };
     let comm = Comm::init("env://", -1, -1, &Options::default()).unwrap();
+    if let Some(call) = role.strip_prefix("abort2_then_") {
+        return aborted_rank_2_then(&comm, call);
+    }
     let mut buf = vec![1.0f32; 4096];
     for i in 0.. {
         if role == "crash" && comm.rank() == 2 && i == 20 {
@@ -986,11 +989,12 @@ fn allreduce_without_rank_2(
 }
 
 /// Pairs connect on first use, so a rank that never makes a call is
-/// missed as a connection that never came: every rank that needs it times
-/// out within the timeout, naming it and the call, while it is alive and
-/// listening (its point-to-point thread admits connections for it).
+/// first missed as a connection that never came; after a second the ranks
+/// waiting for it dial it themselves (it is alive, and its endpoint's
+/// thread admits the connection) and wait for its data: every rank that
+/// needs it times out within the timeout, and one names it and the call.
 #[test]
-fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
+fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_for_it() {
     let results = allreduce_without_rank_2(1_500, |_comm| {
         std::thread::sleep(Duration::from_millis(2_500));
     });
@@ -1003,10 +1007,12 @@ fn a_rank_that_never_calls_is_named_by_the_ranks_waiting_to_connect() {
         assert!(took < Duration::from_secs(4), "rank {rank}: {took:?}");
     }
     // A rank that waited for rank 2 itself says so (the other may wait
-    // for that rank instead, or hear of it from it first).
-    let waited = results.iter().take(2).flatten().any(|(kind, _, msg)| {
-        *kind == ErrorKind::Timeout && msg.contains("waiting for rank 2 to connect")
-    });
+    // for that rank instead, or hear of it from it first): for its
+    // connection, or, once it dialed rank 2, for its data.
+    let waited =
+        results.iter().take(2).flatten().any(|(kind, _, msg)| {
+            *kind == ErrorKind::Timeout && msg.contains("waiting for rank 2")
+        });
     assert!(waited, "{results:?}");
 }
 
@@ -1034,4 +1040,89 @@ fn a_rank_gone_before_connecting_is_noticed_within_seconds() {
             .any(|(_, _, m)| m.contains("nobody listens")),
         "{results:?}"
     );
+}
+
+/// The body of `a_failed_rank_that_lives_on_is_heard_by_ranks_it_never_met`:
+/// rank 2 aborts at once and lives on (as a program that handles the
+/// error and goes on with other work); ranks 0 and 1 then make `call`,
+/// their first with rank 2, and print how it ended.
+fn aborted_rank_2_then(comm: &Comm, call: &str) {
+    if comm.rank() == 2 {
+        comm.abort();
+        std::thread::sleep(Duration::from_secs(8));
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let r = match call {
+        "allreduce" => comm.allreduce(&mut [1u32; 8], ReduceOp::Sum),
+        _ => comm.send(&[1u32; 8], 2),
+    };
+    match r {
+        Ok(()) => println!("RESULT never failed"),
+        Err(e) => println!(
+            "RESULT kind={:?} after={:.3} msg={e}",
+            e.kind(),
+            t.elapsed().as_secs_f64()
+        ),
+    }
+}
+
+/// A rank whose communicator failed but whose process lives on answers
+/// every dial with its failure report, and the ranks waiting for its
+/// first connection dial it after a second: ranks that never talked to
+/// it fail within seconds with its reason (here `Aborted`, naming it),
+/// in a collective (where it was to dial them) and in a send (which
+/// dials it). Before, they waited until it exited (a lost peer, its
+/// reason unknown) or to the timeout, and a send failed as `PeerLost`
+/// with the communicator still usable.
+#[test]
+fn a_failed_rank_that_lives_on_is_heard_by_ranks_it_never_met() {
+    for call in ["allreduce", "send"] {
+        let role = format!("abort2_then_{call}");
+        let port = common::free_port();
+        let mut workers: Vec<_> = (0..3)
+            .map(|r| {
+                let mut w = this_binary_as("worker_process", &role);
+                w.env("RANK", r.to_string())
+                    .env("WORLD_SIZE", "3")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("RDIST_TIMEOUT_MS", "30000")
+                    // No NCCL agreement at init, which connects pairs.
+                    .env("RDIST_BACKEND", "socket")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                w.spawn().unwrap()
+            })
+            .collect();
+        let start = Instant::now();
+        for (r, w) in workers.iter_mut().enumerate().take(2) {
+            while w.try_wait().unwrap().is_none() {
+                assert!(start.elapsed() < Duration::from_secs(40), "rank {r} hung");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut out = String::new();
+            std::io::Read::read_to_string(w.stdout.as_mut().unwrap(), &mut out).unwrap();
+            let line = out
+                .lines()
+                .find_map(|l| l.split_once("RESULT").map(|x| x.1))
+                .unwrap_or_else(|| panic!("{call}: rank {r} printed no result: {out}"));
+            println!("{call}: rank {r}:{line}");
+            assert!(line.contains("kind=Aborted"), "{call}: rank {r}:{line}");
+            assert!(
+                line.contains("rank 2 aborted the communicator"),
+                "{call}: rank {r}:{line}"
+            );
+            let after: f64 = line
+                .split_once("after=")
+                .and_then(|(_, t)| t.split_whitespace().next())
+                .and_then(|t| t.parse().ok())
+                .unwrap();
+            // Rank 2 lives 8 s; the timeout is 30 s.
+            assert!(after < 4.0, "{call}: rank {r} took {after} s:{line}");
+        }
+        let _ = workers[2].kill();
+        let _ = workers[2].wait();
+    }
 }

@@ -62,6 +62,18 @@ pub enum Connect {
     Arriving,
     /// Another thread of this rank is dialing it.
     Elsewhere,
+    /// The peer's communicator failed; its failure report
+    /// (`frame::encode_failure`'s bytes), which it answered the dial with.
+    Failed(Vec<u8>),
+}
+
+/// What this side's dial came to.
+enum Dial {
+    Made(Box<dyn Channel>),
+    /// Refused for the peer's own dial, which this side's thread admits.
+    Duplicate,
+    /// The peer failed; its report.
+    Failed(Vec<u8>),
 }
 
 struct Shared {
@@ -142,18 +154,24 @@ impl Links {
         let made = self.dial(peer, deadline);
         let mut sh = lock(&self.shared);
         match made {
-            Ok(Some(chan)) => {
+            Ok(Dial::Made(chan)) => {
                 sh.states[peer] = State::Connected;
                 sh.arrived.push((peer, chan));
                 self.pending.store(true, Ordering::Release);
                 self.bell.ring();
             }
-            Ok(None) => {
+            Ok(Dial::Duplicate) => {
                 // Refused for the peer's own dial, which this side's
                 // thread admits (perhaps already has).
                 if sh.states[peer] == State::Dialing {
                     sh.states[peer] = State::Awaiting(Instant::now());
                 }
+            }
+            Ok(Dial::Failed(report)) => {
+                if sh.states[peer] == State::Dialing {
+                    sh.states[peer] = State::Idle;
+                }
+                return Ok(Connect::Failed(report));
             }
             // The peer's own dial made the pair meanwhile: this one's
             // failure (the peer may have left since) does not matter.
@@ -168,18 +186,19 @@ impl Links {
         Ok(Connect::Arriving)
     }
 
-    /// Dials and agrees; None when the peer keeps its own connection.
-    fn dial(&self, peer: usize, deadline: Instant) -> Result<Option<Box<dyn Channel>>> {
+    /// Dials and, when welcomed, agrees on a medium.
+    fn dial(&self, peer: usize, deadline: Instant) -> Result<Dial> {
         let s = match mesh::dial(&self.spec, peer, deadline)? {
             Dialed::Welcomed(s) => s,
-            Dialed::Duplicate => return Ok(None),
+            Dialed::Duplicate => return Ok(Dial::Duplicate),
+            Dialed::Failed(report) => return Ok(Dial::Failed(report)),
         };
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
         s.set_read_timeout(Some(left))
             .and_then(|()| media::agree(&self.media, &self.pair(peer), s, true))
-            .map(Some)
+            .map(Dial::Made)
             .map_err(|e| {
                 Error::new(
                     ErrorKind::PeerLost,

@@ -264,6 +264,10 @@ pub enum Dialed {
     Welcomed(TcpStream),
     /// The peer keeps the connection it dialed itself (see `Verdict::Duplicate`).
     Duplicate,
+    /// The peer's communicator failed: its failure report
+    /// (`frame::encode_failure`'s bytes), to be heard as if it came on a
+    /// connection.
+    Failed(Vec<u8>),
 }
 
 /// Dials `peer` for the pair's connection and waits for its verdict,
@@ -338,14 +342,13 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
                 report.resize(n, 0);
                 s.read_exact(&mut report)
             });
-            let (kind, _, text) = super::frame::decode_failure(&report);
-            Err(match read {
-                Ok(()) => Error::new(kind, text),
-                Err(_) => Error::new(
+            match read {
+                Ok(()) => Ok(Dialed::Failed(report)),
+                Err(_) => Err(Error::new(
                     ErrorKind::PeerLost,
                     format!("rank {peer} failed (its report was cut short)"),
-                ),
-            })
+                )),
+            }
         }
         v if v == Verdict::NotFromItsAddress as u8 => Err(Error::new(
             ErrorKind::Auth,

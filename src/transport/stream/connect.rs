@@ -1,19 +1,23 @@
 //! Connecting the peers an exchange names, on first use (see
 //! `transport::link`): this rank dials the lower ones itself and waits for
 //! the higher ones' connections, which its endpoint's thread admits
-//! (unless a tagged call made the pair already).
+//! (unless a tagged call made the pair already); a higher one that has
+//! not come after a second, it dials itself.
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::channel::Channel;
+use crate::transport::link::{Connect, Links};
 use crate::transport::Xfer;
 use std::time::{Duration, Instant};
 
-/// How often a rank waiting for a peer's connection checks that the peer
-/// still listens.
-const PROBE_EVERY: Duration = Duration::from_secs(1);
-/// How long one such check may take.
-const PROBE_LIMIT: Duration = Duration::from_millis(100);
+/// How long a rank waits for a higher peer's connection before it dials
+/// that peer itself (and again this often while it waits): a peer that
+/// exited refuses the dial, one that failed answers it with its failure
+/// report, and one that is merely late gets the pair's connection made.
+const DIAL_AFTER: Duration = Duration::from_secs(1);
+/// How long one such dial may take (a stopped peer never answers).
+const DIAL_LIMIT: Duration = Duration::from_secs(1);
 
 impl StreamTransport {
     /// Makes sure every peer of `xfers` has a channel, bounded by the
@@ -41,26 +45,33 @@ impl StreamTransport {
                 continue;
             }
             if peer < self.rank {
-                if let Err(e) = links.connect(peer, deadline) {
-                    // Nobody listens where it did: it is gone.
-                    if e.kind() == ErrorKind::PeerLost {
-                        self.signal.note_lost(peer);
+                match links.connect(peer, deadline) {
+                    Ok(Connect::Failed(report)) => {
+                        return Err(self.failed_peer(peer, &report, xfers))
                     }
-                    return Err(e);
+                    Ok(_) => {}
+                    Err(e) => {
+                        // Nobody listens where it did: it is gone.
+                        if e.kind() == ErrorKind::PeerLost {
+                            self.signal.note_lost(peer);
+                        }
+                        return Err(e);
+                    }
                 }
             }
             awaited.push(peer);
         }
         self.take_arrived();
-        let mut next_probe = Instant::now() + PROBE_EVERY;
+        let mut next_dial = Instant::now() + DIAL_AFTER;
         loop {
             awaited.retain(|p| self.conns[*p].is_none());
             if awaited.is_empty() {
                 return Ok(());
             }
-            if Instant::now() >= next_probe {
-                next_probe = Instant::now() + PROBE_EVERY;
-                self.probe_listeners(&links, &awaited, xfers)?;
+            if Instant::now() >= next_dial {
+                self.dial_awaited(&links, &awaited, deadline, xfers)?;
+                next_dial = Instant::now() + DIAL_AFTER;
+                self.take_arrived();
                 continue;
             }
             if self.signal.is_aborted() {
@@ -102,38 +113,59 @@ impl StreamTransport {
         }
     }
 
-    /// A peer that never connected may be gone (it exited, or destroyed
-    /// its communicator): nobody listens at its address then, which a
-    /// connection attempt shows at once (the peer's point-to-point thread
-    /// drops the empty connection of one that lives). Without this, a rank
-    /// that died before dialing was noticed only at the timeout.
-    fn probe_listeners(
+    /// A peer that has not connected may be gone (it exited, or destroyed
+    /// its communicator: nobody listens at its address), may have failed
+    /// (its communicator answers every dial with its failure report), or
+    /// may be late or busy: this rank dials it itself, one peer per round,
+    /// in turn, briefly. Without this, the first two were noticed only at
+    /// the timeout, and a failure report on another connection waited
+    /// unread behind them. A dial that times out (a stopped peer) leaves
+    /// the wait to go on to the timeout, which names the peer.
+    fn dial_awaited(
         &mut self,
-        links: &crate::transport::link::Links,
+        links: &Links,
         awaited: &[usize],
+        deadline: Instant,
         xfers: &[Xfer<'_>],
     ) -> Result<()> {
-        // One peer per round, in turn, briefly: a wide exchange waiting on
-        // many peers must not flood their listeners or overrun its timeout.
         self.probed = self.probed.wrapping_add(1);
-        if let Some(&peer) = awaited.get(self.probed % awaited.len().max(1)) {
-            let addr = links.spec.addrs[peer];
-            let probe = std::net::TcpStream::connect_timeout(&addr, PROBE_LIMIT);
-            if let Err(e) = probe {
-                if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                    self.signal.note_lost(peer);
-                    let during = during(xfers);
-                    return Err(Error::new(
-                        ErrorKind::PeerLost,
-                        format!(
-                            "rank {} waited{during} for rank {peer} to connect, but nobody listens at its address {addr} any more: it exited, or destroyed its communicator",
-                            self.rank
-                        ),
-                    ));
-                }
+        let Some(&peer) = awaited.get(self.probed % awaited.len().max(1)) else {
+            return Ok(());
+        };
+        let until = deadline.min(Instant::now() + DIAL_LIMIT);
+        match links.connect(peer, until) {
+            Ok(Connect::Failed(report)) => Err(self.failed_peer(peer, &report, xfers)),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::PeerLost => {
+                self.signal.note_lost(peer);
+                let during = during(xfers);
+                Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "{} (rank {} was{during}, waiting for rank {peer} to connect)",
+                        e.message(),
+                        self.rank
+                    ),
+                ))
             }
+            // Late or stopped: the wait goes on.
+            Err(_) => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The error of a call whose dial `peer` answered with its failure
+    /// report: the report, as this rank passes it on, and where this rank
+    /// was.
+    fn failed_peer(&mut self, peer: usize, report: &[u8], xfers: &[Xfer<'_>]) -> Error {
+        let (kind, text) = self.hear_report(report);
+        let during = during(xfers);
+        Error::new(
+            kind,
+            format!(
+                "{text} (rank {} was{during}, waiting for rank {peer} to connect)",
+                self.rank
+            ),
+        )
     }
 
     /// Installs the channels that peers' dials made (one per pair: a

@@ -5,6 +5,7 @@
 
 use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind};
+use crate::transport::link::Connect;
 use crate::transport::tagged::{Done, Outgoing, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -269,6 +270,13 @@ impl StreamTransport {
         };
         let deadline = Instant::now() + self.timeout.min(DIAL_LIMIT);
         match links.connect(peer, deadline) {
+            // A peer's failure report fails the communicator, as one that
+            // came on a connection does (see `drive_failed`).
+            Ok(Connect::Failed(report)) => {
+                let (kind, text) = self.hear_report(&report);
+                let e = Error::new(kind, text);
+                self.fail(e, true);
+            }
             Ok(_) => self.take_arrived(),
             Err(e) => {
                 if e.kind() == ErrorKind::PeerLost {

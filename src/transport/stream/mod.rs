@@ -974,14 +974,7 @@ impl StreamTransport {
                 self.tagged.on_payload(peer, sink, &d, pid);
             }
             Target::Control(payload) => {
-                let (kind, lost, text) = frame::decode_failure(&payload);
-                for r in lost
-                    .into_iter()
-                    .filter(|r| *r < self.size && *r != self.rank)
-                {
-                    self.signal.note_lost(r);
-                }
-                self.heard = Some(Error::new(kind, text.clone()));
+                let (kind, text) = self.hear_report(&payload);
                 // Say what this rank itself was waiting for: in a chain of
                 // waits, the reporting rank names only its neighbour.
                 let waiting = self.waiting_for(p);

@@ -79,6 +79,21 @@ impl StreamTransport {
         self.tagged.forget_cut_frames();
     }
 
+    /// A peer's failure report (a failure frame's payload, or its answer
+    /// to a dial): notes the ranks it names as lost and keeps it, to be
+    /// passed on as it is. Its kind and text.
+    pub(super) fn hear_report(&mut self, payload: &[u8]) -> (ErrorKind, String) {
+        let (kind, lost, text) = frame::decode_failure(payload);
+        for r in lost
+            .into_iter()
+            .filter(|r| *r < self.size && *r != self.rank)
+        {
+            self.signal.note_lost(r);
+        }
+        self.heard = Some(Error::new(kind, text.clone()));
+        (kind, text)
+    }
+
     /// Goodbye: tells peers this rank is leaving (cleanly, or after which
     /// error), lets the kernel deliver what was already sent, and closes
     /// every connection.
