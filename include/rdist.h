@@ -302,7 +302,8 @@ rdist_result_t rdist_options_create(rdist_options_t **out);
  * read straight from the sender's memory, auto or off; default auto: from
  * 4 MiB when the ranks on a host outnumber its cores, else off), host_id
  * (ranks with equal ids share memory; default: hostname, boot id and
- * network namespace). Unknown
+ * network namespace), peer_check_ms (silence before a wait asks whether
+ * the ranks it waits for still run; 0: never; default 3000). Unknown
  * keys and unparsable values give
  * RDIST_ERR_INVALID_ARGUMENT and leave the set unchanged. An explicit
  * option wins over its environment variable.

@@ -134,6 +134,11 @@ pub struct Tuning {
 /// burn a core while a rank computes between collectives.
 pub const DEFAULT_SPIN_US: u64 = 500;
 
+/// Long enough that a rank which merely computes is asked rarely (its
+/// endpoint's thread answers at once), short enough that a stopped one is
+/// named within seconds.
+pub const DEFAULT_PEER_CHECK_MS: u64 = 3000;
+
 impl Default for Tuning {
     fn default() -> Tuning {
         Tuning {
@@ -182,6 +187,10 @@ pub struct Options {
     pub transport: TransportKind,
     pub algo: Option<String>,
     pub timeout: Duration,
+    /// How long a wait hears nothing from the ranks it waits for before
+    /// it asks whether their processes run (zero: never, so a rank paused
+    /// in a debugger leaves the others waiting to the timeout).
+    pub peer_check: Duration,
     pub local_rank: Option<i32>,
     pub device: Option<i32>,
     pub ifname: Option<String>,
@@ -208,6 +217,7 @@ impl Default for Options {
             transport: TransportKind::Auto,
             algo: None,
             timeout: Duration::from_millis(300_000),
+            peer_check: Duration::from_millis(DEFAULT_PEER_CHECK_MS),
             local_rank: None,
             device: None,
             ifname: None,
@@ -223,7 +233,7 @@ impl Default for Options {
 }
 
 /// Each key with the environment variable that supplies it.
-pub const KEYS: [(&str, &str); 12] = [
+pub const KEYS: [(&str, &str); 13] = [
     ("backend", "RDIST_BACKEND"),
     ("transport", "RDIST_TRANSPORT"),
     ("algo", "RDIST_ALGO"),
@@ -236,6 +246,7 @@ pub const KEYS: [(&str, &str); 12] = [
     ("trace_file", "RDIST_TRACE_FILE"),
     ("single_copy_min", "RDIST_SINGLE_COPY_MIN"),
     ("host_id", "RDIST_HOST_ID"),
+    ("peer_check_ms", "RDIST_PEER_CHECK_MS"),
 ];
 
 impl Options {
@@ -382,6 +393,12 @@ impl Options {
                 }
                 self.host_id = Some(v.to_string()).filter(|h| !h.is_empty());
             }
+            "peer_check_ms" => {
+                let ms: u64 = v
+                    .parse()
+                    .map_err(|_| bad("a number of milliseconds (0: never)"))?;
+                self.peer_check = Duration::from_millis(ms);
+            }
             _ => return Err(Error::internal(format!("option key '{key}' not handled"))),
         }
         Ok(())
@@ -399,6 +416,7 @@ mod tests {
         assert_eq!(o.backend, Backend::Auto);
         assert_eq!(o.transport, TransportKind::Auto);
         assert_eq!(o.timeout, Duration::from_secs(300));
+        assert_eq!(o.peer_check, Duration::from_secs(3));
         assert_eq!(o.debug, LogLevel::Warn);
     }
 
@@ -417,9 +435,11 @@ mod tests {
             ("debug", "info"),
             ("trace_file", "/tmp/t.json"),
             ("single_copy_min", "262144"),
+            ("peer_check_ms", "0"),
         ] {
             o.set(key, value).unwrap();
         }
+        assert_eq!(o.peer_check, Duration::ZERO);
         assert_eq!(o.backend, Backend::Socket);
         assert_eq!(o.transport, TransportKind::Tcp);
         assert_eq!(o.algo.as_deref(), Some("ring"));
@@ -456,6 +476,7 @@ mod tests {
             ("debug", "LOUD"),
             ("local_rank", "-2"),
             ("single_copy_min", "1M"),
+            ("peer_check_ms", "-1"),
         ] {
             let e = o.set(key, value).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{key}={value}");

@@ -46,13 +46,19 @@ fn worker_process() {
     if let Some(call) = role.strip_prefix("abort2_then_") {
         return aborted_rank_2_then(&comm, call);
     }
+    if role == "hush_p2p" {
+        return receive_from_a_stopped_rank_1(&comm);
+    }
     let mut buf = vec![1.0f32; 4096];
     for i in 0.. {
         if role == "crash" && comm.rank() == 2 && i == 20 {
             // SAFETY: a deliberate crash, no cleanup, as a segfault would.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
-        if role.strip_prefix("stop") == Some(&comm.rank().to_string()) && i == 20 {
+        let stops = role
+            .strip_prefix("stop")
+            .or_else(|| role.strip_prefix("hush"));
+        if stops == Some(&comm.rank().to_string()) && i == 20 {
             // SAFETY: stops this process (as a debugger or ^Z would).
             unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
         }
@@ -1124,5 +1130,92 @@ fn a_failed_rank_that_lives_on_is_heard_by_ranks_it_never_met() {
         }
         let _ = workers[2].kill();
         let _ = workers[2].wait();
+    }
+}
+
+/// The body of the point-to-point half of
+/// `a_stopped_rank_is_named_within_seconds_not_at_the_timeout`: rank 1
+/// stops itself; ranks 0 and 2 receive from it.
+fn receive_from_a_stopped_rank_1(comm: &Comm) {
+    comm.barrier().unwrap();
+    if comm.rank() == 1 {
+        // SAFETY: stops this process (as a debugger or ^Z would).
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        return;
+    }
+    let t = Instant::now();
+    match comm.recv(&mut [0u32; 8], 1) {
+        Ok(()) => println!("RESULT never failed"),
+        Err(e) => println!(
+            "RESULT kind={:?} after={:.3} failed={:?} msg={e}",
+            e.kind(),
+            t.elapsed().as_secs_f64(),
+            comm.failed_ranks()
+        ),
+    }
+}
+
+/// A rank stopped (SIGSTOP, as ^Z or a debugger does) while the others
+/// wait for it, with a timeout far away (60 s): after 3 s of silence they
+/// ask whether its process runs, and since it does not answer within
+/// 12 s, every other rank fails with `PeerLost` naming it, and counts it
+/// as failed, well before the timeout; in a collective and in a blocking
+/// receive. (Before, they waited for the whole timeout.)
+#[test]
+fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
+    for role in ["hush1", "hush_p2p"] {
+        let port = common::free_port();
+        let mut workers: Vec<_> = (0..3)
+            .map(|r| {
+                let mut w = this_binary_as("worker_process", role);
+                w.env("RANK", r.to_string())
+                    .env("WORLD_SIZE", "3")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("RDIST_TIMEOUT_MS", "60000")
+                    .env_remove("RDIST_PEER_CHECK_MS")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::null());
+                w.spawn().unwrap()
+            })
+            .collect();
+        let start = Instant::now();
+        let mut said = Vec::new();
+        for r in [0usize, 2] {
+            let w = &mut workers[r];
+            while w.try_wait().unwrap().is_none() {
+                if start.elapsed() > Duration::from_secs(50) {
+                    for w in workers.iter_mut() {
+                        let _ = w.kill();
+                    }
+                    panic!("{role}: rank {r} still waits after 50 s");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut out = String::new();
+            std::io::Read::read_to_string(w.stdout.as_mut().unwrap(), &mut out).unwrap();
+            said.push((r, out));
+        }
+        let _ = workers[1].kill();
+        let _ = workers[1].wait();
+        for (r, out) in &said {
+            let line = out
+                .lines()
+                .find_map(|l| l.split_once("RESULT").map(|x| x.1))
+                .unwrap_or_else(|| panic!("{role}: rank {r} printed no result: {out}"));
+            println!("{role}: rank {r}:{line}");
+            assert!(line.contains("kind=PeerLost"), "{role}: rank {r}:{line}");
+            assert!(
+                line.contains("rank 1 does not answer"),
+                "{role}: rank {r}:{line}"
+            );
+            assert!(line.contains("failed=[1]"), "{role}: rank {r}:{line}");
+            let after: f64 = line
+                .split_once("after=")
+                .and_then(|(_, t)| t.split_whitespace().next())
+                .and_then(|t| t.parse().ok())
+                .unwrap();
+            assert!(after < 30.0, "{role}: rank {r} took {after} s:{line}");
+        }
     }
 }

@@ -32,6 +32,9 @@ pub struct Settings {
     pub transport: TransportKind,
     /// Busy-wait before sleeping (RDIST_SPIN_US).
     pub spin: Duration,
+    /// Silence before a wait asks whether its peers' processes run
+    /// (option `peer_check_ms`; zero: never).
+    pub peer_check: Duration,
     /// Developers' switches for shared memory (see `options::ShmTuning`).
     pub shm: ShmTuning,
     /// Which shared-memory payloads travel single-copy (option
@@ -49,6 +52,7 @@ impl Settings {
             forced,
             transport: options.transport,
             spin: options.tuning.spin,
+            peer_check: options.peer_check,
             single_copy: options.single_copy_min,
             shm: options.tuning.shm,
         }
@@ -172,6 +176,7 @@ impl SocketBackend {
             tuning: Tuning {
                 timeout,
                 spin: settings.spin,
+                peer_check: settings.peer_check,
                 yield_when_idle: oversubscribed,
                 single_copy_min,
                 two_way_single_copy_min,

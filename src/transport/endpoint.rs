@@ -15,6 +15,7 @@ use super::signal::{AbortSignal, Wake};
 use super::stream::{Drive, RecvNow, StreamTransport, Tuning};
 use super::tagged::Described;
 use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
+use super::watch::Watch;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::{lock, try_lock};
 use std::net::TcpListener;
@@ -41,6 +42,8 @@ pub struct Endpoint {
     spin: Duration,
     yield_when_idle: bool,
     timeout: Duration,
+    /// Silence before a wait asks whether its peer runs (see `watch`).
+    peer_check: Duration,
 }
 
 impl Endpoint {
@@ -62,8 +65,12 @@ impl Endpoint {
         };
         let (rank, size) = (mesh.rank, mesh.size);
         let links = Arc::new(Links::new(mesh, media::open(layout, wanted))?);
-        let (spin, yield_when_idle, timeout) =
-            (tuning.spin, tuning.yield_when_idle, tuning.timeout);
+        let (spin, yield_when_idle, timeout, peer_check) = (
+            tuning.spin,
+            tuning.yield_when_idle,
+            tuning.timeout,
+            tuning.peer_check,
+        );
         let core = StreamTransport::on_demand(rank, size, links.clone(), signal.clone(), tuning)?;
         let posts = core.posts();
         let shared = Arc::new(Shared {
@@ -97,6 +104,7 @@ impl Endpoint {
             spin,
             yield_when_idle,
             timeout,
+            peer_check,
         })
     }
 
@@ -519,10 +527,24 @@ impl Endpoint {
         let sh = &self.shared;
         let mut nap = Duration::from_millis(1);
         let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut watch = Watch::new(self.peer_check);
+        let mut quiet_since = Instant::now();
         while !t.done.is_finished() {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 return;
+            }
+            let idle = now.duration_since(quiet_since);
+            if let Some(peer) = t.call.peer().filter(|_| watch.due(idle, now)) {
+                // Asked without the core: a silent peer takes seconds.
+                let during = format!(" in {}", t.call);
+                if let Ok(Some((peer, text))) =
+                    watch.ask(&sh.links.spec, &[peer], idle, &during, deadline)
+                {
+                    self.core().silent(peer, text);
+                }
+                continue;
             }
             let nap_now = nap.min(left);
             nap = (nap * 2).min(Duration::from_millis(50));
@@ -543,6 +565,7 @@ impl Endpoint {
                     drop(core);
                     if moved {
                         nap = Duration::from_millis(1);
+                        quiet_since = Instant::now();
                     } else if !t.done.is_finished() {
                         let short = Duration::from_millis(1);
                         bell.sleep(seen, if sockets { nap_now.min(short) } else { nap_now });
@@ -555,6 +578,7 @@ impl Endpoint {
                     drop(core);
                     if moved {
                         nap = Duration::from_millis(1);
+                        quiet_since = Instant::now();
                     }
                     if moved || buffered || t.done.is_finished() {
                         continue;

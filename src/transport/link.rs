@@ -140,6 +140,19 @@ impl Links {
     /// dials `peer` (bounded by `deadline`) and agrees on a medium. The
     /// channel lands in `arrived`.
     pub fn connect(&self, peer: usize, deadline: Instant) -> Result<Connect> {
+        self.connect_within(peer, deadline, deadline)
+    }
+
+    /// `connect`, with the peer's answer to the dial bounded by
+    /// `answer_by` and the agreement after a welcome by `deadline`: a
+    /// peer that welcomed the dial is alive, and a short look for its
+    /// answer must not cut its agreement short.
+    pub fn connect_within(
+        &self,
+        peer: usize,
+        answer_by: Instant,
+        deadline: Instant,
+    ) -> Result<Connect> {
         {
             let mut sh = lock(&self.shared);
             match sh.states[peer] {
@@ -151,7 +164,7 @@ impl Links {
                 State::Connected | State::Awaiting(_) => return Ok(Connect::Arriving),
             }
         }
-        let made = self.dial(peer, deadline);
+        let made = self.dial(peer, answer_by, deadline);
         let mut sh = lock(&self.shared);
         match made {
             Ok(Dial::Made(chan)) => {
@@ -187,8 +200,8 @@ impl Links {
     }
 
     /// Dials and, when welcomed, agrees on a medium.
-    fn dial(&self, peer: usize, deadline: Instant) -> Result<Dial> {
-        let s = match mesh::dial(&self.spec, peer, deadline)? {
+    fn dial(&self, peer: usize, answer_by: Instant, deadline: Instant) -> Result<Dial> {
+        let s = match mesh::dial(&self.spec, peer, answer_by.min(deadline))? {
             Dialed::Welcomed(s) => s,
             Dialed::Duplicate => return Ok(Dial::Duplicate),
             Dialed::Failed(report) => return Ok(Dial::Failed(report)),
@@ -248,7 +261,16 @@ impl Links {
                 }
             }
         };
-        if !mesh::answer(&self.spec, verdict, rank, &mut s) || verdict != Verdict::Welcome {
+        if !mesh::answer(&self.spec, verdict, rank, &mut s) {
+            // The dialer left before the answer: no channel will come of
+            // this welcome (and the pair may be dialed again).
+            let mut sh = lock(&self.shared);
+            if verdict == Verdict::Welcome && sh.states[rank] == State::Connected {
+                sh.states[rank] = State::Idle;
+            }
+            return;
+        }
+        if verdict != Verdict::Welcome {
             return;
         }
         let agreed = s

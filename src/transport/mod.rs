@@ -28,6 +28,7 @@ pub mod signal;
 pub mod stream;
 pub mod tagged;
 pub mod tcp;
+pub(crate) mod watch;
 
 pub use channel::Caps;
 

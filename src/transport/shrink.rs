@@ -372,7 +372,28 @@ enum Probed {
 
 /// Probes `peer`'s process.
 fn probe(spec: &MeshSpec, peer: usize, epoch: u16, deadline: Instant) -> Result<Probed> {
-    let limit = deadline.min(Instant::now() + PROBE_LIMIT);
+    probe_until(
+        spec,
+        peer,
+        epoch,
+        deadline.min(Instant::now() + PROBE_LIMIT),
+    )
+}
+
+/// Whether `peer`'s process answers a probe by `limit`. Its endpoint's
+/// thread answers at once, whatever its caller is doing, so a rank that
+/// merely computes answers; a stopped process, one that left, or a host
+/// that vanished does not. (A wait that hears nothing from a peer asks
+/// this: see `stream/watch.rs`.) An error only for this rank's own
+/// trouble, or a peer that refuses its credentials.
+pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Result<bool> {
+    Ok(matches!(
+        probe_until(spec, peer, 0, limit)?,
+        Probed::Alive(_)
+    ))
+}
+
+fn probe_until(spec: &MeshSpec, peer: usize, epoch: u16, limit: Instant) -> Result<Probed> {
     let mut s = match dial(spec, peer, PROBE, epoch, limit) {
         Ok(s) => s,
         Err(Unreached::Gone) => return Ok(Probed::Dead),

@@ -122,10 +122,16 @@ def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None, python=
     Returns a Rank per rank; outputs go through files, so a chatty rank can
     never block on a full pipe. `python` is the interpreter (default: this
     one). A job whose torch store found its port taken runs once more."""
-    ranks = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
-    if any(r.returncode != 0 and TORCH_STORE_PORT_TAKEN in r.stderr for r in ranks):
-        ranks = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+    ranks, timed_out = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+    if _port_taken(ranks):
+        ranks, timed_out = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+    if timed_out:
+        pytest.fail(f"job {args} did not finish within {timeout} s\n{describe_all(ranks)}")
     return ranks
+
+
+def _port_taken(ranks):
+    return any(r.returncode != 0 and TORCH_STORE_PORT_TAKEN in r.stderr for r in ranks)
 
 
 def _run_ranks_once(args, world_size, timeout, env, per_rank_env, python):
@@ -149,12 +155,16 @@ def _run_ranks_once(args, world_size, timeout, env, per_rank_env, python):
                 procs.append((proc, out, err))
             deadline = time.monotonic() + timeout
             timed_out = False
-            for proc, _, _ in procs:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            # The other ranks wait for a store that never came up (its
+            # port was taken): stop at once, the caller launches again.
+            while any(proc.poll() is None for proc, _, _ in procs):
+                if any(proc.poll() not in (None, 0) and _says_port_taken(err)
+                       for proc, _, err in procs):
+                    break
+                if time.monotonic() >= deadline:
                     timed_out = True
                     break
+                time.sleep(0.05)
         finally:
             for proc, _, _ in procs:
                 if proc.poll() is None:
@@ -168,9 +178,13 @@ def _run_ranks_once(args, world_size, timeout, env, per_rank_env, python):
             out.close()
             err.close()
             ranks.append(Rank(rank, proc.returncode, stdout, stderr, parse_results(stdout)))
-    if timed_out:
-        pytest.fail(f"job {args} did not finish within {timeout} s\n{describe_all(ranks)}")
-    return ranks
+    return ranks, timed_out and not _port_taken(ranks)
+
+
+def _says_port_taken(err):
+    """Whether a rank's stderr file says its torch store's port was taken."""
+    with open(err.name) as f:
+        return TORCH_STORE_PORT_TAKEN in f.read()
 
 
 def expect_success(ranks):

@@ -16,8 +16,15 @@ use std::time::{Duration, Instant};
 /// exited refuses the dial, one that failed answers it with its failure
 /// report, and one that is merely late gets the pair's connection made.
 const DIAL_AFTER: Duration = Duration::from_secs(1);
-/// How long one such dial may take (a stopped peer never answers).
+/// How long such a dial waits for the peer's answer (a stopped peer
+/// never answers; a welcome then has its agreement's own bound).
 const DIAL_LIMIT: Duration = Duration::from_secs(1);
+/// How long the agreement after a welcome may take (the peer is alive).
+const AGREEMENT_LIMIT: Duration = Duration::from_secs(10);
+/// Dials left unanswered come at longer and longer intervals, up to this.
+const DIAL_AFTER_MOST: Duration = Duration::from_secs(8);
+/// How long a look for a refusal (nobody listens) may take.
+const REFUSAL_LIMIT: Duration = Duration::from_millis(100);
 
 impl StreamTransport {
     /// Makes sure every peer of `xfers` has a channel, bounded by the
@@ -62,17 +69,13 @@ impl StreamTransport {
             awaited.push(peer);
         }
         self.take_arrived();
-        let mut next_dial = Instant::now() + DIAL_AFTER;
+        let began = Instant::now();
+        let mut dial_every = DIAL_AFTER;
+        let mut next_dial = began + dial_every;
         loop {
             awaited.retain(|p| self.conns[*p].is_none());
             if awaited.is_empty() {
                 return Ok(());
-            }
-            if Instant::now() >= next_dial {
-                self.dial_awaited(&links, &awaited, deadline, xfers)?;
-                next_dial = Instant::now() + DIAL_AFTER;
-                self.take_arrived();
-                continue;
             }
             if self.signal.is_aborted() {
                 return Err(Error::new(
@@ -93,6 +96,30 @@ impl StreamTransport {
                         ranks.join(", ")
                     ),
                 ));
+            }
+            if now >= next_dial {
+                // Dials that get no answer come less often (a stopped
+                // peer, or one whose thread is swamped by other dials).
+                dial_every = match self.dial_awaited(&links, &awaited, deadline, xfers)? {
+                    true => DIAL_AFTER,
+                    false => (dial_every * 2).min(DIAL_AFTER_MOST),
+                };
+                next_dial = Instant::now() + dial_every;
+                self.take_arrived();
+                continue;
+            }
+            // A peer whose dial is never answered may be stopped: asked
+            // as an exchange asks (see `transport::watch`).
+            let idle = began.elapsed();
+            if self.watch.due(idle, now) {
+                let asked =
+                    self.watch
+                        .ask(&links.spec, &awaited, idle, &during(xfers), deadline)?;
+                if let Some((peer, text)) = asked {
+                    return Err(self.silent(peer, text));
+                }
+                self.take_arrived();
+                continue;
             }
             let mut fds = [
                 libc::pollfd {
@@ -117,40 +144,49 @@ impl StreamTransport {
     /// its communicator: nobody listens at its address), may have failed
     /// (its communicator answers every dial with its failure report), or
     /// may be late or busy: this rank dials it itself, one peer per round,
-    /// in turn, briefly. Without this, the first two were noticed only at
-    /// the timeout, and a failure report on another connection waited
-    /// unread behind them. A dial that times out (a stopped peer) leaves
-    /// the wait to go on to the timeout, which names the peer.
+    /// in turn. Without this, the first two were noticed only at the
+    /// timeout, and a failure report on another connection waited unread
+    /// behind them. Whether the dial was answered: one that was not (a
+    /// slow or stopped peer, a full backlog) proves nothing, and the wait
+    /// goes on; only a refused connection says the peer is gone.
     fn dial_awaited(
         &mut self,
         links: &Links,
         awaited: &[usize],
         deadline: Instant,
         xfers: &[Xfer<'_>],
-    ) -> Result<()> {
+    ) -> Result<bool> {
         self.probed = self.probed.wrapping_add(1);
         let Some(&peer) = awaited.get(self.probed % awaited.len().max(1)) else {
-            return Ok(());
+            return Ok(true);
         };
-        let until = deadline.min(Instant::now() + DIAL_LIMIT);
-        match links.connect(peer, until) {
-            Ok(Connect::Failed(report)) => Err(self.failed_peer(peer, &report, xfers)),
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == ErrorKind::PeerLost => {
-                self.signal.note_lost(peer);
-                let during = during(xfers);
-                Err(Error::new(
-                    ErrorKind::PeerLost,
-                    format!(
-                        "{} (rank {} was{during}, waiting for rank {peer} to connect)",
-                        e.message(),
-                        self.rank
-                    ),
-                ))
-            }
-            // Late or stopped: the wait goes on.
-            Err(_) => Ok(()),
+        let now = Instant::now();
+        let answer_by = deadline.min(now + DIAL_LIMIT);
+        let agreed_by = deadline.min(now + AGREEMENT_LIMIT);
+        let e = match links.connect_within(peer, answer_by, agreed_by) {
+            Ok(Connect::Failed(report)) => return Err(self.failed_peer(peer, &report, xfers)),
+            Ok(_) => return Ok(true),
+            Err(e) => e,
+        };
+        // Credentials or a communicator that differ do not go away.
+        if matches!(e.kind(), ErrorKind::Auth | ErrorKind::Mismatch) {
+            return Err(e);
         }
+        let addr = links.spec.addrs[peer];
+        let refused = std::net::TcpStream::connect_timeout(&addr, REFUSAL_LIMIT)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+        if !refused {
+            return Ok(false);
+        }
+        self.signal.note_lost(peer);
+        Err(Error::new(
+            ErrorKind::PeerLost,
+            format!(
+                "rank {} waited{} for rank {peer} to connect, but nobody listens at its address {addr} any more: it exited, or destroyed its communicator",
+                self.rank,
+                during(xfers)
+            ),
+        ))
     }
 
     /// The error of a call whose dial `peer` answered with its failure

@@ -31,6 +31,7 @@ use super::frame::{
 use super::link::Links;
 use super::signal::AbortSignal;
 use super::tagged::{Path, Posts, ReadCost, Sink, Tagged};
+use super::watch::Watch;
 use super::{Dir, Shape, Transport, Xfer};
 use crate::descriptor::{Desc, OpKind};
 use crate::error::{describe_io, Error, ErrorKind, Result};
@@ -85,8 +86,11 @@ pub struct StreamTransport {
     /// How channels to peers are made on first use (None: every channel
     /// was given at construction).
     links: Option<Arc<Links>>,
-    /// Which awaited peer the next liveness check looks at (connect.rs).
+    /// Which awaited peer the next dial looks at (connect.rs).
     probed: usize,
+    /// When an exchange that hears nothing asks its peers whether they
+    /// run (see `transport::watch`).
+    watch: Watch,
     /// A failure another rank reported to this one, passed on as is: a
     /// peer that heard it may exit before the reporter's own notice
     /// reaches everyone, and its closed connection alone would say only
@@ -257,6 +261,9 @@ pub struct Tuning {
     pub timeout: Duration,
     /// How long to busy-wait before sleeping (zero: sleep in poll() at once).
     pub spin: Duration,
+    /// How long a wait hears nothing before it asks whether the peers it
+    /// waits for still run (see `watch`); zero: never.
+    pub peer_check: Duration,
     /// Yield the core between spins (when ranks outnumber cores).
     pub yield_when_idle: bool,
     /// Payloads from this size travel single-copy where the channel allows;
@@ -296,6 +303,7 @@ impl StreamTransport {
         let Tuning {
             timeout,
             spin,
+            peer_check,
             yield_when_idle,
             single_copy_min,
             two_way_single_copy_min,
@@ -331,6 +339,7 @@ impl StreamTransport {
             heard: None,
             links: None,
             probed: 0,
+            watch: Watch::new(peer_check),
             tagged: Tagged::new(
                 rank,
                 size,
@@ -646,6 +655,21 @@ impl StreamTransport {
         if let Some(conn) = self.conns[peer].as_mut() {
             if conn.gone.is_none() {
                 conn.gone = Some(Gone::Lost(why.to_string()));
+            }
+        }
+        self.fail_tagged_reading(peer, &err);
+        self.tagged.fail_peer(peer, err.clone());
+        err
+    }
+
+    /// `peer`'s process does not answer (see `transport::watch`): it
+    /// counts as failed, and every call with it fails with `text`.
+    pub fn silent(&mut self, peer: usize, text: String) -> Error {
+        self.signal.note_lost(peer);
+        let err = Error::new(ErrorKind::PeerLost, text);
+        if let Some(conn) = self.conns[peer].as_mut() {
+            if conn.gone.is_none() {
+                conn.gone = Some(Gone::Lost("its process does not answer".into()));
             }
         }
         self.fail_tagged_reading(peer, &err);

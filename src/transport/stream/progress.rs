@@ -50,6 +50,33 @@ impl StreamTransport {
         )
     }
 
+    /// The peers this exchange still waits on.
+    fn waited(&self, p: &Progress) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&peer| {
+                !p.recvs[peer].is_empty() || !p.sends[peer].is_empty() || !p.acked[peer].is_empty()
+            })
+            .collect()
+    }
+
+    /// Asks a peer this exchange waits on whether its process runs, once
+    /// nothing has moved for a while (see `transport::watch`); one that
+    /// does not answer fails the exchange.
+    fn watch_silence(&mut self, p: &Progress, idle: Duration, deadline: Instant) -> Result<()> {
+        let Some(links) = self.links.clone() else {
+            return Ok(());
+        };
+        let waited = self.waited(p);
+        let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
+        match self
+            .watch
+            .ask(&links.spec, &waited, idle, &during, deadline)?
+        {
+            Some((peer, text)) => Err(self.silent(peer, text)),
+            None => Ok(()),
+        }
+    }
+
     /// The peers this exchange still waits on, and for what.
     pub(super) fn waiting_for(&self, p: &Progress) -> Vec<String> {
         let mut waiting = Vec::new();
@@ -206,6 +233,9 @@ impl StreamTransport {
             let idle = now.duration_since(*idle_since.get_or_insert(now));
             if idle >= self.read_ahead_after {
                 p.read_ahead = true;
+            }
+            if self.watch.due(idle, now) {
+                self.watch_silence(p, idle, deadline)?;
             }
             if now < *spin_until.get_or_insert(now + spin) {
                 if self.yield_when_idle {
@@ -464,6 +494,7 @@ pub(super) mod tests {
         Tuning {
             timeout: Duration::from_secs(20),
             spin: Duration::from_micros(50),
+            peer_check: Duration::ZERO,
             yield_when_idle: true,
             single_copy_min: usize::MAX,
             two_way_single_copy_min: usize::MAX,

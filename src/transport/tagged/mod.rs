@@ -249,6 +249,16 @@ pub enum Described {
     Recv(Incoming),
 }
 
+impl Described {
+    /// The rank the call waits for (None: a receive from any source).
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Described::Send(m) => Some(m.peer),
+            Described::Recv(r) => r.peer,
+        }
+    }
+}
+
 impl std::fmt::Display for Described {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
