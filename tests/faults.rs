@@ -1219,3 +1219,23 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
         }
     }
 }
+
+/// A rank that is merely late (here 5 s, past the second after which the
+/// others dial it and the 3 s after which they ask whether it runs) is
+/// waited for: its endpoint's thread answers both, and the call then
+/// succeeds on every rank with the right sum.
+#[test]
+fn a_late_rank_is_waited_for_not_given_up() {
+    let mut o = common::opts(30_000);
+    o.set("backend", "socket").unwrap();
+    let results = common::world(3, o, Duration::from_secs(40), |comm| {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        let mut v = [comm.rank() as u32 + 1; 8];
+        comm.allreduce(&mut v, ReduceOp::Sum).map(|()| v[0])
+    });
+    for (rank, r) in results.iter().enumerate() {
+        assert_eq!(r.as_ref().ok(), Some(&6), "rank {rank}: {r:?}");
+    }
+}
