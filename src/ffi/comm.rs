@@ -236,7 +236,8 @@ pub extern "C" fn rdist_comm_shrink(
 }
 
 /// The ranks this rank knows to have failed in `comm` (their connection
-/// broke: they died or left, or their host or the network between failed), in
+/// broke: they died or left, or their host or the network between failed;
+/// or, while this rank waited for them, their process stopped answering), in
 /// ascending order: the first `capacity` of them go to `ranks` (which may
 /// be NULL when `capacity` is 0), and `*count` is how many there are, so
 /// a call with capacity 0 sizes the array. Callable from any thread, also

@@ -529,6 +529,7 @@ impl Endpoint {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut watch = Watch::new(self.peer_check);
         let mut quiet_since = Instant::now();
+        let mut moves = 0u64;
         while !t.done.is_finished() {
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
@@ -536,15 +537,14 @@ impl Endpoint {
                 return;
             }
             let idle = now.duration_since(quiet_since);
-            if let Some(peer) = t.call.peer().filter(|_| watch.due(idle, now)) {
-                // Asked without the core: a silent peer takes seconds.
+            if let Some(peer) = t.call.peer().filter(|_| watch.due(idle, moves, now)) {
                 let during = format!(" in {}", t.call);
-                if let Ok(Some((peer, text))) =
-                    watch.ask(&sh.links.spec, &[peer], idle, &during, deadline)
-                {
+                let asked = watch.look(&sh.links.spec, &[peer], idle, moves, &during);
+                if let Some((peer, text)) = asked {
+                    // Fails this call, and every other with that peer.
                     self.core().silent(peer, text);
+                    continue;
                 }
-                continue;
             }
             let nap_now = nap.min(left);
             nap = (nap * 2).min(Duration::from_millis(50));
@@ -566,6 +566,7 @@ impl Endpoint {
                     if moved {
                         nap = Duration::from_millis(1);
                         quiet_since = Instant::now();
+                        moves += 1;
                     } else if !t.done.is_finished() {
                         let short = Duration::from_millis(1);
                         bell.sleep(seen, if sockets { nap_now.min(short) } else { nap_now });
@@ -579,6 +580,7 @@ impl Endpoint {
                     if moved {
                         nap = Duration::from_millis(1);
                         quiet_since = Instant::now();
+                        moves += 1;
                     }
                     if moved || buffered || t.done.is_finished() {
                         continue;

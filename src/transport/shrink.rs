@@ -380,18 +380,83 @@ fn probe(spec: &MeshSpec, peer: usize, epoch: u16, deadline: Instant) -> Result<
     )
 }
 
-/// Whether `peer`'s process answers a probe by `limit`. Its endpoint's
-/// thread answers at once, whatever its caller is doing, so a rank that
-/// merely computes answers; a stopped process, one that left, or a host
-/// that vanished does not. (A wait that hears nothing from a peer asks
-/// this: see `stream/watch.rs`.) An error only for this rank's own
-/// trouble, or a peer that refuses its credentials.
-pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Result<bool> {
-    Ok(matches!(
-        probe_until(spec, peer, 0, limit)?,
-        Probed::Alive(_)
-    ))
+/// What a rank's process said when asked whether it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// It answered (or refused this rank's credentials: it runs too).
+    Runs,
+    /// Nobody listens at its address: it exited, or destroyed its
+    /// communicator.
+    Gone,
+    /// No answer by the limit: stopped (a signal, a debugger), or its
+    /// host unreachable.
+    Silent,
 }
+
+/// Asks `peer`'s process whether it runs, until `limit`. Its endpoint's
+/// thread answers at once, whatever its caller is doing, so a rank that
+/// merely computes answers. A connection dropped before the answer (its
+/// thread may have let the greeting expire while it was busy admitting
+/// another) proves nothing: asked again, until `limit`. For waits that
+/// hear nothing from a peer: see `transport::watch`.
+pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Liveness {
+    loop {
+        let left = limit.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Liveness::Silent;
+        }
+        let mut s = match mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Liveness::Gone,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                return Liveness::Silent
+            }
+            // Unreachable for now (a vanished host's neighbours say so
+            // late), out of descriptors: again shortly.
+            Err(_) => {
+                std::thread::sleep(ASK_AGAIN.min(left));
+                continue;
+            }
+        };
+        let _ = s.set_nodelay(true);
+        let hello = hello(spec, PROBE, 0);
+        let answered = match greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit) {
+            // Refused credentials come from a running process.
+            Err(Refusal::Auth(_)) => return Liveness::Runs,
+            Err(Refusal::Io(e)) => Err(e),
+            Ok(()) => {
+                let left = limit
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                let mut b = [0u8; 1];
+                s.set_read_timeout(Some(left))
+                    .and_then(|()| s.read_exact(&mut b))
+                    .map(|()| b[0] == ALIVE)
+            }
+        };
+        match answered {
+            Ok(true) => return Liveness::Runs,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                return Liveness::Silent
+            }
+            // Dropped, or an answer of another kind: again shortly.
+            _ => std::thread::sleep(ASK_AGAIN.min(limit.saturating_duration_since(Instant::now()))),
+        }
+    }
+}
+
+/// How soon a question whose connection was dropped is asked again.
+const ASK_AGAIN: Duration = Duration::from_millis(200);
 
 fn probe_until(spec: &MeshSpec, peer: usize, epoch: u16, limit: Instant) -> Result<Probed> {
     let mut s = match dial(spec, peer, PROBE, epoch, limit) {

@@ -125,6 +125,8 @@ def run_ranks(args, world_size, timeout=30, env=None, per_rank_env=None, python=
     ranks, timed_out = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
     if _port_taken(ranks):
         ranks, timed_out = _run_ranks_once(args, world_size, timeout, env, per_rank_env, python)
+        if _port_taken(ranks):
+            pytest.fail(f"job {args}: its torch store found its port taken twice\n{describe_all(ranks)}")
     if timed_out:
         pytest.fail(f"job {args} did not finish within {timeout} s\n{describe_all(ranks)}")
     return ranks
@@ -157,9 +159,14 @@ def _run_ranks_once(args, world_size, timeout, env, per_rank_env, python):
             timed_out = False
             # The other ranks wait for a store that never came up (its
             # port was taken): stop at once, the caller launches again.
-            while any(proc.poll() is None for proc, _, _ in procs):
-                if any(proc.poll() not in (None, 0) and _says_port_taken(err)
-                       for proc, _, err in procs):
+            looked = set()
+            taken = False
+            while not taken and any(proc.poll() is None for proc, _, _ in procs):
+                for i, (proc, _, err) in enumerate(procs):
+                    if i not in looked and proc.poll() not in (None, 0):
+                        looked.add(i)
+                        taken = taken or _says_port_taken(err)
+                if taken:
                     break
                 if time.monotonic() >= deadline:
                     timed_out = True

@@ -8,6 +8,7 @@ use super::{Conn, StreamTransport};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::channel::Channel;
 use crate::transport::link::{Connect, Links};
+use crate::transport::watch::ANSWER_LIMIT;
 use crate::transport::Xfer;
 use std::time::{Duration, Instant};
 
@@ -52,11 +53,26 @@ impl StreamTransport {
                 continue;
             }
             if peer < self.rank {
-                match links.connect(peer, deadline) {
+                // A stopped peer never answers the dial: bounded as the
+                // watch bounds its questions (see `transport::watch`).
+                let answer_by = match self.watch.on() {
+                    true => deadline.min(Instant::now() + ANSWER_LIMIT),
+                    false => deadline,
+                };
+                match links.connect_within(peer, answer_by, deadline) {
                     Ok(Connect::Failed(report)) => {
                         return Err(self.failed_peer(peer, &report, xfers))
                     }
                     Ok(_) => {}
+                    Err(e) if e.kind() == ErrorKind::Timeout && answer_by < deadline => {
+                        let text = format!(
+                            "rank {peer} does not answer: rank {} dialed it{}, and it did not answer within {} s (it is stopped, by a signal or a debugger, or its host is unreachable; option peer_check_ms=0 waits for it to the timeout)",
+                            self.rank,
+                            during(xfers),
+                            ANSWER_LIMIT.as_secs()
+                        );
+                        return Err(self.silent(peer, text));
+                    }
                     Err(e) => {
                         // Nobody listens where it did: it is gone.
                         if e.kind() == ErrorKind::PeerLost {
@@ -111,15 +127,15 @@ impl StreamTransport {
             // A peer whose dial is never answered may be stopped: asked
             // as an exchange asks (see `transport::watch`).
             let idle = began.elapsed();
-            if self.watch.due(idle, now) {
-                let asked =
-                    self.watch
-                        .ask(&links.spec, &awaited, idle, &during(xfers), deadline)?;
+            // A peer that connected counts as movement.
+            let moves = (xfers.len() - awaited.len()) as u64;
+            if self.watch.due(idle, moves, now) {
+                let asked = self
+                    .watch
+                    .look(&links.spec, &awaited, idle, moves, &during(xfers));
                 if let Some((peer, text)) = asked {
                     return Err(self.silent(peer, text));
                 }
-                self.take_arrived();
-                continue;
             }
             let mut fds = [
                 libc::pollfd {

@@ -662,21 +662,6 @@ impl StreamTransport {
         err
     }
 
-    /// `peer`'s process does not answer (see `transport::watch`): it
-    /// counts as failed, and every call with it fails with `text`.
-    pub fn silent(&mut self, peer: usize, text: String) -> Error {
-        self.signal.note_lost(peer);
-        let err = Error::new(ErrorKind::PeerLost, text);
-        if let Some(conn) = self.conns[peer].as_mut() {
-            if conn.gone.is_none() {
-                conn.gone = Some(Gone::Lost("its process does not answer".into()));
-            }
-        }
-        self.fail_tagged_reading(peer, &err);
-        self.tagged.fail_peer(peer, err.clone());
-        err
-    }
-
     /// The connection to `peer` itself broke (closed, reset, unreadable):
     /// the peer counts as failed (`rdist_comm_failed_ranks`), then as
     /// `lose`. A pair given up for a protocol error or this rank's own

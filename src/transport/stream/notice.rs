@@ -79,6 +79,32 @@ impl StreamTransport {
         self.tagged.forget_cut_frames();
     }
 
+    /// `peer`'s process does not answer, or is gone (see
+    /// `transport::watch`): it counts as failed, and every call with it
+    /// fails with `text`. It is told so (should it run after all, it
+    /// fails too rather than wait for this rank), and its connection is
+    /// given up.
+    pub fn silent(&mut self, peer: usize, text: String) -> Error {
+        self.signal.note_lost(peer);
+        let err = Error::new(ErrorKind::PeerLost, text);
+        if let Some(conn) = self.conns[peer].as_mut() {
+            if conn.gone.is_none() {
+                let report = Error::new(
+                    err.kind(),
+                    format!("rank {} gave rank {peer} up: {}", self.rank, err.message()),
+                );
+                let payload = frame::encode_failure(&report, &self.signal.lost_ranks());
+                let header = Header::control(FrameKind::Failure, payload.len()).encode();
+                conn.send_control(&header, &payload);
+                conn.chan.shutdown(Shutdown::Write);
+                conn.gone = Some(Gone::Lost("its process does not answer".into()));
+            }
+        }
+        self.fail_tagged_reading(peer, &err);
+        self.tagged.fail_peer(peer, err.clone());
+        err
+    }
+
     /// A peer's failure report (a failure frame's payload, or its answer
     /// to a dial): notes the ranks it names as lost and keeps it, to be
     /// passed on as it is. Its kind and text.

@@ -62,7 +62,7 @@ impl StreamTransport {
     /// Asks a peer this exchange waits on whether its process runs, once
     /// nothing has moved for a while (see `transport::watch`); one that
     /// does not answer fails the exchange.
-    fn watch_silence(&mut self, p: &Progress, idle: Duration, deadline: Instant) -> Result<()> {
+    fn watch_silence(&mut self, p: &Progress, idle: Duration) -> Result<()> {
         let Some(links) = self.links.clone() else {
             return Ok(());
         };
@@ -70,7 +70,7 @@ impl StreamTransport {
         let during = p.desc.map(|d| format!(" in {d}")).unwrap_or_default();
         match self
             .watch
-            .ask(&links.spec, &waited, idle, &during, deadline)?
+            .look(&links.spec, &waited, idle, self.moved, &during)
         {
             Some((peer, text)) => Err(self.silent(peer, text)),
             None => Ok(()),
@@ -234,8 +234,8 @@ impl StreamTransport {
             if idle >= self.read_ahead_after {
                 p.read_ahead = true;
             }
-            if self.watch.due(idle, now) {
-                self.watch_silence(p, idle, deadline)?;
+            if self.watch.due(idle, self.moved, now) {
+                self.watch_silence(p, idle)?;
             }
             if now < *spin_until.get_or_insert(now + spin) {
                 if self.yield_when_idle {
