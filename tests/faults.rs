@@ -1103,29 +1103,15 @@ fn a_failed_rank_that_lives_on_is_heard_by_ranks_it_never_met() {
             })
             .collect();
         let start = Instant::now();
-        for (r, w) in workers.iter_mut().enumerate().take(2) {
-            while w.try_wait().unwrap().is_none() {
-                assert!(start.elapsed() < Duration::from_secs(40), "rank {r} hung");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let mut out = String::new();
-            std::io::Read::read_to_string(w.stdout.as_mut().unwrap(), &mut out).unwrap();
-            let line = out
-                .lines()
-                .find_map(|l| l.split_once("RESULT").map(|x| x.1))
-                .unwrap_or_else(|| panic!("{call}: rank {r} printed no result: {out}"));
-            println!("{call}: rank {r}:{line}");
+        for r in 0..2 {
+            let line = result_of(&mut workers, r, start, Duration::from_secs(40), &role);
             assert!(line.contains("kind=Aborted"), "{call}: rank {r}:{line}");
             assert!(
                 line.contains("rank 2 aborted the communicator"),
                 "{call}: rank {r}:{line}"
             );
-            let after: f64 = line
-                .split_once("after=")
-                .and_then(|(_, t)| t.split_whitespace().next())
-                .and_then(|t| t.parse().ok())
-                .unwrap();
             // Rank 2 lives 8 s; the timeout is 30 s.
+            let after = after_of(&line);
             assert!(after < 4.0, "{call}: rank {r} took {after} s:{line}");
         }
         let _ = workers[2].kill();
@@ -1183,41 +1169,25 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
             })
             .collect();
         let start = Instant::now();
-        let mut said = Vec::new();
-        for r in [0usize, 2] {
-            let w = &mut workers[r];
-            while w.try_wait().unwrap().is_none() {
-                if start.elapsed() > Duration::from_secs(50) {
-                    for w in workers.iter_mut() {
-                        let _ = w.kill();
-                    }
-                    panic!("{role}: rank {r} still waits after 50 s");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let mut out = String::new();
-            std::io::Read::read_to_string(w.stdout.as_mut().unwrap(), &mut out).unwrap();
-            said.push((r, out));
-        }
+        let said: Vec<(usize, String)> = [0usize, 2]
+            .into_iter()
+            .map(|r| {
+                (
+                    r,
+                    result_of(&mut workers, r, start, Duration::from_secs(50), role),
+                )
+            })
+            .collect();
         let _ = workers[1].kill();
         let _ = workers[1].wait();
-        for (r, out) in &said {
-            let line = out
-                .lines()
-                .find_map(|l| l.split_once("RESULT").map(|x| x.1))
-                .unwrap_or_else(|| panic!("{role}: rank {r} printed no result: {out}"));
-            println!("{role}: rank {r}:{line}");
+        for (r, line) in &said {
             assert!(line.contains("kind=PeerLost"), "{role}: rank {r}:{line}");
             assert!(
                 line.contains("rank 1 does not answer"),
                 "{role}: rank {r}:{line}"
             );
             assert!(line.contains("failed=[1]"), "{role}: rank {r}:{line}");
-            let after: f64 = line
-                .split_once("after=")
-                .and_then(|(_, t)| t.split_whitespace().next())
-                .and_then(|t| t.parse().ok())
-                .unwrap();
+            let after = after_of(line);
             assert!(after < 30.0, "{role}: rank {r} took {after} s:{line}");
         }
     }
@@ -1241,4 +1211,40 @@ fn a_late_rank_is_waited_for_not_given_up() {
     for (rank, r) in results.iter().enumerate() {
         assert_eq!(r.as_ref().ok(), Some(&6), "rank {rank}: {r:?}");
     }
+}
+
+/// Waits (up to `limit` from `start`) for worker `r` to exit and returns
+/// its RESULT line; on a hang, kills every worker and panics.
+fn result_of(
+    workers: &mut [std::process::Child],
+    r: usize,
+    start: Instant,
+    limit: Duration,
+    what: &str,
+) -> String {
+    while workers[r].try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            for w in workers.iter_mut() {
+                let _ = w.kill();
+            }
+            panic!("{what}: rank {r} still waits after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = String::new();
+    std::io::Read::read_to_string(workers[r].stdout.as_mut().unwrap(), &mut out).unwrap();
+    let line = out
+        .lines()
+        .find_map(|l| l.split_once("RESULT").map(|x| x.1.to_string()))
+        .unwrap_or_else(|| panic!("{what}: rank {r} printed no result: {out}"));
+    println!("{what}: rank {r}:{line}");
+    line
+}
+
+/// The `after=<seconds>` of a RESULT line.
+fn after_of(line: &str) -> f64 {
+    line.split_once("after=")
+        .and_then(|(_, t)| t.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no after= in {line}"))
 }

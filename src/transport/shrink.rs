@@ -408,14 +408,7 @@ pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Liveness {
         let mut s = match mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left) {
             Ok(s) => s,
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Liveness::Gone,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-                ) =>
-            {
-                return Liveness::Silent
-            }
+            Err(e) if timed_out(&e) => return Liveness::Silent,
             // Unreachable for now (a vanished host's neighbours say so
             // late), out of descriptors: again shortly.
             Err(_) => {
@@ -441,18 +434,20 @@ pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Liveness {
         };
         match answered {
             Ok(true) => return Liveness::Runs,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-                ) =>
-            {
-                return Liveness::Silent
-            }
+            Err(e) if timed_out(&e) => return Liveness::Silent,
             // Dropped, or an answer of another kind: again shortly.
             _ => std::thread::sleep(ASK_AGAIN.min(limit.saturating_duration_since(Instant::now()))),
         }
     }
+}
+
+/// A read or connect that ran out of time (a blocking socket's timeout
+/// reads as WouldBlock).
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+    )
 }
 
 /// How soon a question whose connection was dropped is asked again.
