@@ -220,6 +220,10 @@ pub struct Plan {
     /// Ranks outnumber cores: waiting ranks yield their core, and the
     /// total copying work is what counts.
     pub oversubscribed: bool,
+    /// Ranks per core, rounded up (1 unless oversubscribed): what every
+    /// thread that looks now and then must divide its looks by, so that
+    /// all the ranks' looks together cost a core what one rank's would.
+    pub ranks_per_core: usize,
     /// From which size shared-memory payloads go single copy when the
     /// option leaves it to rdist (usize::MAX: never).
     pub single_copy_min: usize,
@@ -314,6 +318,10 @@ pub fn plan(i: &Inputs) -> Plan {
     ));
     let sharing = i.host_ranks.max(i.host_job_ranks);
     let oversubscribed = sharing > i.cores || i.machine_ranks > i.machine_cores;
+    let ranks_per_core = sharing
+        .div_ceil(i.cores.max(1))
+        .max(i.machine_ranks.div_ceil(i.machine_cores.max(1)))
+        .max(1);
     let here = i.here;
     // The ranks' copies at one core's speed each, all at once, asking
     // well more than the memory system gives: memory is the bound, the
@@ -333,13 +341,14 @@ pub fn plan(i: &Inputs) -> Plan {
     let two_way_single_copy_min = single_copy_min.min(two_way.unwrap_or(usize::MAX));
     why.push(if oversubscribed {
         format!(
-            "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield \
-             and shared-memory payloads from {} (twice the {} cache) that are not reduced go single copy \
-             (one copy instead of the rings' two)",
+            "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield, \
+             the endpoint's thread looks {}x less often, and shared-memory payloads from {} (twice the \
+             {} cache) that are not reduced go single copy (one copy instead of the rings' two)",
             sharing,
             i.cores,
             i.machine_ranks,
             i.machine_cores,
+            ranks_per_core,
             bytes(from),
             bytes((here.cache_kib as usize) << 10),
         )
@@ -406,6 +415,7 @@ pub fn plan(i: &Inputs) -> Plan {
     Plan {
         crossovers,
         oversubscribed,
+        ranks_per_core,
         single_copy_min,
         two_way_single_copy_min,
         read_cost,

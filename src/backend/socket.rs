@@ -178,6 +178,7 @@ impl SocketBackend {
                 spin: settings.spin,
                 peer_check: settings.peer_check,
                 yield_when_idle: oversubscribed,
+                ranks_per_core: plan.ranks_per_core,
                 single_copy_min,
                 two_way_single_copy_min,
                 reduced_single_copy_min: settings.single_copy.reduced_min_bytes(),

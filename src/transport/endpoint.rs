@@ -65,6 +65,7 @@ impl Endpoint {
         };
         let (rank, size) = (mesh.rank, mesh.size);
         let links = Arc::new(Links::new(mesh, media::open(layout, wanted))?);
+        let ranks_per_core = tuning.ranks_per_core.max(1);
         let (spin, yield_when_idle, timeout, peer_check) = (
             tuning.spin,
             tuning.yield_when_idle,
@@ -81,6 +82,7 @@ impl Endpoint {
             links,
             wake: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
             drivers: AtomicUsize::new(0),
+            ranks_per_core,
             may_sleep_long: AtomicBool::new(true),
             driven_lately: AtomicBool::new(false),
             closing: AtomicBool::new(false),

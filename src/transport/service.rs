@@ -34,6 +34,10 @@ pub(super) struct Shared {
     /// Callers driving progress in their waits right now: the thread
     /// stays out of their way.
     pub drivers: AtomicUsize,
+    /// Ranks per core on this host (1 unless they outnumber the cores):
+    /// the thread's looks are that many times rarer, so that every rank's
+    /// thread together wakes a core as often as one alone would.
+    pub ranks_per_core: usize,
     /// A caller drove since the thread last looked: it may come back at
     /// once (the next blocking call), so the thread does not sleep on the
     /// doorbell then (the barrier that sleep needs interrupts every core).
@@ -100,11 +104,16 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
     let mut greeting: Vec<Greeting> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut last_busy = Instant::now();
+    // Whether the listener may have connections waiting (an accept that
+    // finds none still costs the kernel a socket made and freed).
+    let mut listener_ready = true;
     loop {
         if let Some(hook) = lock(&sh.hook).as_mut() {
             hook();
         }
-        accept_all(&listener, &mut greeting);
+        if listener_ready {
+            accept_all(&listener, &mut greeting);
+        }
         let mut i = 0;
         while i < greeting.len() {
             match greeting[i].advance(sh.links.spec.token.as_ref()) {
@@ -166,9 +175,9 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         let wait_ms = if buffered {
             0
         } else if others {
-            CALLERS_LOOK_MS
+            rarer(CALLERS_LOOK_MS, sh.ranks_per_core)
         } else if now.duration_since(last_busy) < ACTIVE_FOR {
-            ACTIVE_LOOK_MS
+            rarer(ACTIVE_LOOK_MS, sh.ranks_per_core)
         } else {
             IDLE_WAKE_MS
         };
@@ -179,6 +188,7 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         // a greeting's next bytes and, when this thread moves the tagged
         // calls, a call posted or a connection that arrived meanwhile
         // (else whoever holds the core takes those).
+        let listener_at = fds.len() + 1;
         let mut wakers = vec![sh.wake.fd(), listener.as_raw_fd()];
         if holding {
             wakers.extend([sh.posts.bell.fd(), sh.links.arrival_fd()]);
@@ -193,10 +203,21 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         // SAFETY: fds is a live array of pollfd.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
         sh.may_sleep_long.store(false, Ordering::SeqCst);
+        // An interrupted poll() tells nothing: accept anyway.
+        listener_ready = n < 0 || (n > 0 && fds[listener_at].revents != 0);
         if n > 0 {
             sh.wake.drain();
         }
     }
+}
+
+/// A look's interval when `ranks_per_core` ranks share each core: each
+/// look takes a core from a rank with work, so a thousand ranks on two
+/// cores that looked every few milliseconds each would keep the cores
+/// busy looking. Never rarer than the idle wake.
+fn rarer(every_ms: libc::c_int, ranks_per_core: usize) -> libc::c_int {
+    let scale = libc::c_int::try_from(ranks_per_core).unwrap_or(libc::c_int::MAX);
+    every_ms.saturating_mul(scale.max(1)).min(IDLE_WAKE_MS)
 }
 
 fn accept_all(listener: &TcpListener, greeting: &mut Vec<Greeting>) {

@@ -266,6 +266,9 @@ pub struct Tuning {
     pub peer_check: Duration,
     /// Yield the core between spins (when ranks outnumber cores).
     pub yield_when_idle: bool,
+    /// Ranks per core, rounded up: the endpoint's thread looks this many
+    /// times less often (see `service`).
+    pub ranks_per_core: usize,
     /// Payloads from this size travel single-copy where the channel allows;
     /// usize::MAX: never.
     pub single_copy_min: usize,
@@ -305,6 +308,7 @@ impl StreamTransport {
             spin,
             peer_check,
             yield_when_idle,
+            ranks_per_core: _,
             single_copy_min,
             two_way_single_copy_min,
             reduced_single_copy_min,

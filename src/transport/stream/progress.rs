@@ -496,6 +496,7 @@ pub(super) mod tests {
             spin: Duration::from_micros(50),
             peer_check: Duration::ZERO,
             yield_when_idle: true,
+            ranks_per_core: 1,
             single_copy_min: usize::MAX,
             two_way_single_copy_min: usize::MAX,
             reduced_single_copy_min: usize::MAX,
