@@ -634,6 +634,22 @@ mod tests {
         assert!(p.why.contains("4 ranks here on 2 cores"), "{}", p.why);
     }
 
+    #[test]
+    fn ranks_per_core_rounds_up_and_counts_every_sharer() {
+        assert_eq!(plan(&inputs(REFERENCE, 2, 2)).ranks_per_core, 1);
+        assert_eq!(plan(&inputs(REFERENCE, 1, 2)).ranks_per_core, 1);
+        assert_eq!(plan(&inputs(REFERENCE, 3, 2)).ranks_per_core, 2);
+        let p = plan(&inputs(REFERENCE, 1024, 2));
+        assert_eq!(p.ranks_per_core, 512);
+        assert!(p.why.contains("looks 512x less often"), "{}", p.why);
+        let mut split = inputs(REFERENCE, 2, 2);
+        split.host_job_ranks = 8;
+        assert_eq!(plan(&split).ranks_per_core, 4);
+        let mut shared = inputs(REFERENCE, 2, 2);
+        shared.machine_ranks = 6;
+        assert_eq!(plan(&shared).ranks_per_core, 3);
+    }
+
     /// As measured on the 2-core Sapphire Rapids VM.
     const SAPPHIRE_RAPIDS_VM: Machine = Machine {
         pass_mbs: 12_000,

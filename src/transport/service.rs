@@ -235,3 +235,17 @@ fn accept_all(listener: &TcpListener, greeting: &mut Vec<Greeting>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn looks_are_rarer_by_the_ranks_per_core_up_to_the_idle_wake() {
+        assert_eq!(rarer(ACTIVE_LOOK_MS, 1), ACTIVE_LOOK_MS);
+        assert_eq!(rarer(ACTIVE_LOOK_MS, 0), ACTIVE_LOOK_MS);
+        assert_eq!(rarer(ACTIVE_LOOK_MS, 4), 4 * ACTIVE_LOOK_MS);
+        assert_eq!(rarer(CALLERS_LOOK_MS, 512), IDLE_WAKE_MS);
+        assert_eq!(rarer(CALLERS_LOOK_MS, usize::MAX), IDLE_WAKE_MS);
+    }
+}
