@@ -49,6 +49,9 @@ fn worker_process() {
     if role == "hush_p2p" {
         return receive_from_a_stopped_rank_1(&comm);
     }
+    if let Some(call) = role.strip_prefix("abort_dial_") {
+        return abort_a_dial_to_a_stopped_rank_0(&comm, call);
+    }
     let mut buf = vec![1.0f32; 4096];
     for i in 0.. {
         if role == "crash" && comm.rank() == 2 && i == 20 {
@@ -1141,6 +1144,77 @@ fn receive_from_a_stopped_rank_1(comm: &Comm) {
             t.elapsed().as_secs_f64(),
             comm.failed_ranks()
         ),
+    }
+}
+
+/// The body of `an_abort_ends_a_dial_to_a_stopped_rank`: rank 0 stops
+/// itself; rank 1 makes `call` with it (a first one, so it dials rank 0)
+/// and aborts from another thread a second later.
+fn abort_a_dial_to_a_stopped_rank_0(comm: &Comm, call: &str) {
+    if comm.rank() == 0 {
+        // SAFETY: stops this process (as a debugger or ^Z would).
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let handle = comm.abort_handle();
+    let aborter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        handle.abort();
+    });
+    let t = Instant::now();
+    let result = match call {
+        "send" => comm.send(&[7u32; 8], 0),
+        _ => comm.allreduce(&mut [1u32; 8], ReduceOp::Sum),
+    };
+    let after = t.elapsed().as_secs_f64();
+    aborter.join().unwrap();
+    match result {
+        Ok(()) => println!("RESULT never failed"),
+        Err(e) => println!("RESULT kind={:?} after={after:.3} msg={e}", e.kind()),
+    }
+}
+
+/// A rank that dials a stopped one (whose kernel accepts the connection
+/// for it, so the dial's answer never comes) is freed by
+/// `rdist_comm_abort` from another thread at once, in a first
+/// point-to-point call and in a first collective alike. The watch is off
+/// and the timeout 60 s: before, the dial waited for the whole timeout.
+#[test]
+fn an_abort_ends_a_dial_to_a_stopped_rank() {
+    for call in ["send", "allreduce"] {
+        let role = format!("abort_dial_{call}");
+        let port = common::free_port();
+        let mut workers: Vec<_> = (0..2)
+            .map(|r| {
+                let mut w = this_binary_as("worker_process", &role);
+                w.env("RANK", r.to_string())
+                    .env("WORLD_SIZE", "2")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("RDIST_TIMEOUT_MS", "60000")
+                    .env("RDIST_PEER_CHECK_MS", "0")
+                    // No NCCL agreement at init: the pair is not connected.
+                    .env("RDIST_BACKEND", "socket")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::null());
+                w.spawn().unwrap()
+            })
+            .collect();
+        let line = result_of(
+            &mut workers,
+            1,
+            Instant::now(),
+            Duration::from_secs(20),
+            &role,
+        );
+        let _ = workers[0].kill();
+        let _ = workers[0].wait();
+        assert!(line.contains("kind=Aborted"), "{call}:{line}");
+        assert!(line.contains("while it dialed rank 0"), "{call}:{line}");
+        let after = after_of(&line);
+        assert!(after < 4.0, "{call}: the abort took {after} s:{line}");
     }
 }
 

@@ -64,7 +64,11 @@ impl Endpoint {
             local_ranks,
         };
         let (rank, size) = (mesh.rank, mesh.size);
-        let links = Arc::new(Links::new(mesh, media::open(layout, wanted))?);
+        let links = Arc::new(Links::new(
+            mesh,
+            media::open(layout, wanted),
+            signal.clone(),
+        )?);
         let ranks_per_core = tuning.ranks_per_core.max(1);
         let (spin, yield_when_idle, timeout, peer_check) = (
             tuning.spin,

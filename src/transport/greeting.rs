@@ -18,6 +18,7 @@ use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
+use super::signal::{readable_by, AbortSignal};
 use crate::auth::{self, Side, Token, NONCE_BYTES, PROOF_BYTES};
 
 /// Bytes of the hello (its layout is `mesh`'s).
@@ -61,7 +62,10 @@ pub fn introduce(
     hello: &[u8; HELLO_BYTES],
     token: Option<&Token>,
     deadline: Instant,
+    abort: Option<&AbortSignal>,
 ) -> Result<(), Refusal> {
+    let fd = stream.as_raw_fd();
+    let answered = || readable_by(fd, deadline, abort);
     let Some(token) = token else {
         return Ok(stream.write_all(hello)?);
     };
@@ -77,6 +81,7 @@ pub fn introduce(
     first.extend_from_slice(&ours);
     stream.write_all(&first)?;
     let mut status = [0u8; 1];
+    answered()?;
     stream.read_exact(&mut status)?;
     match status[0] {
         CHALLENGE => {}
@@ -94,6 +99,7 @@ pub fn introduce(
         }
     }
     let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
+    answered()?;
     stream.read_exact(&mut challenge)?;
     let (theirs, their_proof) = challenge.split_at(NONCE_BYTES);
     if !token.verify(Side::Answering, &hello, &ours, theirs, their_proof) {
@@ -104,6 +110,7 @@ pub fn introduce(
         ));
     }
     stream.write_all(&token.prove(Side::Connecting, &hello, &ours, theirs))?;
+    answered()?;
     stream.read_exact(&mut status)?;
     match status[0] {
         ACCEPTED => Ok(()),
@@ -280,6 +287,7 @@ mod tests {
                 &hello,
                 theirs.as_ref(),
                 Instant::now() + Duration::from_secs(5),
+                None,
             );
             if theirs.is_none() && r.is_ok() {
                 // Without a token nothing follows the hello; an answer (or

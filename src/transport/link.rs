@@ -23,13 +23,13 @@ use super::media;
 use super::medium::{Medium, Pair};
 use super::mesh::{self, Dialed, MeshSpec, Verdict};
 use super::shrink::{self, Inbox};
-use super::signal::Wake;
+use super::signal::{AbortSignal, Wake};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::sync::lock;
 use std::net::TcpStream;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long the answering side's part of the media's agreement may take
@@ -100,10 +100,16 @@ pub struct Links {
     pending: AtomicBool,
     /// Ballots of a shrink of this communicator (see `shrink`).
     pub inbox: Inbox,
+    /// The communicator's abort: a dial waiting for an answer ends on it.
+    signal: Arc<AbortSignal>,
 }
 
 impl Links {
-    pub fn new(spec: MeshSpec, media: Vec<Box<dyn Medium>>) -> Result<Links> {
+    pub fn new(
+        spec: MeshSpec,
+        media: Vec<Box<dyn Medium>>,
+        signal: Arc<AbortSignal>,
+    ) -> Result<Links> {
         Ok(Links {
             shared: Mutex::new(Shared {
                 states: vec![State::Idle; spec.size],
@@ -114,6 +120,7 @@ impl Links {
             bell: Wake::new().map_err(|e| Error::system("eventfd", &e))?,
             pending: AtomicBool::new(false),
             inbox: Inbox::new()?,
+            signal,
             spec,
         })
     }
@@ -201,7 +208,7 @@ impl Links {
 
     /// Dials and, when welcomed, agrees on a medium.
     fn dial(&self, peer: usize, answer_by: Instant, deadline: Instant) -> Result<Dial> {
-        let s = match mesh::dial(&self.spec, peer, answer_by.min(deadline))? {
+        let s = match mesh::dial(&self.spec, peer, answer_by.min(deadline), &self.signal)? {
             Dialed::Welcomed(s) => s,
             Dialed::Duplicate => return Ok(Dial::Duplicate),
             Dialed::Failed(report) => return Ok(Dial::Failed(report)),

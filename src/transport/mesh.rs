@@ -6,6 +6,7 @@
 //! each (see `link`).
 
 use super::greeting::{self, Refusal};
+use super::signal::{self, AbortSignal};
 use crate::auth::Token;
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use std::io::{self, Read, Write};
@@ -274,9 +275,20 @@ pub enum Dialed {
 /// bounded by `deadline`. One attempt: every rank listens from before the
 /// roster is published, and its endpoint's thread answers, so a refusal
 /// means the peer is gone (exited, or destroyed its communicator).
-pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
+pub fn dial(
+    spec: &MeshSpec,
+    peer: usize,
+    deadline: Instant,
+    abort: &AbortSignal,
+) -> Result<Dialed> {
     let addr = spec.addrs[peer];
     let rank = spec.rank;
+    let aborted = || {
+        Error::new(
+            ErrorKind::Aborted,
+            format!("rdist_comm_abort was called on rank {rank} (while it dialed rank {peer})"),
+        )
+    };
     let mut s = connect_from(spec.addrs[rank].ip(), addr, left(deadline)).map_err(|e| {
         let why = match e.kind() {
             io::ErrorKind::ConnectionRefused => {
@@ -290,7 +302,17 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
         )
     })?;
     spec.configure(&s, peer);
-    greeting::introduce(&mut s, &hello(spec), spec.token.as_ref(), deadline).map_err(|e| match e {
+    let introduced = greeting::introduce(
+        &mut s,
+        &hello(spec),
+        spec.token.as_ref(),
+        deadline,
+        Some(abort),
+    );
+    if abort.is_aborted() {
+        return Err(aborted());
+    }
+    introduced.map_err(|e| match e {
         Refusal::Auth(why) => Error::new(
             ErrorKind::Auth,
             format!("rank {rank} cannot join rank {peer} at {addr}: {why}"),
@@ -307,7 +329,12 @@ pub fn dial(spec: &MeshSpec, peer: usize, deadline: Instant) -> Result<Dialed> {
     s.set_read_timeout(Some(left(deadline)))
         .map_err(|e| Error::system("set_read_timeout", &e))?;
     let mut verdict = [0u8; 1];
-    if let Err(e) = s.read_exact(&mut verdict) {
+    // A stopped peer's kernel accepted for it: its answer may never come.
+    let answered = signal::readable_by(s.as_raw_fd(), deadline, Some(abort));
+    if abort.is_aborted() {
+        return Err(aborted());
+    }
+    if let Err(e) = answered.and_then(|()| s.read_exact(&mut verdict)) {
         let timed_out = matches!(
             e.kind(),
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut

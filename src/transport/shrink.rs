@@ -349,7 +349,7 @@ fn dial(
         mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left).map_err(why)?;
     let _ = s.set_nodelay(true);
     let hello = hello(spec, purpose, epoch);
-    greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit).map_err(|e| match e {
+    greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit, None).map_err(|e| match e {
         Refusal::Auth(text) => Unreached::Here(Error::new(
             ErrorKind::Auth,
             format!(
@@ -418,7 +418,7 @@ pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Liveness {
         };
         let _ = s.set_nodelay(true);
         let hello = hello(spec, PROBE, 0);
-        let answered = match greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit) {
+        let answered = match greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit, None) {
             // Refused credentials come from a running process.
             Err(Refusal::Auth(_)) => return Liveness::Runs,
             Err(Refusal::Io(e)) => Err(e),

@@ -63,6 +63,51 @@ impl AbortSignal {
     }
 }
 
+/// Waits until `fd` has something to read (bytes, or its end), or
+/// `deadline` passes (`TimedOut`), or `abort` is raised (`Interrupted`,
+/// with `abort.is_aborted()` true): a blocking read on a connection whose
+/// peer's kernel accepted for it (a stopped process) would wait for the
+/// whole deadline, and an abort from another thread must end it at once.
+pub fn readable_by(
+    fd: RawFd,
+    deadline: std::time::Instant,
+    abort: Option<&AbortSignal>,
+) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    loop {
+        if abort.is_some_and(AbortSignal::is_aborted) {
+            return Err(Error::new(ErrorKind::Interrupted, "aborted"));
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(ErrorKind::TimedOut, "no answer in time"));
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: abort.map_or(-1, AbortSignal::fd),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: two live pollfd (a negative fd is skipped by poll()).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        if n < 0 {
+            let e = Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                return Err(e);
+            }
+        } else if fds[0].revents != 0 {
+            return Ok(());
+        }
+    }
+}
+
 /// An eventfd another thread rings to wake one that sleeps in poll(),
 /// drained by the sleeper.
 pub struct Wake {

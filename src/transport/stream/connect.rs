@@ -184,8 +184,12 @@ impl StreamTransport {
             Ok(_) => return Ok(true),
             Err(e) => e,
         };
-        // Credentials or a communicator that differ do not go away.
-        if matches!(e.kind(), ErrorKind::Auth | ErrorKind::Mismatch) {
+        // Credentials or a communicator that differ do not go away; an
+        // abort ends the wait.
+        if matches!(
+            e.kind(),
+            ErrorKind::Auth | ErrorKind::Mismatch | ErrorKind::Aborted
+        ) {
             return Err(e);
         }
         let addr = links.spec.addrs[peer];

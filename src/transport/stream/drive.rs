@@ -282,8 +282,13 @@ impl StreamTransport {
                 if e.kind() == ErrorKind::PeerLost {
                     self.signal.note_lost(peer);
                 }
+                // An abort while it dialed stays an abort.
+                let kind = match e.kind() {
+                    ErrorKind::Aborted => ErrorKind::Aborted,
+                    _ => ErrorKind::PeerLost,
+                };
                 let err = Error::new(
-                    ErrorKind::PeerLost,
+                    kind,
                     format!(
                         "rank {} cannot reach rank {peer} for point-to-point: {}",
                         self.rank,
