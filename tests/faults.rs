@@ -1157,7 +1157,23 @@ fn abort_a_dial_to_a_stopped_rank_0(comm: &Comm, call: &str) {
         std::thread::sleep(Duration::from_secs(60));
         return;
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // Until rank 0 is stopped (it may be slow to get there on a busy
+    // machine, and a live rank 0 would answer the dial).
+    let pid = std::env::var("RDIST_TEST_STOPPED_PID").unwrap();
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, st)| st.starts_with('T'))
+        })
+    };
+    let began = Instant::now();
+    while !stopped() {
+        assert!(
+            began.elapsed() < Duration::from_secs(20),
+            "rank 0 never stopped"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let handle = comm.abort_handle();
     let aborter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(1));
@@ -1186,22 +1202,24 @@ fn an_abort_ends_a_dial_to_a_stopped_rank() {
     for call in ["send", "allreduce"] {
         let role = format!("abort_dial_{call}");
         let port = common::free_port();
-        let mut workers: Vec<_> = (0..2)
-            .map(|r| {
-                let mut w = this_binary_as("worker_process", &role);
-                w.env("RANK", r.to_string())
-                    .env("WORLD_SIZE", "2")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("RDIST_TIMEOUT_MS", "60000")
-                    .env("RDIST_PEER_CHECK_MS", "0")
-                    // No NCCL agreement at init: the pair is not connected.
-                    .env("RDIST_BACKEND", "socket")
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::null());
-                w.spawn().unwrap()
-            })
-            .collect();
+        let mut workers: Vec<std::process::Child> = Vec::new();
+        for r in 0..2 {
+            let mut w = this_binary_as("worker_process", &role);
+            w.env("RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RDIST_TIMEOUT_MS", "60000")
+                .env("RDIST_PEER_CHECK_MS", "0")
+                // No NCCL agreement at init: the pair is not connected.
+                .env("RDIST_BACKEND", "socket")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null());
+            if let Some(rank_0) = workers.first() {
+                w.env("RDIST_TEST_STOPPED_PID", rank_0.id().to_string());
+            }
+            workers.push(w.spawn().unwrap());
+        }
         let line = result_of(
             &mut workers,
             1,

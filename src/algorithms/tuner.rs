@@ -220,9 +220,9 @@ pub struct Plan {
     /// Ranks outnumber cores: waiting ranks yield their core, and the
     /// total copying work is what counts.
     pub oversubscribed: bool,
-    /// Ranks per core, rounded up (1 unless oversubscribed): what every
-    /// thread that looks now and then must divide its looks by, so that
-    /// all the ranks' looks together cost a core what one rank's would.
+    /// Ranks per core, rounded up (1 unless oversubscribed): how many
+    /// times rarer a thread that looks now and then (the endpoint's)
+    /// looks, so that the ranks' looks do not take the cores they share.
     pub ranks_per_core: usize,
     /// From which size shared-memory payloads go single copy when the
     /// option leaves it to rdist (usize::MAX: never).
@@ -342,7 +342,7 @@ pub fn plan(i: &Inputs) -> Plan {
     why.push(if oversubscribed {
         format!(
             "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield, \
-             the endpoint's thread looks {}x less often, and shared-memory payloads from {} (twice the \
+             the endpoint's thread looks up to {}x less often (at most its idle wake), and shared-memory payloads from {} (twice the \
              {} cache) that are not reduced go single copy (one copy instead of the rings' two)",
             sharing,
             i.cores,
@@ -641,7 +641,7 @@ mod tests {
         assert_eq!(plan(&inputs(REFERENCE, 3, 2)).ranks_per_core, 2);
         let p = plan(&inputs(REFERENCE, 1024, 2));
         assert_eq!(p.ranks_per_core, 512);
-        assert!(p.why.contains("looks 512x less often"), "{}", p.why);
+        assert!(p.why.contains("looks up to 512x less often"), "{}", p.why);
         let mut split = inputs(REFERENCE, 2, 2);
         split.host_job_ranks = 8;
         assert_eq!(plan(&split).ranks_per_core, 4);

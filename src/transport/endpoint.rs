@@ -348,8 +348,8 @@ impl Endpoint {
         }
         drop(core);
         // What is left of a call nobody waits for yet moves with the
-        // endpoint's thread: rung if it sleeps long, else it looks within
-        // milliseconds (while callers drive, within `CALLERS_LOOK_MS`).
+        // endpoint's thread: rung if it sleeps long (idle), else it looks
+        // within its look's interval (see `service::rarer`).
         if !blocking && !done.is_finished() {
             sh.nudge();
         }

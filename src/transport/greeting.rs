@@ -56,7 +56,8 @@ impl From<io::Error> for Refusal {
 
 /// Connecting side: sends `hello` (with the auth flag set when there is a
 /// token) and, with a token, runs the challenge-response to its end.
-/// Blocking, bounded by the stream's timeouts, which it sets from `deadline`.
+/// Blocking, bounded by `deadline` (`TimedOut`), and by `abort` when
+/// given (`Interrupted`).
 pub fn introduce(
     stream: &mut TcpStream,
     hello: &[u8; HELLO_BYTES],

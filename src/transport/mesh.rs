@@ -72,10 +72,13 @@ pub(super) fn hello_with(spec: &MeshSpec, magic: u32) -> [u8; HELLO_BYTES] {
 /// Connects to `addr` from `local` (port any), so that the connection
 /// comes from this rank's own address, which the peer checks (see
 /// `came_from`); from any address where `local` is of another family.
+/// `abort`, when given and raised, ends the wait for the connection
+/// (`Interrupted`): a host that vanished never answers it.
 pub(super) fn connect_from(
     local: IpAddr,
     addr: SocketAddr,
     timeout: Duration,
+    abort: Option<&AbortSignal>,
 ) -> io::Result<TcpStream> {
     if local.is_ipv4() != addr.is_ipv4() || local.is_unspecified() {
         return TcpStream::connect_timeout(&addr, timeout);
@@ -107,14 +110,24 @@ pub(super) fn connect_from(
         }
         let deadline = Instant::now() + timeout;
         loop {
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLOUT,
-                revents: 0,
-            };
+            if abort.is_some_and(AbortSignal::is_aborted) {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "aborted"));
+            }
+            let mut pfd = [
+                libc::pollfd {
+                    fd,
+                    events: libc::POLLOUT,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: abort.map_or(-1, AbortSignal::fd),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
             let ms = left(deadline).as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: one live pollfd.
-            match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            // SAFETY: two live pollfd (a negative fd is skipped).
+            match unsafe { libc::poll(pfd.as_mut_ptr(), 2, ms) } {
                 0 if left(deadline).is_zero() => {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
@@ -129,7 +142,8 @@ pub(super) fn connect_from(
                         return Err(e);
                     }
                 }
-                _ => break,
+                _ if pfd[0].revents != 0 => break,
+                _ => {} // aborted: said at the top of the loop
             }
         }
         if let Some(e) = stream.take_error()? {
@@ -289,7 +303,14 @@ pub fn dial(
             format!("rdist_comm_abort was called on rank {rank} (while it dialed rank {peer})"),
         )
     };
-    let mut s = connect_from(spec.addrs[rank].ip(), addr, left(deadline)).map_err(|e| {
+    if abort.is_aborted() {
+        return Err(aborted());
+    }
+    let connected = connect_from(spec.addrs[rank].ip(), addr, left(deadline), Some(abort));
+    if abort.is_aborted() {
+        return Err(aborted());
+    }
+    let mut s = connected.map_err(|e| {
         let why = match e.kind() {
             io::ErrorKind::ConnectionRefused => {
                 "nobody listens there: it exited, or destroyed its communicator".to_string()
@@ -317,6 +338,13 @@ pub fn dial(
             ErrorKind::Auth,
             format!("rank {rank} cannot join rank {peer} at {addr}: {why}"),
         ),
+        // A stopped peer's kernel took the connection; nobody answers.
+        Refusal::Io(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+            Error::new(
+                ErrorKind::Timeout,
+                format!("rank {rank} timed out connecting to rank {peer} at {addr}: it never answered the hello"),
+            )
+        }
         Refusal::Io(e) => Error::new(
             ErrorKind::PeerLost,
             format!(

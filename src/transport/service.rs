@@ -35,15 +35,16 @@ pub(super) struct Shared {
     /// stays out of their way.
     pub drivers: AtomicUsize,
     /// Ranks per core on this host (1 unless they outnumber the cores):
-    /// the thread's looks are that many times rarer, so that every rank's
-    /// thread together wakes a core as often as one alone would.
+    /// the thread's looks while calls are afoot are that many times
+    /// rarer, up to the idle wake (see `rarer`).
     pub ranks_per_core: usize,
     /// A caller drove since the thread last looked: it may come back at
     /// once (the next blocking call), so the thread does not sleep on the
     /// doorbell then (the barrier that sleep needs interrupts every core).
     pub driven_lately: AtomicBool,
-    /// The thread may be about to sleep long (it looks again within
-    /// milliseconds otherwise): a call left for it must ring `wake`.
+    /// The thread may be about to sleep long, idle (else it looks again
+    /// within its look's interval, see `rarer`): a call left for it must
+    /// ring `wake`.
     pub may_sleep_long: AtomicBool,
     pub closing: AtomicBool,
     /// Run on every pass of the thread (the flight recorder's publisher);
@@ -169,19 +170,21 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
         }
         // Callers moving their calls: it looks now and then (each look
         // takes a core from them). Calls pending and nobody moving them:
-        // it looks every few milliseconds. Either way calls posted need
-        // not ring it. Idle for a while: it sleeps long, and the first call
-        // posted rings it.
+        // it looks every few milliseconds. Either way (as many times less
+        // often as ranks outnumber cores) calls posted need not ring it.
+        // Idle for a while: it sleeps long, and the first call posted
+        // rings it.
+        let idle = !buffered && !others && now.duration_since(last_busy) >= ACTIVE_FOR;
         let wait_ms = if buffered {
             0
         } else if others {
             rarer(CALLERS_LOOK_MS, sh.ranks_per_core)
-        } else if now.duration_since(last_busy) < ACTIVE_FOR {
+        } else if !idle {
             rarer(ACTIVE_LOOK_MS, sh.ranks_per_core)
         } else {
             IDLE_WAKE_MS
         };
-        if wait_ms < IDLE_WAKE_MS {
+        if !idle {
             sh.may_sleep_long.store(false, Ordering::SeqCst);
         }
         // Woken by: closing, a dialer, a call posted while it sleeps long,
@@ -214,7 +217,8 @@ pub(super) fn run(sh: &Shared, listener: TcpListener) {
 /// A look's interval when `ranks_per_core` ranks share each core: each
 /// look takes a core from a rank with work, so a thousand ranks on two
 /// cores that looked every few milliseconds each would keep the cores
-/// busy looking. Never rarer than the idle wake.
+/// busy looking. At most the idle wake (a call nobody waits for then
+/// moves within it; its caller's own wait moves it at once).
 fn rarer(every_ms: libc::c_int, ranks_per_core: usize) -> libc::c_int {
     let scale = libc::c_int::try_from(ranks_per_core).unwrap_or(libc::c_int::MAX);
     every_ms.saturating_mul(scale.max(1)).min(IDLE_WAKE_MS)

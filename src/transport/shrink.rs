@@ -345,8 +345,8 @@ fn dial(
             &e,
         )),
     };
-    let mut s =
-        mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left).map_err(why)?;
+    let mut s = mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left, None)
+        .map_err(why)?;
     let _ = s.set_nodelay(true);
     let hello = hello(spec, purpose, epoch);
     greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit, None).map_err(|e| match e {
@@ -405,17 +405,18 @@ pub fn answers(spec: &MeshSpec, peer: usize, limit: Instant) -> Liveness {
         if left.is_zero() {
             return Liveness::Silent;
         }
-        let mut s = match mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left) {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Liveness::Gone,
-            Err(e) if timed_out(&e) => return Liveness::Silent,
-            // Unreachable for now (a vanished host's neighbours say so
-            // late), out of descriptors: again shortly.
-            Err(_) => {
-                std::thread::sleep(ASK_AGAIN.min(left));
-                continue;
-            }
-        };
+        let mut s =
+            match mesh::connect_from(spec.addrs[spec.rank].ip(), spec.addrs[peer], left, None) {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Liveness::Gone,
+                Err(e) if timed_out(&e) => return Liveness::Silent,
+                // Unreachable for now (a vanished host's neighbours say so
+                // late), out of descriptors: again shortly.
+                Err(_) => {
+                    std::thread::sleep(ASK_AGAIN.min(left));
+                    continue;
+                }
+            };
         let _ = s.set_nodelay(true);
         let hello = hello(spec, PROBE, 0);
         let answered = match greeting::introduce(&mut s, &hello, spec.token.as_ref(), limit, None) {
