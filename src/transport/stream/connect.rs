@@ -252,6 +252,9 @@ impl StreamTransport {
             self.mixed = true;
         }
         self.conns[peer] = Some(Box::new(Conn::new(chan)));
+        if let Err(at) = self.linked.binary_search(&peer) {
+            self.linked.insert(at, peer);
+        }
     }
 }
 

@@ -108,16 +108,15 @@ impl StreamTransport {
                     self.drive_peer(p, how);
                 }
                 if self.tagged.wants_any_source() {
-                    for p in 0..self.size {
-                        if self.conns[p].is_some() {
-                            self.drive_peer(
-                                p,
-                                Drive {
-                                    connect: false,
-                                    ..how
-                                },
-                            );
-                        }
+                    for i in 0..self.linked.len() {
+                        let p = self.linked[i];
+                        self.drive_peer(
+                            p,
+                            Drive {
+                                connect: false,
+                                ..how
+                            },
+                        );
                     }
                 }
             }

@@ -50,6 +50,10 @@ pub struct StreamTransport {
     /// Boxed: a wide job's rank connects to a few of its peers, and a
     /// `Conn` inline for each of 1024 was 0.25 MiB to fault in at init.
     conns: Vec<Option<Box<Conn>>>,
+    /// The peers that have a connection, ascending: what a waiting pass
+    /// looks at (a wide job's rank has a few of its thousand peers, and a
+    /// pass runs between every two yields of the core).
+    linked: Vec<usize>,
     signal: Arc<AbortSignal>,
     timeout: Duration,
     /// How long to spin before sleeping (zero: sleep in poll() at once).
@@ -317,14 +321,16 @@ impl StreamTransport {
             tagged_read_cost,
         } = tuning;
         let size = channels.len();
-        let conns = channels
+        let conns: Vec<Option<Box<Conn>>> = channels
             .into_iter()
             .map(|c| c.map(|c| Box::new(Conn::new(c))))
             .collect();
+        let linked = (0..size).filter(|p| conns[*p].is_some()).collect();
         Ok(StreamTransport {
             rank,
             size,
             conns,
+            linked,
             signal,
             timeout,
             spin,
@@ -481,10 +487,8 @@ impl StreamTransport {
             }
         }
         // Frames that arrived early satisfy receives first, in order.
-        for peer in 0..self.size {
-            if self.conns[peer].is_some() {
-                self.match_inbox(peer, xfers, p)?;
-            }
+        for i in 0..self.linked.len() {
+            self.match_inbox(self.linked[i], xfers, p)?;
         }
         Ok(())
     }

@@ -171,8 +171,10 @@ impl StreamTransport {
 
     /// A peer that left cleanly can't serve transfers still waiting for it.
     pub(super) fn check_departed(&self, p: &Progress) -> Result<()> {
-        for (peer, conn) in self.conns.iter().enumerate() {
-            let Some(conn) = conn else { continue };
+        for &peer in &self.linked {
+            let Some(conn) = &self.conns[peer] else {
+                continue;
+            };
             if let Some(Gone::Bye) = conn.gone {
                 if !p.recvs[peer].is_empty()
                     || !p.sends[peer].is_empty()

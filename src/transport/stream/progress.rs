@@ -266,8 +266,10 @@ impl StreamTransport {
             });
             // Bytes already read into a channel wake no poll(): no sleep.
             let mut buffered = false;
-            for (peer, conn) in self.conns.iter().enumerate() {
-                let Some(conn) = conn else { continue };
+            for &peer in &self.linked {
+                let Some(conn) = &self.conns[peer] else {
+                    continue;
+                };
                 let mut events = 0;
                 if conn.gone.is_none() {
                     // Frames nobody asked for yet stay unread (and unpolled).
@@ -390,7 +392,7 @@ impl StreamTransport {
     /// (a tick of a pipelined schedule over hosts spends most of its time
     /// there).
     fn waits_on_memory(&self, p: &Progress) -> bool {
-        (0..self.size).any(|peer| {
+        self.linked.iter().any(|&peer| {
             let Some(c) = self.conns[peer].as_ref() else {
                 return false;
             };
@@ -405,7 +407,8 @@ impl StreamTransport {
     /// One pass over every peer: push pending sends, read what is there
     /// (everything when `all`, which is how a silent peer's death shows).
     fn busy_pass(&mut self, xfers: &mut [Xfer<'_>], p: &mut Progress, all: bool) -> Result<()> {
-        for peer in 0..self.size {
+        for i in 0..self.linked.len() {
+            let peer = self.linked[i];
             let Some(conn) = &self.conns[peer] else {
                 continue;
             };
