@@ -16,19 +16,26 @@ fn this_binary_as(name: &str, role: &str) -> Command {
     cmd
 }
 
-/// Re-runs this test binary as a worker process (see `worker_process`).
-fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process::Child {
-    let timeout = if role.starts_with("stop") {
-        "4000"
-    } else {
-        "60000"
-    };
-    this_binary_as("worker_process", role)
-        .env("RANK", rank.to_string())
+/// This test binary as rank `rank` of `size` of a worker job (see
+/// `worker_process`) meeting at `port`, with timeout `timeout_ms`.
+fn worker_command(role: &str, rank: usize, size: usize, port: u16, timeout_ms: u64) -> Command {
+    let mut w = this_binary_as("worker_process", role);
+    w.env("RANK", rank.to_string())
         .env("WORLD_SIZE", size.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env("RDIST_TIMEOUT_MS", timeout)
+        .env("RDIST_TIMEOUT_MS", timeout_ms.to_string());
+    w
+}
+
+/// Re-runs this test binary as a worker process (see `worker_process`).
+fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process::Child {
+    let timeout = if role.starts_with("stop") {
+        4000
+    } else {
+        60_000
+    };
+    worker_command(role, rank, size, port, timeout)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -1092,14 +1099,9 @@ fn a_failed_rank_that_lives_on_is_heard_by_ranks_it_never_met() {
         let port = common::free_port();
         let mut workers: Vec<_> = (0..3)
             .map(|r| {
-                let mut w = this_binary_as("worker_process", &role);
-                w.env("RANK", r.to_string())
-                    .env("WORLD_SIZE", "3")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("RDIST_TIMEOUT_MS", "30000")
-                    // No NCCL agreement at init, which connects pairs.
-                    .env("RDIST_BACKEND", "socket")
+                let mut w = worker_command(&role, r, 3, port, 30_000);
+                // No NCCL agreement at init, which connects pairs.
+                w.env("RDIST_BACKEND", "socket")
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped());
                 w.spawn().unwrap()
@@ -1204,13 +1206,8 @@ fn an_abort_ends_a_dial_to_a_stopped_rank() {
         let port = common::free_port();
         let mut workers: Vec<std::process::Child> = Vec::new();
         for r in 0..2 {
-            let mut w = this_binary_as("worker_process", &role);
-            w.env("RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RDIST_TIMEOUT_MS", "60000")
-                .env("RDIST_PEER_CHECK_MS", "0")
+            let mut w = worker_command(&role, r, 2, port, 60_000);
+            w.env("RDIST_PEER_CHECK_MS", "0")
                 // No NCCL agreement at init: the pair is not connected.
                 .env("RDIST_BACKEND", "socket")
                 .stdout(std::process::Stdio::piped())
@@ -1248,13 +1245,8 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
         let port = common::free_port();
         let mut workers: Vec<_> = (0..3)
             .map(|r| {
-                let mut w = this_binary_as("worker_process", role);
-                w.env("RANK", r.to_string())
-                    .env("WORLD_SIZE", "3")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("RDIST_TIMEOUT_MS", "60000")
-                    .env_remove("RDIST_PEER_CHECK_MS")
+                let mut w = worker_command(role, r, 3, port, 60_000);
+                w.env_remove("RDIST_PEER_CHECK_MS")
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::null());
                 w.spawn().unwrap()
