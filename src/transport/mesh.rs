@@ -108,44 +108,8 @@ pub(super) fn connect_from(
         if e.raw_os_error() != Some(libc::EINPROGRESS) {
             return Err(e);
         }
-        let deadline = Instant::now() + timeout;
-        loop {
-            if abort.is_some_and(AbortSignal::is_aborted) {
-                return Err(io::Error::new(io::ErrorKind::Interrupted, "aborted"));
-            }
-            let mut pfd = [
-                libc::pollfd {
-                    fd,
-                    events: libc::POLLOUT,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: abort.map_or(-1, AbortSignal::fd),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
-            let ms = left(deadline).as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: two live pollfd (a negative fd is skipped).
-            match unsafe { libc::poll(pfd.as_mut_ptr(), 2, ms) } {
-                0 if left(deadline).is_zero() => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "connection timed out",
-                    ))
-                }
-                0 => {}
-                n if n < 0 => {
-                    let e = io::Error::last_os_error();
-                    // A signal (the program's own, say) is no failure.
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-                _ if pfd[0].revents != 0 => break,
-                _ => {} // aborted: said at the top of the loop
-            }
-        }
+        // Writable once connected (or refused: take_error says).
+        signal::ready_by(fd, libc::POLLOUT, Instant::now() + timeout, abort)?;
         if let Some(e) = stream.take_error()? {
             return Err(e);
         }

@@ -73,6 +73,17 @@ pub fn readable_by(
     deadline: std::time::Instant,
     abort: Option<&AbortSignal>,
 ) -> std::io::Result<()> {
+    ready_by(fd, libc::POLLIN, deadline, abort)
+}
+
+/// `readable_by` for any of poll()'s `events` (POLLOUT: a connection
+/// made).
+pub fn ready_by(
+    fd: RawFd,
+    events: libc::c_short,
+    deadline: std::time::Instant,
+    abort: Option<&AbortSignal>,
+) -> std::io::Result<()> {
     use std::io::{Error, ErrorKind};
     loop {
         if abort.is_some_and(AbortSignal::is_aborted) {
@@ -85,7 +96,7 @@ pub fn readable_by(
         let mut fds = [
             libc::pollfd {
                 fd,
-                events: libc::POLLIN,
+                events,
                 revents: 0,
             },
             libc::pollfd {
