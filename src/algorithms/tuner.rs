@@ -175,14 +175,29 @@ fn two_way_single_copy_from(m: &Machine, core_cache_kib: u32) -> Option<usize> {
     (cma >= pass / 2.0 * SINGLE_COPY_PER_BYTE_FACTOR).then_some(from)
 }
 
+/// Whether one copy straight out of another's memory (single copy's
+/// way, its system call and page pinning included) runs at least as fast
+/// as a core copying its own memory; false where either was not measured.
+/// Where the ranks outnumber the cores every copy waits for a core, so a
+/// rank that sends while it receives pays for both of the rings' copies
+/// of each byte (its own in, its peer's out) and for one single copy:
+/// single copy then won where it copied faster than a core's own copy
+/// (the AMD VM, 1.36x) and lost where it copied slower (the Sapphire
+/// Rapids VM, 0.54-0.74x; docs/performance.md).
+fn single_copy_outpaces_own_copy(m: &Machine) -> bool {
+    m.knows_single_copy() && m.knows_memory() && m.cma_mbs >= m.copy_one_mbs
+}
+
 /// How much faster single copy must swap payloads than the rings before
 /// it is chosen for that: the swaps' rounds scatter by up to a tenth.
 const SWAP_FACTOR: f64 = 1.1;
 
 /// The smallest payload a rank that sends while it receives sends single
-/// copy, whatever its cache: below it, single copy was not seen to pay
-/// (an exchange of 512 KiB with data just made: 64 us through the rings,
-/// 68 single copy, on a core with 2 MiB of its own).
+/// copy, whatever its cache, and where ranks share cores: below it,
+/// single copy was not seen to pay with data just made (an exchange of
+/// 512 KiB: 64 us through the rings, 68 single copy, on a core with 2 MiB
+/// of its own; with 4 ranks on 2 cores, 256 KiB lost too while 1 MiB
+/// won; docs/performance.md).
 const TWO_WAY_SINGLE_COPY_FLOOR: usize = 1 << 20;
 
 /// The ranks' demand on the memory system (each rank's core copying at
@@ -338,6 +353,10 @@ pub fn plan(i: &Inputs) -> Plan {
     }
     .min(per_byte.unwrap_or(usize::MAX));
     let two_way = two_way_single_copy_from(&here, i.core_cache_kib);
+    let shared_cores_two_way = (oversubscribed && single_copy_outpaces_own_copy(&here))
+        .then_some(TWO_WAY_SINGLE_COPY_FLOOR)
+        .filter(|n| two_way.is_none_or(|m| *n < m));
+    let two_way = shared_cores_two_way.or(two_way);
     let two_way_single_copy_min = single_copy_min.min(two_way.unwrap_or(usize::MAX));
     why.push(if oversubscribed {
         format!(
@@ -389,7 +408,14 @@ pub fn plan(i: &Inputs) -> Plan {
             }
         ));
     }
-    if here.knows_single_copy() || here.knows_swaps() {
+    if let Some(n) = shared_cores_two_way.filter(|n| *n < single_copy_min) {
+        why.push(format!(
+            "a rank that sends while it receives on shared cores pays for both of the rings' copies \
+             of each byte (its own in, its peer's out), against one with single copy: its payloads \
+             from {} that are not reduced go single copy",
+            bytes(n)
+        ));
+    } else if here.knows_single_copy() || here.knows_swaps() {
         why.push(two_way_why(
             &here,
             two_way,
@@ -632,6 +658,52 @@ mod tests {
         let p = plan(&split);
         assert!(p.oversubscribed);
         assert!(p.why.contains("4 ranks here on 2 cores"), "{}", p.why);
+    }
+
+    #[test]
+    fn a_rank_that_sends_while_it_receives_on_shared_cores_goes_single_copy_from_1_mib() {
+        // The AMD VM: one copy out of another's memory 7.9 GB/s, a core's
+        // own copy 5.8. 4 ranks on 2 cores: one way, from twice the cache
+        // as before; both ways at once, from 1 MiB.
+        let amd = Machine {
+            copy_one_mbs: 5_800,
+            pass_mbs: 9_200,
+            cma_mbs: 7_900,
+            cma_call_ns: 785,
+            swap_1m_permille: 829,
+            swap_4m_permille: 708,
+            swap_16m_permille: 919,
+            ..REFERENCE
+        };
+        let p = plan(&inputs(amd, 4, 2));
+        assert_eq!(p.single_copy_min, 64 << 20);
+        assert_eq!(p.two_way_single_copy_min, TWO_WAY_SINGLE_COPY_FLOOR);
+        assert!(
+            p.why
+                .contains("on shared cores pays for both of the rings' copies"),
+            "{}",
+            p.why
+        );
+        assert_eq!(plan(&inputs(amd, 3, 2)).two_way_single_copy_min, 1 << 20);
+        // A core each: the swaps or one way's rates decide, as before.
+        assert_eq!(plan(&inputs(amd, 2, 2)).two_way_single_copy_min, usize::MAX);
+        // Single copy slower than a core's own copy (the Sapphire Rapids
+        // VM, 9 GB/s against 12.5): as before, from one way's rates (4 MiB);
+        // not measured: one way's size.
+        assert_eq!(
+            plan(&inputs(SAPPHIRE_RAPIDS_VM, 4, 2)).two_way_single_copy_min,
+            SINGLE_COPY_MIN
+        );
+        assert_eq!(
+            plan(&inputs(REFERENCE, 4, 2)).two_way_single_copy_min,
+            64 << 20
+        );
+        // A lower size from the machine's own rates stays.
+        let fast = Machine {
+            cma_mbs: 24_000,
+            ..SAPPHIRE_RAPIDS_VM
+        };
+        assert_eq!(plan(&inputs(fast, 4, 2)).two_way_single_copy_min, 64 << 10);
     }
 
     #[test]

@@ -229,7 +229,11 @@ impl SocketBackend {
                     ),
                 },
                 (true, n) => format!(
-                    ", single copy from {n} B where a pair can read each other{}",
+                    ", single copy from {n} B{} where a pair can read each other{}",
+                    match two_way_single_copy_min {
+                        m if m < n => format!(" ({m} B for a rank that sends while it receives)"),
+                        _ => String::new(),
+                    },
                     match settings.single_copy.reduced_min_bytes() {
                         usize::MAX => " (reductions through the rings)",
                         _ => "",
