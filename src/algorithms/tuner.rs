@@ -674,7 +674,7 @@ mod tests {
     #[test]
     fn a_rank_that_sends_while_it_receives_on_shared_cores_goes_single_copy_from_1_mib() {
         // A machine whose single copy (7.9 GB/s) outpaces a core's own
-        // copy (5.8), as the AMD VM's did. 4 ranks on 2 cores: one way,
+        // copy (5.8), as this session's Intel VM's did. 4 ranks on 2 cores: one way,
         // from twice the cache as before; both ways at once, from 1 MiB.
         let amd = Machine {
             copy_one_mbs: 5_800,
