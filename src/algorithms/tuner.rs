@@ -676,7 +676,7 @@ mod tests {
         // A machine whose single copy (7.9 GB/s) outpaces a core's own
         // copy (5.8), as this session's Intel VM's did. 4 ranks on 2 cores: one way,
         // from twice the cache as before; both ways at once, from 1 MiB.
-        let amd = Machine {
+        let outpacing = Machine {
             copy_one_mbs: 5_800,
             pass_mbs: 9_200,
             cma_mbs: 7_900,
@@ -686,7 +686,7 @@ mod tests {
             swap_16m_permille: 919,
             ..REFERENCE
         };
-        let p = plan(&inputs(amd, 4, 2));
+        let p = plan(&inputs(outpacing, 4, 2));
         assert_eq!(p.single_copy_min, 64 << 20);
         assert_eq!(p.two_way_single_copy_min, TWO_WAY_SINGLE_COPY_FLOOR);
         assert!(
@@ -695,22 +695,32 @@ mod tests {
             "{}",
             p.why
         );
-        assert_eq!(plan(&inputs(amd, 3, 2)).two_way_single_copy_min, 1 << 20);
+        assert_eq!(
+            plan(&inputs(outpacing, 3, 2)).two_way_single_copy_min,
+            1 << 20
+        );
         // Shared through other ranks of the machine, or of the job.
-        let mut shared = inputs(amd, 2, 2);
+        let mut shared = inputs(outpacing, 2, 2);
         shared.machine_ranks = 4;
         assert_eq!(plan(&shared).two_way_single_copy_min, 1 << 20);
-        let mut split = inputs(amd, 2, 2);
+        let mut split = inputs(outpacing, 2, 2);
         split.host_job_ranks = 4;
         assert_eq!(plan(&split).two_way_single_copy_min, 1 << 20);
         // A core each: the swaps decide, as before (none here), and the
         // clause is not said.
-        let p = plan(&inputs(amd, 2, 2));
+        let p = plan(&inputs(outpacing, 2, 2));
         assert_eq!(p.two_way_single_copy_min, usize::MAX);
         assert!(!p.why.contains("with the cores shared"), "{}", p.why);
         // Memory-bound with a core each (16 ranks asking 93 GB/s of 14.5):
         // one way's rule only.
-        let p = plan(&inputs(Machine { cores: 16, ..amd }, 16, 16));
+        let p = plan(&inputs(
+            Machine {
+                cores: 16,
+                ..outpacing
+            },
+            16,
+            16,
+        ));
         assert!(
             !p.oversubscribed && p.why.contains("memory-bound"),
             "{}",
@@ -722,7 +732,7 @@ mod tests {
             swap_1m_permille: 1_000,
             swap_4m_permille: 800,
             swap_16m_permille: 800,
-            ..amd
+            ..outpacing
         };
         assert_eq!(
             plan(&inputs(from_4m, 2, 2)).two_way_single_copy_min,
@@ -739,7 +749,16 @@ mod tests {
             p.why
         );
         // Single copy must outpace a core's own copy by a tenth.
-        let at = |cma_mbs| plan(&inputs(Machine { cma_mbs, ..amd }, 4, 2));
+        let at = |cma_mbs| {
+            plan(&inputs(
+                Machine {
+                    cma_mbs,
+                    ..outpacing
+                },
+                4,
+                2,
+            ))
+        };
         assert_eq!(at(6_381).two_way_single_copy_min, 1 << 20);
         assert_eq!(at(6_370).two_way_single_copy_min, 64 << 20);
         // Slower than a core's own copy (the Sapphire Rapids VM, 9 GB/s
@@ -755,7 +774,7 @@ mod tests {
         );
         let no_memory = Machine {
             copy_all_mbs: 0,
-            ..amd
+            ..outpacing
         };
         let p = plan(&inputs(no_memory, 4, 2));
         assert_eq!(p.two_way_single_copy_min, p.single_copy_min);
