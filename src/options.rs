@@ -377,10 +377,9 @@ impl Options {
                 self.single_copy_min = match v.to_ascii_lowercase().as_str() {
                     "auto" | "" => SingleCopy::Auto,
                     "off" | "never" => SingleCopy::Off,
-                    n => SingleCopy::From(
-                        n.parse()
-                            .map_err(|_| bad("a number of bytes, auto or off"))?,
-                    ),
+                    n => SingleCopy::From(bytes(n).ok_or_else(|| {
+                        bad("a number of bytes (65536, 64K, 64KiB, 1M), auto or off")
+                    })?),
                 }
             }
             "host_id" => {
@@ -403,6 +402,23 @@ impl Options {
         }
         Ok(())
     }
+}
+
+/// A number of bytes, as a size is written by hand: plain, or with a
+/// binary suffix (k, kib, m, mib, g, gib; any case). None when it is not
+/// one or does not fit.
+fn bytes(s: &str) -> Option<usize> {
+    let lower = s.trim().to_ascii_lowercase();
+    let digits = lower.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let shift = match lower[digits.len()..].trim_start() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        _ => return None,
+    };
+    let n: usize = digits.trim_end().parse().ok()?;
+    n.checked_mul(1usize << shift)
 }
 
 #[cfg(test)]
@@ -447,6 +463,21 @@ mod tests {
         assert_eq!(o.local_rank, Some(3));
         assert_eq!(o.debug, LogLevel::Info);
         assert_eq!(o.single_copy_min, SingleCopy::From(256 << 10));
+        for (written, n) in [
+            ("64K", 64 << 10),
+            ("64KiB", 64 << 10),
+            ("1m", 1 << 20),
+            ("2 MiB", 2 << 20),
+            ("1G", 1 << 30),
+            ("512B", 512),
+        ] {
+            o.set("single_copy_min", written).unwrap();
+            assert_eq!(o.single_copy_min, SingleCopy::From(n), "{written}");
+        }
+        for wrong in ["64KB", "K", "-1", "1.5M", "99999999999999999999G", "1T"] {
+            let e = o.set("single_copy_min", wrong).unwrap_err();
+            assert!(e.message().contains("64KiB"), "{wrong}: {e}");
+        }
         o.set("single_copy_min", "off").unwrap();
         assert_eq!(o.single_copy_min, SingleCopy::Off);
         o.set("single_copy_min", "AUTO").unwrap();
@@ -475,7 +506,7 @@ mod tests {
             ("backend", "mpi"),
             ("debug", "LOUD"),
             ("local_rank", "-2"),
-            ("single_copy_min", "1M"),
+            ("single_copy_min", "1MB"),
             ("peer_check_ms", "-1"),
         ] {
             let e = o.set(key, value).unwrap_err();
