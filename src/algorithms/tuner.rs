@@ -211,6 +211,15 @@ const SWAP_FACTOR: f64 = 1.1;
 /// (docs/performance.md).
 const TWO_WAY_SINGLE_COPY_FLOOR: usize = 1 << 20;
 
+/// Where ranks share cores and single copy outpaces a core's own copy
+/// (`single_copy_outpaces_own_copy`), the size from which a
+/// point-to-point message goes single copy one way: from there it won or
+/// tied with data just made and won with a buffer sent unchanged; below
+/// it, with data just made, the rings won (docs/performance.md, "Ranks
+/// that share cores"). Smaller unchanged buffers are left to the
+/// per-buffer choice.
+const SHARED_CORES_TAGGED_SINGLE_COPY_MIN: usize = 1 << 20;
+
 /// The ranks' demand on the memory system (each rank's core copying at
 /// full speed) must exceed what all cores together copy by this factor
 /// before halving the copies pays for single copy's system calls.
@@ -256,6 +265,9 @@ pub struct Plan {
     /// The same for payloads a rank sends while it also receives (see
     /// `two_way_single_copy_from`); never above `single_copy_min`.
     pub two_way_single_copy_min: usize,
+    /// The same for point-to-point messages, one way (a collective's
+    /// one-way payloads keep `single_copy_min`); never above it.
+    pub tagged_single_copy_min: usize,
     /// Below those sizes, a tagged message goes single copy while its
     /// buffer's receiver copies it faster than the rings pass it, by this
     /// measure (`transport::tagged::choice`); None: not measured.
@@ -365,11 +377,16 @@ pub fn plan(i: &Inputs) -> Plan {
     .min(per_byte.unwrap_or(usize::MAX));
     let swapped_two_way = two_way_single_copy_from(&here, i.core_cache_kib);
     // Ranks sharing cores: what a core copies is what counts.
-    let shared_cores_two_way = (oversubscribed && single_copy_outpaces_own_copy(&here))
+    let shared_cores = oversubscribed && single_copy_outpaces_own_copy(&here);
+    let shared_cores_two_way = shared_cores
         .then_some(TWO_WAY_SINGLE_COPY_FLOOR)
         .filter(|n| swapped_two_way.is_none_or(|m| *n < m));
     let two_way = shared_cores_two_way.or(swapped_two_way);
     let two_way_single_copy_min = single_copy_min.min(two_way.unwrap_or(usize::MAX));
+    let tagged_single_copy_min = match shared_cores {
+        true => single_copy_min.min(SHARED_CORES_TAGGED_SINGLE_COPY_MIN),
+        false => single_copy_min,
+    };
     why.push(if oversubscribed {
         format!(
             "{} ranks here on {} cores ({} on the machine's {}): oversubscribed, so waiting ranks yield, \
@@ -439,6 +456,14 @@ pub fn plan(i: &Inputs) -> Plan {
             bytes(n)
         ));
     }
+    if tagged_single_copy_min < single_copy_min {
+        why.push(format!(
+            "and a point-to-point message from {} goes single copy one way too (the rings' two \
+             copies of it take the cores the ranks share; a collective's one-way payload keeps \
+             the rings, which pipeline it along the ranks)",
+            bytes(tagged_single_copy_min)
+        ));
+    }
     let read_cost = here
         .knows_single_copy()
         .then(|| single_copy_read_cost(&here, i.core_cache_kib));
@@ -460,6 +485,7 @@ pub fn plan(i: &Inputs) -> Plan {
         ranks_per_core,
         single_copy_min,
         two_way_single_copy_min,
+        tagged_single_copy_min,
         read_cost,
         why: why.join("; "),
     }
@@ -696,6 +722,15 @@ mod tests {
         let p = plan(&inputs(outpacing, 4, 2));
         assert_eq!(p.single_copy_min, 64 << 20);
         assert_eq!(p.two_way_single_copy_min, TWO_WAY_SINGLE_COPY_FLOOR);
+        // A point-to-point message one way, too; a collective's one-way
+        // payload keeps the rings up to twice the cache.
+        assert_eq!(p.tagged_single_copy_min, 1 << 20);
+        assert!(
+            p.why
+                .contains("a point-to-point message from 1 MiB goes single copy one way too"),
+            "{}",
+            p.why
+        );
         assert!(
             p.why
                 .contains("outpaces a core's own (5.8 GB/s), a rank that sends while it receives"),
@@ -717,7 +752,9 @@ mod tests {
         // clause is not said.
         let p = plan(&inputs(outpacing, 2, 2));
         assert_eq!(p.two_way_single_copy_min, usize::MAX);
+        assert_eq!(p.tagged_single_copy_min, usize::MAX);
         assert!(!p.why.contains("with the cores shared"), "{}", p.why);
+        assert!(!p.why.contains("one way too"), "{}", p.why);
         // Memory-bound with a core each (16 ranks asking 93 GB/s of 14.5):
         // one way's rule only.
         let p = plan(&inputs(
@@ -768,12 +805,18 @@ mod tests {
         };
         assert_eq!(at(6_381).two_way_single_copy_min, 1 << 20);
         assert_eq!(at(6_370).two_way_single_copy_min, 64 << 20);
+        assert_eq!(at(6_381).tagged_single_copy_min, 1 << 20);
+        assert_eq!(at(6_370).tagged_single_copy_min, 64 << 20);
         // Slower than a core's own copy (the Sapphire Rapids VM, 9 GB/s
         // against 12.5): as before, from one way's rates (4 MiB); rates not
         // measured, or the memory not: one way's size.
         assert_eq!(
             plan(&inputs(SAPPHIRE_RAPIDS_VM, 4, 2)).two_way_single_copy_min,
             SINGLE_COPY_MIN
+        );
+        assert_eq!(
+            plan(&inputs(SAPPHIRE_RAPIDS_VM, 4, 2)).tagged_single_copy_min,
+            plan(&inputs(SAPPHIRE_RAPIDS_VM, 4, 2)).single_copy_min
         );
         assert_eq!(
             plan(&inputs(REFERENCE, 4, 2)).two_way_single_copy_min,
@@ -785,6 +828,7 @@ mod tests {
         };
         let p = plan(&inputs(no_memory, 4, 2));
         assert_eq!(p.two_way_single_copy_min, p.single_copy_min);
+        assert_eq!(p.tagged_single_copy_min, p.single_copy_min);
         assert!(!p.why.contains("with the cores shared"), "{}", p.why);
         // A lower size from one way's rates stays (single copy 2x the
         // rings: from 64 KiB for every payload).

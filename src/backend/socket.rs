@@ -162,6 +162,7 @@ impl SocketBackend {
         let oversubscribed = plan.oversubscribed;
         let single_copy_min = settings.single_copy.min_bytes(plan.single_copy_min);
         let two_way_single_copy_min = settings.single_copy.min_bytes(plan.two_way_single_copy_min);
+        let tagged_single_copy_min = settings.single_copy.min_bytes(plan.tagged_single_copy_min);
         // Shared memory with the ranks of this host, TCP with the others,
         // each pair agreeing when it connects (on first use).
         let wanted = Wanted {
@@ -183,11 +184,12 @@ impl SocketBackend {
                 two_way_single_copy_min,
                 reduced_single_copy_min: settings.single_copy.reduced_min_bytes(),
                 mixed: false,
-                // Tagged messages go single copy where the collectives do:
-                // where the machine copies out of another's memory faster
+                // Tagged messages go single copy where the collectives do
+                // (where the machine copies out of another's memory faster
                 // than two cores pass bytes through a ring, or the ranks
-                // outnumber the cores, or memory is the bound (the model).
-                tagged_single_copy_min: single_copy_min,
+                // outnumber the cores, or memory is the bound), and sooner
+                // where the ranks share cores (the model).
+                tagged_single_copy_min,
                 // Below it, by buffer, as its copies are measured: unless
                 // the option fixes the size.
                 tagged_read_cost: plan
@@ -230,9 +232,19 @@ impl SocketBackend {
                 },
                 (true, n) => format!(
                     ", single copy from {n} B{} where a pair can read each other{}",
-                    match two_way_single_copy_min {
-                        m if m < n => format!(" ({m} B for a rank that sends while it receives)"),
-                        _ => String::new(),
+                    {
+                        let sooner: Vec<String> = [
+                            (two_way_single_copy_min, "a rank that sends while it receives"),
+                            (tagged_single_copy_min, "a point-to-point message"),
+                        ]
+                        .into_iter()
+                        .filter(|(m, _)| *m < n)
+                        .map(|(m, what)| format!("{m} B for {what}"))
+                        .collect();
+                        match sooner.is_empty() {
+                            true => String::new(),
+                            false => format!(" ({})", sooner.join(", ")),
+                        }
                     },
                     match settings.single_copy.reduced_min_bytes() {
                         usize::MAX => " (reductions through the rings)",
