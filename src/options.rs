@@ -474,7 +474,15 @@ mod tests {
             o.set("single_copy_min", written).unwrap();
             assert_eq!(o.single_copy_min, SingleCopy::From(n), "{written}");
         }
-        for wrong in ["64KB", "K", "-1", "1.5M", "99999999999999999999G", "1T"] {
+        for wrong in [
+            "64KB",
+            "K",
+            "-1",
+            "1.5M",
+            "99999999999999999999G",
+            "1T",
+            "17179869184G",
+        ] {
             let e = o.set("single_copy_min", wrong).unwrap_err();
             assert!(e.message().contains("64KiB"), "{wrong}: {e}");
         }

@@ -127,6 +127,10 @@ fn single_copy_pays_from(m: &Machine) -> Option<usize> {
 /// step: its answer's trip (its descriptor's stands for the message's).
 /// Messages up to a core's own cache (`SINGLE_COPY_MIN` where sysfs
 /// names none): a larger one cannot wait whole in the receiver's cache.
+/// The full pass rate even where the ranks share cores, though the rings'
+/// two copies then take turns: at half of it, buffers just written passed
+/// too, and lost (docs/performance.md, "Point-to-point one way, ranks
+/// sharing cores").
 fn single_copy_read_cost(m: &Machine, core_cache_kib: u32) -> ReadCost {
     let handoff = if m.handoff_ns > 0 { m } else { &REFERENCE };
     let fixed = SHM_STEP_WORK_NS + u64::from(handoff.handoff_ns);
@@ -265,8 +269,9 @@ pub struct Plan {
     /// The same for payloads a rank sends while it also receives (see
     /// `two_way_single_copy_from`); never above `single_copy_min`.
     pub two_way_single_copy_min: usize,
-    /// The same for point-to-point messages, one way (a collective's
-    /// one-way payloads keep `single_copy_min`); never above it.
+    /// The same for point-to-point messages one way, tagged or in a group
+    /// (a collective's one-way payloads keep `single_copy_min`); never
+    /// above it.
     pub tagged_single_copy_min: usize,
     /// Below those sizes, a tagged message goes single copy while its
     /// buffer's receiver copies it faster than the rings pass it, by this
@@ -731,6 +736,9 @@ mod tests {
             "{}",
             p.why
         );
+        // Below it, a buffer's copies are weighed against the rings' full
+        // pass, as with a core each.
+        assert_eq!(p.read_cost.map(|c| c.pass_mbs), Some(9_200));
         assert!(
             p.why
                 .contains("outpaces a core's own (5.8 GB/s), a rank that sends while it receives"),
@@ -753,6 +761,7 @@ mod tests {
         let p = plan(&inputs(outpacing, 2, 2));
         assert_eq!(p.two_way_single_copy_min, usize::MAX);
         assert_eq!(p.tagged_single_copy_min, usize::MAX);
+        assert_eq!(p.read_cost.map(|c| c.pass_mbs), Some(9_200));
         assert!(!p.why.contains("with the cores shared"), "{}", p.why);
         assert!(!p.why.contains("one way too"), "{}", p.why);
         // Memory-bound with a core each (16 ranks asking 93 GB/s of 14.5):
@@ -947,8 +956,8 @@ mod tests {
             plan(&inputs(swaps(950, 950, 950), 2, 2)).two_way_single_copy_min,
             usize::MAX
         );
-        // A clear win that the larger sizes keep, if only barely (this
-        // session's Intel VM: 0.83x, 0.71x, 0.92x): from the clear win.
+        // A clear win that no larger size loses, if only barely: from
+        // the clear win.
         assert_eq!(
             plan(&inputs(swaps(829, 708, 919), 2, 2)).two_way_single_copy_min,
             1 << 20
@@ -956,6 +965,15 @@ mod tests {
         assert_eq!(
             plan(&inputs(swaps(1050, 800, 990), 2, 2)).two_way_single_copy_min,
             4 << 20
+        );
+        // The edges: a tie above does not stop it; a clear win is 1.1x.
+        assert_eq!(
+            plan(&inputs(swaps(909, 1000, 1000), 2, 2)).two_way_single_copy_min,
+            1 << 20
+        );
+        assert_eq!(
+            plan(&inputs(swaps(910, 1000, 1000), 2, 2)).two_way_single_copy_min,
+            usize::MAX
         );
         // A larger size where single copy was slower at all: the rings
         // from there on, so the clear win below it does not count.

@@ -188,7 +188,8 @@ impl SocketBackend {
                 // (where the machine copies out of another's memory faster
                 // than two cores pass bytes through a ring, or the ranks
                 // outnumber the cores, or memory is the bound), and sooner
-                // where the ranks share cores (the model).
+                // where the ranks share cores and single copy outpaces a
+                // core's own copy (the model).
                 tagged_single_copy_min,
                 // Below it, by buffer, as its copies are measured: unless
                 // the option fixes the size.

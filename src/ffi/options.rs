@@ -30,8 +30,8 @@ pub extern "C" fn rdist_options_create(out: *mut *mut rdist_options_t) -> rdist_
 /// Sets `key` to `value` (both NUL-terminated). Keys: backend, transport,
 /// algo, timeout_ms, local_rank, device, ifname, auth_token, debug,
 /// trace_file, single_copy_min (bytes from which shared-memory payloads are
-/// read straight from the sender's memory, auto or off; default auto: from
-/// 4 MiB when the ranks on a host outnumber its cores, else off), host_id
+/// read straight from the sender's memory: 65536, 64K, 1M; auto or off;
+/// default auto, the tuning model's choice, see docs/options.md), host_id
 /// (ranks with equal ids share memory; default: hostname, boot id and
 /// network namespace), peer_check_ms (silence before a wait asks whether
 /// the ranks it waits for still run; 0: never; default 3000). Unknown

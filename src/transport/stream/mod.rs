@@ -73,6 +73,8 @@ pub struct StreamTransport {
     two_way_single_copy_min: usize,
     /// The same for payloads their receiver combines (see `Tuning`).
     reduced_single_copy_min: usize,
+    /// The same for point-to-point sends in a group (as for tagged ones).
+    tagged_single_copy_min: usize,
     /// How long a collective's exchange stalls before it reads ahead
     /// (`READ_AHEAD_AFTER`; tests change it).
     read_ahead_after: Duration,
@@ -339,6 +341,7 @@ impl StreamTransport {
             single_copy_min,
             two_way_single_copy_min,
             reduced_single_copy_min,
+            tagged_single_copy_min,
             mixed,
             read_ahead_after: READ_AHEAD_AFTER,
             moved: 0,
@@ -457,6 +460,11 @@ impl StreamTransport {
                         (true, _) => self.reduced_single_copy_min,
                         (false, true) => self.single_copy_min.min(self.two_way_single_copy_min),
                         (false, false) => self.single_copy_min,
+                    };
+                    // A grouped point-to-point send goes as a tagged one.
+                    let min = match x.desc.kind == OpKind::Send {
+                        true => min.min(self.tagged_single_copy_min),
+                        false => min,
                     };
                     let single_copy = data.len() >= min
                         && self.conns[x.peer]

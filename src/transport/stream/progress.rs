@@ -696,6 +696,36 @@ pub(super) mod tests {
         both_single_copy(&before, &after, n);
     }
 
+    /// A point-to-point send in a group takes single copy one way from
+    /// the tagged size (as a tagged send does); a collective's one-way
+    /// payload of that size keeps the rings.
+    #[test]
+    fn a_grouped_send_goes_single_copy_one_way_from_the_tagged_size() {
+        let n = 1 << 20;
+        let (w, counts) = shm_world(Tuning {
+            tagged_single_copy_min: n,
+            ..tuning()
+        });
+        let [mut t0, mut t1]: [StreamTransport; 2] = w.try_into().ok().unwrap();
+        let mine: Vec<u8> = (0..n).map(|i| (i * 3 + 1) as u8).collect();
+        let carried = || carried(&counts);
+        for (seq, kind, single) in [(0, OpKind::Send, true), (1, OpKind::Broadcast, false)] {
+            let desc = Desc::new(kind, seq).data(n, DType::Uint8);
+            let before = carried();
+            let mut got = vec![0u8; n];
+            std::thread::scope(|sc| {
+                sc.spawn(|| t0.exchange(&mut [Xfer::send(1, &mine, desc)]).unwrap());
+                t1.exchange(&mut [Xfer::recv(0, &mut got, desc)]).unwrap();
+            });
+            assert!(got == mine, "{kind:?} arrived wrong");
+            let took = carried()[1] - before[1];
+            match single {
+                true => assert!(took < 4096, "{kind:?}: {took} bytes off the rings"),
+                false => assert!(took >= n, "{kind:?} went single copy"),
+            }
+        }
+    }
+
     /// A tagged send while this rank has a receive of as much posted (an
     /// exchange) takes single copy from its own size; one sent with no
     /// receive posted takes the rings.
