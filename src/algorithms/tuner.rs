@@ -941,50 +941,35 @@ mod tests {
             "{}",
             p.why
         );
-        assert_eq!(
-            plan(&inputs(swaps(800, 700, 600), 2, 2)).two_way_single_copy_min,
-            1 << 20
-        );
-        // Faster only below the largest size: the rings (larger payloads
-        // are where it would run).
-        assert_eq!(
-            plan(&inputs(swaps(800, 700, 1200), 2, 2)).two_way_single_copy_min,
-            usize::MAX
-        );
-        // Within the factor everywhere: the rings.
-        assert_eq!(
-            plan(&inputs(swaps(950, 950, 950), 2, 2)).two_way_single_copy_min,
-            usize::MAX
-        );
-        // A clear win that no larger size loses, if only barely: from
-        // the clear win.
-        assert_eq!(
-            plan(&inputs(swaps(829, 708, 919), 2, 2)).two_way_single_copy_min,
-            1 << 20
-        );
-        assert_eq!(
-            plan(&inputs(swaps(1050, 800, 990), 2, 2)).two_way_single_copy_min,
-            4 << 20
-        );
-        // The edges: a tie above does not stop it; a clear win is 1.1x.
-        assert_eq!(
-            plan(&inputs(swaps(909, 1000, 1000), 2, 2)).two_way_single_copy_min,
-            1 << 20
-        );
-        assert_eq!(
-            plan(&inputs(swaps(910, 1000, 1000), 2, 2)).two_way_single_copy_min,
-            usize::MAX
-        );
-        // A larger size where single copy was slower at all: the rings
-        // from there on, so the clear win below it does not count.
-        assert_eq!(
-            plan(&inputs(swaps(800, 700, 1010), 2, 2)).two_way_single_copy_min,
-            usize::MAX
-        );
-        assert_eq!(
-            plan(&inputs(swaps(800, 1010, 700), 2, 2)).two_way_single_copy_min,
-            16 << 20
-        );
+        let from = |one, four, sixteen| {
+            plan(&inputs(swaps(one, four, sixteen), 2, 2)).two_way_single_copy_min
+        };
+        for (swapped, want, why) in [
+            ((800, 700, 600), 1 << 20, "faster at every size"),
+            (
+                (800, 700, 1200),
+                usize::MAX,
+                "slower at the largest, where it would run",
+            ),
+            ((950, 950, 950), usize::MAX, "within the factor everywhere"),
+            (
+                (829, 708, 919),
+                1 << 20,
+                "a clear win no larger size loses, if barely",
+            ),
+            ((1050, 800, 990), 4 << 20, "from the clear win"),
+            ((909, 1000, 1000), 1 << 20, "a tie above does not stop it"),
+            ((910, 1000, 1000), usize::MAX, "a clear win is 1.1x"),
+            (
+                (800, 700, 1010),
+                usize::MAX,
+                "slower at all above: the win below does not count",
+            ),
+            ((800, 1010, 700), 16 << 20, "from above the loss"),
+        ] {
+            let (one, four, sixteen) = swapped;
+            assert_eq!(from(one, four, sixteen), want, "{swapped:?}: {why}");
+        }
         // Never later than single copy one way.
         let fast = Machine {
             cma_mbs: 24_000,
