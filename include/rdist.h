@@ -244,7 +244,7 @@ typedef rdist_request rdist_request_t;
  */
 typedef struct {
   /**
-   * The rank the message came from.
+   * The rank the message came from (of a send: the rank it went to).
    */
   int source;
   /**
@@ -821,9 +821,10 @@ void rdist_request_free(rdist_request_t *req);
 
 /**
  * The status of a completed receive: who sent it, its tag, and how many
- * elements arrived. RDIST_ERR_INVALID_USAGE while the request is in
- * flight, when it failed, or for a request that is not a point-to-point
- * receive or send on host memory. Since 0.2.
+ * elements arrived (of a send: the rank it went to, its tag and count).
+ * RDIST_ERR_INVALID_USAGE while the request is in flight, when it failed,
+ * or for a request that is not a point-to-point receive or send on host
+ * memory. Since 0.2.
  */
 rdist_result_t rdist_request_status(const rdist_request_t *req, rdist_status_t *status);
 

@@ -130,6 +130,29 @@ impl Layout {
         }
         Ok(end)
     }
+
+    /// Refuses blocks that overlap (`what` names the arrays): they are
+    /// receive blocks, each written by its rank's data. Checked before
+    /// the call touches any memory.
+    pub fn check_disjoint(&self, what: &str) -> Result<()> {
+        let mut order: Vec<usize> = (0..self.size).filter(|&r| self.count(r) > 0).collect();
+        order.sort_by_key(|&r| self.displ(r));
+        for w in order.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            // `extent` has checked that the ends do not overflow.
+            if self.displ(b) < self.displ(a) + self.count(a) {
+                return Err(Error::invalid_argument(format!(
+                    "{what}: the receive block of rank {b} (displacement {}, count {}) overlaps \
+                     that of rank {a} (displacement {}, count {})",
+                    self.displ(b),
+                    self.count(b),
+                    self.displ(a),
+                    self.count(a)
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Element count and type of a call.
@@ -401,7 +424,13 @@ impl Call {
                 1,
             )
         };
-        let recv_buf = buf("recvbuf", recv, recv_layout.extent("recvcounts/rdispls")?)?;
+        // The arrays as the C calls name them.
+        let recv_arrays = match kind {
+            OpKind::AllGatherV => "recvcounts/displs",
+            _ => "recvcounts/rdispls",
+        };
+        let recv_buf = buf("recvbuf", recv, recv_layout.extent(recv_arrays)?)?;
+        recv_layout.check_disjoint(recv_arrays)?;
         match kind {
             OpKind::AllGatherV => {
                 let own = recv_layout.count(rank);
@@ -425,6 +454,13 @@ impl Call {
                 } else {
                     buf("sendbuf", send, send_layout.extent("sendcounts/sdispls")?)?
                 };
+                let (sent, received) = (send_layout.count(rank), recv_layout.count(rank));
+                if sent != received {
+                    return Err(Error::invalid_argument(format!(
+                        "sendcounts[{rank}] = {sent} differs from recvcounts[{rank}] = {received} \
+                         (the block this rank sends itself)"
+                    )));
+                }
                 Ok(Call::AllToAllV {
                     send: send_buf,
                     recv: recv_buf,

@@ -22,6 +22,29 @@ const ALGO_NAMES: [&str; 10] = [
     "bruck",
 ];
 
+/// The wire value of the algorithm called `name` in the `algo` option
+/// (also its short forms), so that a bad name fails where it is set.
+pub fn algo_value(name: &str) -> crate::error::Result<u8> {
+    let n = name.trim().to_ascii_lowercase();
+    let alias = match n.as_str() {
+        "rd" | "doubling" => "recursive_doubling",
+        "tree" => "binomial",
+        "linear" => "direct",
+        "rabenseifner" | "hd" => "halving_doubling",
+        "2d" | "hier" => "hierarchical",
+        other => other,
+    };
+    (1..ALGO_NAMES.len())
+        .find(|&v| ALGO_NAMES[v] == alias)
+        .map(|v| v as u8)
+        .ok_or_else(|| {
+            crate::error::Error::invalid_argument(format!(
+                "unknown algorithm '{name}' (known: {})",
+                ALGO_NAMES[1..].join(", ")
+            ))
+        })
+}
+
 /// The name of the algorithm with wire value `v`.
 pub fn algo_name(v: u8) -> &'static str {
     ALGO_NAMES.get(usize::from(v)).copied().unwrap_or("unknown")

@@ -320,7 +320,11 @@ impl Options {
             "algo" => {
                 self.algo = match v.to_ascii_lowercase().as_str() {
                     "" | "auto" => None,
-                    name => Some(name.to_string()),
+                    name => {
+                        crate::descriptor::algo_value(name)
+                            .map_err(|e| bad(&format!("an algorithm: {}", e.message())))?;
+                        Some(name.to_string())
+                    }
                 }
             }
             "timeout_ms" => {

@@ -500,3 +500,284 @@ fn send_call<T>(buf: &[T], data: Data, peer: usize, rank: usize, size: usize) ->
     )
     .unwrap()
 }
+
+/// `n` ranks of a C communicator (threads of this process), each running
+/// `body(comm, rank)`; the communicators are destroyed after.
+fn c_world<R: Send + 'static>(
+    n: usize,
+    body: impl Fn(*mut rdist_comm_t, usize) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let mut id = rdist_unique_id_t {
+        internal: [0; RDIST_UNIQUE_ID_BYTES],
+    };
+    assert_eq!(rdist_get_unique_id(&mut id), rdist_result_t::RDIST_SUCCESS);
+    let body = std::sync::Arc::new(body);
+    let ranks: Vec<_> = (0..n)
+        .map(|rank| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let mut opts = std::ptr::null_mut();
+                assert_eq!(
+                    rdist_options_create(&mut opts),
+                    rdist_result_t::RDIST_SUCCESS
+                );
+                rdist_options_set(opts, c"timeout_ms".as_ptr(), c"20000".as_ptr());
+                let mut comm = std::ptr::null_mut();
+                let rc = rdist_comm_init_rank(&mut comm, n as i32, id, rank as i32, opts);
+                assert_eq!(rc, rdist_result_t::RDIST_SUCCESS, "{}", last_error());
+                rdist_options_destroy(opts);
+                let out = body(comm, rank);
+                assert_eq!(rdist_comm_destroy(comm), rdist_result_t::RDIST_SUCCESS);
+                out
+            })
+        })
+        .collect();
+    ranks.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// Found by a review of the C boundary: each of these panicked, wrote
+/// memory before refusing, or took a bad value, and now returns a precise
+/// error.
+#[test]
+fn uneven_layouts_options_and_handles_are_refused_before_anything_moves() {
+    c_world(2, move |comm, rank| {
+        let null = std::ptr::null_mut::<c_void>();
+        // alltoallv whose own block's counts differ: was a panic (INTERNAL).
+        let send = [rank as f32; 8];
+        let mut recv = [-1.0f32; 8];
+        let (sc, sd, rc, rd) = ([2usize, 2], [0usize, 2], [3usize, 2], [0usize, 3]);
+        let sc = if rank == 0 { sc } else { [2, 3] };
+        let rc = if rank == 0 { rc } else { [2, 2] };
+        let code = rdist_alltoallv(
+            send.as_ptr().cast(),
+            sc.as_ptr(),
+            sd.as_ptr(),
+            recv.as_mut_ptr().cast(),
+            rc.as_ptr(),
+            rd.as_ptr(),
+            7,
+            comm,
+            null,
+        );
+        assert_eq!(code, rdist_result_t::RDIST_ERR_INVALID_ARGUMENT);
+        let own = if rank == 0 {
+            "sendcounts[0] = 2 differs from recvcounts[0] = 3"
+        } else {
+            "sendcounts[1] = 3 differs from recvcounts[1] = 2"
+        };
+        assert!(last_error().contains(own), "{}", last_error());
+        assert_eq!(recv, [-1.0; 8], "a refused alltoallv wrote its output");
+        // allgatherv with overlapping receive blocks: wrote this rank's
+        // block into recvbuf before refusing.
+        let mine = [10.0 + rank as f32, 20.0 + rank as f32];
+        let mut out = [-1.0f32; 4];
+        let code = rdist_allgatherv(
+            mine.as_ptr().cast(),
+            2,
+            out.as_mut_ptr().cast(),
+            [2usize, 2].as_ptr(),
+            [0usize, 1].as_ptr(),
+            7,
+            comm,
+            null,
+        );
+        assert_eq!(code, rdist_result_t::RDIST_ERR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("recvcounts/displs: the receive block of rank 1"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(out, [-1.0; 4], "a refused allgatherv wrote its output");
+        // The communicator still works, and the ranks agree on the order.
+        let mut v = [1.0f32; 2];
+        let p = v.as_mut_ptr().cast();
+        assert_eq!(
+            rdist_allreduce(p, p, 2, 7, 0, comm, null),
+            rdist_result_t::RDIST_SUCCESS
+        );
+        assert_eq!(v, [2.0; 2]);
+        // A request passed as a communicator is named as one.
+        let mut req = std::ptr::null_mut();
+        assert_eq!(
+            rdist_ibarrier(comm, &mut req),
+            rdist_result_t::RDIST_SUCCESS
+        );
+        let mut r = 0;
+        assert_eq!(
+            rdist_comm_rank(req as *const rdist_comm_t, &mut r),
+            rdist_result_t::RDIST_ERR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("comm is a request, not a communicator"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(rdist_wait(req), rdist_result_t::RDIST_SUCCESS);
+        rdist_request_free(req);
+        assert!(
+            rdist_comm_rank(req as *const rdist_comm_t, &mut r)
+                == rdist_result_t::RDIST_ERR_INVALID_ARGUMENT
+                && last_error().contains("comm is a request already passed to rdist_request_free"),
+            "{}",
+            last_error()
+        );
+        // An out-parameter is named as the C call names it.
+        assert_eq!(
+            rdist_comm_size(comm, std::ptr::null_mut()),
+            rdist_result_t::RDIST_ERR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("size (an out-pointer) is NULL")
+                && last_error().contains(&format!("rank {rank}")),
+            "{}",
+            last_error()
+        );
+    });
+    // An algorithm that does not exist fails where it is set.
+    let mut opts = std::ptr::null_mut();
+    assert_eq!(
+        rdist_options_create(&mut opts),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    assert_eq!(
+        rdist_options_set(opts, c"algo".as_ptr(), c"bogus".as_ptr()),
+        rdist_result_t::RDIST_ERR_INVALID_ARGUMENT
+    );
+    assert!(
+        last_error().contains("unknown algorithm 'bogus'"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        rdist_options_set(opts, c"algo".as_ptr(), c"tree".as_ptr()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    rdist_options_destroy(opts);
+}
+
+/// A group whose communicator was destroyed before the group ended: its
+/// calls ran on the closed communicator (a panic at 2 ranks, a success at
+/// 1). Now refused, naming why.
+#[test]
+fn a_group_ending_after_its_communicator_was_destroyed_is_refused() {
+    let mut id = rdist_unique_id_t {
+        internal: [0; RDIST_UNIQUE_ID_BYTES],
+    };
+    assert_eq!(rdist_get_unique_id(&mut id), rdist_result_t::RDIST_SUCCESS);
+    let mut comm = std::ptr::null_mut();
+    assert_eq!(
+        rdist_comm_init_rank(&mut comm, 1, id, 0, std::ptr::null()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    let mut v = [1.0f32; 2];
+    let p = v.as_mut_ptr().cast();
+    assert_eq!(rdist_group_start(), rdist_result_t::RDIST_SUCCESS);
+    assert_eq!(
+        rdist_allreduce(p, p, 2, 7, 0, comm, std::ptr::null_mut()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    assert_eq!(rdist_comm_destroy(comm), rdist_result_t::RDIST_SUCCESS);
+    assert_eq!(rdist_group_end(), rdist_result_t::RDIST_ERR_INVALID_USAGE);
+    assert!(
+        last_error().contains("1 call(s) were queued in this group on a communicator that rdist_comm_destroy destroyed"),
+        "{}",
+        last_error()
+    );
+}
+
+/// In a fork() child every call on the parent's communicator, and on its
+/// requests, fails at once with InvalidUsage: queries returned success,
+/// rdist_comm_backend deadlocked on a lock the parent's worker held, and
+/// a wait on a request in flight hung past its timeout.
+#[test]
+fn a_forked_child_is_refused_every_call_through_the_c_abi() {
+    let said = c_world(2, |comm, rank| {
+        if rank == 1 {
+            // Late, so that rank 0's call is in flight when it forks.
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut v = [1.0f32; 4];
+            let p = v.as_mut_ptr().cast();
+            assert_eq!(
+                rdist_allreduce(p, p, 4, 7, 0, comm, std::ptr::null_mut()),
+                rdist_result_t::RDIST_SUCCESS
+            );
+            return String::new();
+        }
+        let mut v = [1.0f32; 4];
+        let p = v.as_mut_ptr().cast();
+        let mut req = std::ptr::null_mut();
+        assert_eq!(
+            rdist_iallreduce(p, p, 4, 7, 0, comm, &mut req),
+            rdist_result_t::RDIST_SUCCESS
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        let mut fds = [0i32; 2];
+        // SAFETY: a pipe for the child's verdict.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: the child calls rdist, writes to the pipe and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: a bound on the child, whatever hangs.
+            unsafe { libc::alarm(10) };
+            let mut x = 0;
+            let mut be = rdist_backend_t::RDIST_BACKEND_AUTO;
+            let mut status = rdist_status_t {
+                source: 0,
+                tag: 0,
+                count: 0,
+            };
+            let calls: Vec<(&str, rdist_result_t)> = vec![
+                ("rank", rdist_comm_rank(comm, &mut x)),
+                ("size", rdist_comm_size(comm, &mut x)),
+                ("local_rank", rdist_comm_local_rank(comm, &mut x)),
+                ("backend", rdist_comm_backend(comm, &mut be)),
+                (
+                    "failed_ranks",
+                    rdist_comm_failed_ranks(comm, std::ptr::null_mut(), 0, &mut x),
+                ),
+                ("test", rdist_test(req, &mut x)),
+                ("status", rdist_request_status(req, &mut status)),
+                ("wait", rdist_wait(req)),
+                ("abort", rdist_comm_abort(comm)),
+            ];
+            let mut msg = String::new();
+            for (what, rc) in calls {
+                let e = last_error();
+                if rc != rdist_result_t::RDIST_ERR_INVALID_USAGE || !e.contains("fork()") {
+                    msg += &format!("{what}: {rc:?} {e}; ");
+                }
+            }
+            rdist_request_free(req);
+            rdist_comm_destroy(comm);
+            if msg.is_empty() {
+                msg = "refused".to_string();
+            }
+            // SAFETY: writing our own buffer to our pipe, then exiting.
+            unsafe {
+                libc::write(fds[1], msg.as_ptr().cast(), msg.len());
+                libc::_exit(0);
+            }
+        }
+        // SAFETY: closing our copy of the write end, reaping the child.
+        let mut status = 0;
+        unsafe {
+            libc::close(fds[1]);
+            libc::waitpid(pid, &mut status, 0);
+        }
+        let mut buf = [0u8; 4096];
+        // SAFETY: reading into our buffer, then closing our read end.
+        let n = unsafe { libc::read(fds[0], buf.as_mut_ptr().cast(), buf.len()) };
+        unsafe { libc::close(fds[0]) };
+        let said = String::from_utf8_lossy(&buf[..n.max(0) as usize]).into_owned();
+        // The parent's call completes as if nothing happened.
+        assert_eq!(rdist_wait(req), rdist_result_t::RDIST_SUCCESS);
+        rdist_request_free(req);
+        assert_eq!(v, [2.0; 4]);
+        format!("{said} (child status {status})")
+    });
+    assert!(
+        said[0].starts_with("refused (child status 0)"),
+        "the child: {}",
+        said[0]
+    );
+}

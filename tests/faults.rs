@@ -49,6 +49,18 @@ fn worker_process() {
     let Ok(role) = std::env::var("RDIST_TEST_ROLE") else {
         return;
     };
+    if role == "init_timed" {
+        let t = Instant::now();
+        match Comm::init("env://", -1, -1, &Options::default()) {
+            Ok(_) => println!("RESULT init succeeded"),
+            Err(e) => println!(
+                "RESULT kind={:?} after={:.3} msg={e}",
+                e.kind(),
+                t.elapsed().as_secs_f64()
+            ),
+        }
+        return;
+    }
     let comm = Comm::init("env://", -1, -1, &Options::default()).unwrap();
     if let Some(call) = role.strip_prefix("abort2_then_") {
         return aborted_rank_2_then(&comm, call);
@@ -389,6 +401,53 @@ fn a_missing_rank_is_named_when_rendezvous_times_out() {
 }
 
 #[test]
+fn init_ends_near_its_timeout_when_the_store_host_is_stopped() {
+    // Rank 0 hosts the store (env://) and is stopped once rank 1 waits in
+    // it; rank 2 never comes. Rank 1's init must end near its timeout, not
+    // wait for the stopped store to answer each withdrawn wait (it waited
+    // the store operations' bound, 30 s, for one).
+    let port = common::free_port();
+    let timeout_ms = 4000;
+    let mut host = worker_command("init_timed", 0, 3, port, timeout_ms)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let waiter = std::thread::spawn(move || {
+        common::output_within(
+            &mut worker_command("init_timed", 1, 3, port, timeout_ms),
+            Duration::from_secs(60),
+            "rank 1's init",
+        )
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: stops the store's host, as ^Z or a debugger would.
+    unsafe { libc::kill(host.id() as i32, libc::SIGSTOP) };
+    let out = waiter.join().unwrap();
+    let _ = host.kill();
+    let _ = host.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once("RESULT").map(|x| x.1))
+        .unwrap_or_else(|| panic!("rank 1 printed no result:\n{text}"));
+    assert!(line.contains("kind=Timeout"), "{line}");
+    let after: f64 = line
+        .split("after=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        after < timeout_ms as f64 / 1000.0 + 6.0,
+        "rank 1's init took {after} s with a {timeout_ms} ms timeout: {line}"
+    );
+}
+
+#[test]
 fn two_processes_claiming_one_rank_are_refused() {
     let port = common::free_port();
     let url = format!("tcp://127.0.0.1:{port}");
@@ -512,7 +571,9 @@ fn a_rank_that_cannot_set_up_fails_init_on_every_rank_at_once() {
                 // (which init then reports as rank 1's published reason).
                 o.set("backend", "socket").unwrap();
                 if r == 1 {
-                    o.set("algo", "no_such_algorithm").unwrap();
+                    // Past `Options::set`, which refuses it: the engine,
+                    // set up after the rendezvous, refuses it too.
+                    o.algo = Some("no_such_algorithm".to_string());
                 }
                 Comm::init(&url, r, 3, &o).err()
             })

@@ -60,31 +60,18 @@ impl Algo {
         Algo::Bruck,
     ];
 
+    #[cfg(test)]
     pub fn name(self) -> &'static str {
         crate::descriptor::algo_name(self as u8)
     }
 
     /// Parses a name from the `algo` option (also short forms).
     pub fn parse(name: &str) -> Result<Algo> {
-        let n = name.trim().to_ascii_lowercase();
-        let alias = match n.as_str() {
-            "rd" | "doubling" => "recursive_doubling",
-            "tree" => "binomial",
-            "linear" => "direct",
-            "rabenseifner" | "hd" => "halving_doubling",
-            "2d" | "hier" => "hierarchical",
-            other => other,
-        };
+        let v = crate::descriptor::algo_value(name)?;
         Algo::ALL
             .into_iter()
-            .find(|a| a.name() == alias)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
-                Error::invalid_argument(format!(
-                    "unknown algorithm '{name}' (known: {})",
-                    names.join(", ")
-                ))
-            })
+            .find(|a| *a as u8 == v)
+            .ok_or_else(|| Error::internal(format!("algorithm {v} has a name but no entry")))
     }
 }
 

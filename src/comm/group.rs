@@ -94,10 +94,20 @@ pub unsafe fn end() -> Result<()> {
             None => per_comm.push((comm, vec![call], vec![stream])),
         }
     }
+    let mut first_error = None;
+    // A communicator destroyed since its calls were queued runs none.
+    per_comm.retain(
+        |(comm, calls, _)| match comm.refuse_if_closed(calls.len()) {
+            Ok(()) => true,
+            Err(e) => {
+                first_error.get_or_insert(e);
+                false
+            }
+        },
+    );
     // Device batches first, enqueued here in group order (see
     // `try_device_batch`); the rest run below, concurrently across
     // communicators.
-    let mut first_error = None;
     per_comm.retain(
         |(comm, calls, streams)| match comm.try_device_batch(calls, streams) {
             Some(r) => {

@@ -18,7 +18,7 @@ use crate::options::{self, Backend, Options};
 use crate::rendezvous::store::StoreLease;
 use crate::rendezvous::{self, method, unique_id::UniqueId, Meeting};
 use crate::transport::tagged::{Incoming, Outgoing, Status};
-use fork::Birth;
+pub(crate) use fork::Birth;
 pub use queue::Request;
 use queue::Runner;
 use std::sync::Arc;
@@ -133,8 +133,23 @@ impl Comm {
         self.local_rank
     }
 
+    /// The backend this communicator runs on. In a fork() child (see
+    /// `check_process`) it is not asked: the parent's threads may hold
+    /// what it needs.
     pub fn backend(&self) -> Backend {
         self.runner.engine().backend()
+    }
+
+    /// Refuses use from a process forked from the one that made this
+    /// communicator (the C API refuses every call there), saying why.
+    pub fn check_process(&self) -> Result<()> {
+        self.birth.check()
+    }
+
+    /// Where this communicator was made (a request made on it refuses use
+    /// from a fork() as the communicator does).
+    pub(crate) fn birth(&self) -> Birth {
+        self.birth
     }
 
     /// Runs a call now (or queues it in the current group).
@@ -475,7 +490,7 @@ impl Comm {
             if r >= self.size {
                 return Err(Error::invalid_argument(format!(
                     "exclude_ranks names rank {r}, but the communicator has ranks 0..{}",
-                    self.size
+                    self.size - 1
                 )));
             }
             if r == self.rank {

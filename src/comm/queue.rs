@@ -747,6 +747,19 @@ impl Runner {
         }
     }
 
+    /// Refuses calls queued in a group on a communicator destroyed before
+    /// the group ended: its connections are gone.
+    pub(crate) fn refuse_if_closed(&self, queued: usize) -> Result<()> {
+        match lock(&self.queue).closing {
+            false => Ok(()),
+            true => Err(Error::invalid_usage(format!(
+                "rank {}: {queued} call(s) were queued in this group on a communicator that \
+                 rdist_comm_destroy destroyed before the group ended; they did not run",
+                self.rank
+            ))),
+        }
+    }
+
     /// The ranks this rank knows to have failed; callable from any thread.
     pub(crate) fn failed_ranks(&self) -> Vec<usize> {
         self.aborter.failed_ranks()

@@ -95,28 +95,38 @@ pub extern "C" fn rdist_comm_init_rank(
     })
 }
 
+/// A live communicator of this process (not of the one it was forked
+/// from: docs/api.md, fork()).
+fn usable<'a>(comm: *const rdist_comm_t) -> Result<&'a Comm> {
+    let c = &handle(comm, "comm")?.comm;
+    c.check_process()?;
+    Ok(c)
+}
+
+/// A query into the out-parameter `name`.
 fn query(
     func: &str,
     comm: *const rdist_comm_t,
     out: *mut c_int,
+    name: &str,
     get: impl FnOnce(&Comm) -> usize,
 ) -> rdist_result_t {
-    boundary(func, None, || {
-        let c = handle(comm, "comm")?;
-        write_out(out, "out", get(&c.comm) as c_int)
+    boundary(func, rank_of(comm), || {
+        let c = usable(comm)?;
+        write_out(out, name, get(c) as c_int)
     })
 }
 
 /// This process's rank in `comm`.
 #[no_mangle]
 pub extern "C" fn rdist_comm_rank(comm: *const rdist_comm_t, rank: *mut c_int) -> rdist_result_t {
-    query("rdist_comm_rank", comm, rank, Comm::rank)
+    query("rdist_comm_rank", comm, rank, "rank", Comm::rank)
 }
 
 /// The number of ranks in `comm`.
 #[no_mangle]
 pub extern "C" fn rdist_comm_size(comm: *const rdist_comm_t, size: *mut c_int) -> rdist_result_t {
-    query("rdist_comm_size", comm, size, Comm::size)
+    query("rdist_comm_size", comm, size, "size", Comm::size)
 }
 
 /// This process's rank among the ranks of `comm` on the same host.
@@ -125,7 +135,13 @@ pub extern "C" fn rdist_comm_local_rank(
     comm: *const rdist_comm_t,
     local_rank: *mut c_int,
 ) -> rdist_result_t {
-    query("rdist_comm_local_rank", comm, local_rank, Comm::local_rank)
+    query(
+        "rdist_comm_local_rank",
+        comm,
+        local_rank,
+        "local_rank",
+        Comm::local_rank,
+    )
 }
 
 /// The backend `comm` runs on (never RDIST_BACKEND_AUTO).
@@ -134,10 +150,10 @@ pub extern "C" fn rdist_comm_backend(
     comm: *const rdist_comm_t,
     backend: *mut rdist_backend_t,
 ) -> rdist_result_t {
-    boundary("rdist_comm_backend", None, || {
-        let c = handle(comm, "comm")?;
+    boundary("rdist_comm_backend", rank_of(comm), || {
+        let c = usable(comm)?;
         check_out(backend, "backend")?;
-        let value = match c.comm.backend() {
+        let value = match c.backend() {
             crate::options::Backend::Nccl => rdist_backend_t::RDIST_BACKEND_NCCL,
             _ => rdist_backend_t::RDIST_BACKEND_SOCKET,
         };
@@ -250,7 +266,7 @@ pub extern "C" fn rdist_comm_failed_ranks(
     count: *mut c_int,
 ) -> rdist_result_t {
     boundary("rdist_comm_failed_ranks", rank_of(comm), || {
-        let c = handle(comm, "comm")?;
+        let c = usable(comm)?;
         check_out(count, "count")?;
         if capacity < 0 {
             return Err(Error::invalid_argument(format!(
@@ -262,7 +278,7 @@ pub extern "C" fn rdist_comm_failed_ranks(
                 "ranks is NULL but capacity is {capacity}"
             )));
         }
-        let failed = c.comm.failed_ranks();
+        let failed = c.failed_ranks();
         for (i, r) in failed.iter().take(capacity as usize).enumerate() {
             // SAFETY: ranks holds `capacity` ints (the contract), and
             // i < capacity.
@@ -279,7 +295,7 @@ pub extern "C" fn rdist_comm_failed_ranks(
 pub extern "C" fn rdist_comm_abort(comm: *mut rdist_comm_t) -> rdist_result_t {
     let rank = rank_of(comm);
     boundary("rdist_comm_abort", rank, || {
-        handle(comm, "comm")?.comm.abort();
+        usable(comm)?.abort();
         Ok(())
     })
 }

@@ -1,7 +1,8 @@
 //! The handles C holds (communicators, requests, option sets): boxes with
-//! a liveness word, so that the commonest misuses of one (a call after its
-//! destroy or free, a second destroy) are an error with a message, not a
-//! crash. A retired handle's contents are dropped at once; its box stays
+//! a liveness word first, so that the commonest misuses of one (a call
+//! after its destroy or free, a second destroy, a handle of one kind
+//! passed as another) are an error with a message, not a crash. Each kind
+//! has its own live and retired words. A retired handle's contents are dropped at once; its box stays
 //! behind as a tombstone among the last `QUARANTINE` of its type retired
 //! on the thread, where a stale pointer still finds it dead, and then
 //! holds the thread's next new handle of that type (so that a request a
@@ -12,25 +13,40 @@ use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// The liveness word of a handle in use.
-const LIVE: u32 = 0x7264_6973;
-/// The liveness word of a retired one.
-const RETIRED: u32 = 0xdead_0001;
+/// A kind of handle: its liveness word in use (a retired one's is the
+/// complement, `retired`), what it is, and what retires it.
+pub type Kind = (u32, &'static str, &'static str);
+pub const COMM: Kind = (0x7264_6973, "a communicator", "rdist_comm_destroy");
+pub const REQUEST: Kind = (0x7264_7271, "a request", "rdist_request_free");
+pub const OPTIONS: Kind = (0x7264_6f70, "an option set", "rdist_options_destroy");
+const KINDS: [Kind; 3] = [COMM, REQUEST, OPTIONS];
+
+/// The liveness word of a retired handle whose live one is `live`.
+const fn retired(live: u32) -> u32 {
+    !live
+}
 
 /// Tombstones a thread keeps of each type (a few tens of bytes each).
 const QUARANTINE: usize = 4096;
 
-/// Whether a handle is in use: `Liveness::default()` is.
+/// Whether a handle is in use, and of which kind: first in every
+/// handle (at offset 0), so that a handle of another kind is read at the
+/// same place.
 pub struct Liveness(AtomicU32);
 
-impl Default for Liveness {
-    fn default() -> Liveness {
-        Liveness(AtomicU32::new(LIVE))
+impl Liveness {
+    /// A handle of the kind `T` in use.
+    pub fn of<T: Handle>() -> Liveness {
+        Liveness(AtomicU32::new(T::LIVE))
     }
 }
 
 /// A type C holds through a pointer from `create`.
 pub trait Handle: Sized + 'static {
+    /// Its liveness word while in use (`COMM`, `REQUEST`, `OPTIONS`) and
+    /// what it is, for messages ("a communicator").
+    const LIVE: u32;
+    const KIND: &'static str;
     /// The call that retires it, and what it does.
     const RETIRED_BY: &'static str;
     const RETIRES: &'static str;
@@ -75,13 +91,34 @@ pub fn get<'a, T: Handle>(p: *const T, name: &str) -> Result<&'a T> {
     // caller's undefined behaviour, as in C).
     let handle =
         unsafe { p.as_ref() }.ok_or_else(|| Error::invalid_argument(format!("{name} is NULL")))?;
-    if handle.liveness().0.load(Ordering::Acquire) != LIVE {
-        return Err(Error::invalid_argument(format!(
-            "{name} was already passed to {}: a handle is not valid after it",
-            T::RETIRED_BY
-        )));
+    let word = handle.liveness().0.load(Ordering::Acquire);
+    if word != T::LIVE {
+        return Err(not_live::<T>(word, name));
     }
     Ok(handle)
+}
+
+/// What a handle whose word is `word` is instead of a live `T`.
+fn not_live<T: Handle>(word: u32, name: &str) -> Error {
+    if word == retired(T::LIVE) {
+        return Error::invalid_argument(format!(
+            "{name} was already passed to {}: a handle is not valid after it",
+            T::RETIRED_BY
+        ));
+    }
+    let other = KINDS.iter().find_map(|&(live, kind, by)| {
+        (word == live)
+            .then(|| kind.to_string())
+            .or_else(|| (word == retired(live)).then(|| format!("{kind} already passed to {by}")))
+    });
+    Error::invalid_argument(match other {
+        Some(other) => format!("{name} is {other}, not {}", T::KIND),
+        None => format!(
+            "{name} is not {} (nor any live rdist handle: a pointer retired long ago, \
+             or not from rdist)",
+            T::KIND
+        ),
+    })
 }
 
 /// Drops what a live handle holds and leaves its box as a tombstone. NULL
@@ -102,14 +139,21 @@ pub fn retire_after<T: Handle>(p: *mut T, name: &str, last: impl FnOnce(&T)) -> 
     // A look and a store, not a compare-and-swap (a request is freed per
     // message): two threads freeing one handle at once is outside the
     // contract, as a double free() is in C; one after the other is caught.
-    if handle.liveness().0.load(Ordering::Acquire) != LIVE {
+    let word = handle.liveness().0.load(Ordering::Acquire);
+    if word == retired(T::LIVE) {
         return Err(Error::invalid_argument(format!(
             "{name} was already passed to {} before: it was {} twice",
             T::RETIRED_BY,
             T::RETIRES
         )));
     }
-    handle.liveness().0.store(RETIRED, Ordering::Release);
+    if word != T::LIVE {
+        return Err(not_live::<T>(word, name));
+    }
+    handle
+        .liveness()
+        .0
+        .store(retired(T::LIVE), Ordering::Release);
     last(handle);
     // SAFETY: only the call that retired the handle gets here, and `get`
     // refuses it from now on.
@@ -129,12 +173,15 @@ mod tests {
     use std::rc::Rc;
 
     /// A handle whose value counts its drops.
+    #[repr(C)]
     struct Probe {
         live: Liveness,
         value: ManuallyDrop<Rc<()>>,
     }
 
     impl Handle for Probe {
+        const LIVE: u32 = 0x7072_6f62;
+        const KIND: &'static str = "a probe";
         const RETIRED_BY: &'static str = "probe_free";
         const RETIRES: &'static str = "freed";
 
@@ -157,7 +204,7 @@ mod tests {
 
     fn probe(count: &Rc<()>) -> *mut Probe {
         create(Probe {
-            live: Liveness::default(),
+            live: Liveness::of::<Probe>(),
             value: ManuallyDrop::new(count.clone()),
         })
     }

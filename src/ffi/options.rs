@@ -50,7 +50,7 @@ pub extern "C" fn rdist_options_set(
         let mut updated = (*o.opts).clone();
         updated.set(k, v)?;
         // SAFETY: handle() checked it is live; the caller owns it exclusively.
-        unsafe { *(*opts).opts = updated };
+        unsafe { *(&mut *opts).opts = updated };
         Ok(())
     })
 }

@@ -10,7 +10,9 @@ use std::ffi::c_int;
 /// rdist_request_free.
 #[no_mangle]
 pub extern "C" fn rdist_wait(req: *mut rdist_request_t) -> rdist_result_t {
-    boundary("rdist_wait", None, || handle(req, "req")?.req.wait())
+    boundary("rdist_wait", None, || {
+        handle(req, "req")?.req.usable()?.wait()
+    })
 }
 
 /// Never blocks: *done = 1 when the request has completed (the call then
@@ -18,9 +20,9 @@ pub extern "C" fn rdist_wait(req: *mut rdist_request_t) -> rdist_result_t {
 #[no_mangle]
 pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdist_result_t {
     boundary("rdist_test", None, || {
-        let r = handle(req, "req")?;
+        let r = handle(req, "req")?.req.usable()?;
         super::check_out(done, "done")?;
-        match r.req.test() {
+        match r.test() {
             None => write_out(done, "done", 0),
             Some(result) => {
                 write_out(done, "done", 1)?;
@@ -35,26 +37,30 @@ pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdi
 pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
     super::free_quietly("rdist_request_free", || {
         handles::retire_after(req, "req", |r| {
-            if !r.req.settled() {
-                let _ = r.req.wait();
+            // In a fork() child it is only let go (see `Issued`).
+            if let Ok(r) = r.req.usable() {
+                if !r.settled() {
+                    let _ = r.wait();
+                }
             }
         })
     });
 }
 
 /// The status of a completed receive: who sent it, its tag, and how many
-/// elements arrived. RDIST_ERR_INVALID_USAGE while the request is in
-/// flight, when it failed, or for a request that is not a point-to-point
-/// receive or send on host memory. Since 0.2.
+/// elements arrived (of a send: the rank it went to, its tag and count).
+/// RDIST_ERR_INVALID_USAGE while the request is in flight, when it failed,
+/// or for a request that is not a point-to-point receive or send on host
+/// memory. Since 0.2.
 #[no_mangle]
 pub extern "C" fn rdist_request_status(
     req: *const rdist_request_t,
     status: *mut rdist_status_t,
 ) -> rdist_result_t {
     boundary("rdist_request_status", None, || {
-        let r = handle(req, "req")?;
+        let r = handle(req, "req")?.req.usable()?;
         check_out(status, "status")?;
-        let s = r.req.status().ok_or_else(|| {
+        let s = r.status().ok_or_else(|| {
             Error::invalid_usage(
                 "the request has no status: it is still in flight, it failed, or it is not a point-to-point call on host memory",
             )

@@ -3,8 +3,9 @@
 //! the enum types in the header) and are validated with TryFrom.
 
 use super::handles::{self, Handle, Liveness};
-use crate::comm::{Comm, Request};
+use crate::comm::{Birth, Comm, Request};
 use crate::error::ErrorKind;
+use crate::error::Result;
 use crate::options::Options;
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -161,7 +162,7 @@ pub const RDIST_ANY_TAG: c_int = -1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct rdist_status_t {
-    /// The rank the message came from.
+    /// The rank the message came from (of a send: the rank it went to).
     pub source: c_int,
     /// Its tag.
     pub tag: c_int,
@@ -169,39 +170,102 @@ pub struct rdist_status_t {
     pub count: usize,
 }
 
+/// A request as C holds it, with where its communicator was made: in a
+/// fork() child it is refused as the communicator is (the parent's
+/// threads that would finish it do not run there), and dropped without
+/// touching what the parent's threads share.
+pub struct Issued {
+    req: ManuallyDrop<Request>,
+    birth: Birth,
+}
+
+impl Issued {
+    pub(crate) fn new(req: Request, birth: Birth) -> Issued {
+        Issued {
+            req: ManuallyDrop::new(req),
+            birth,
+        }
+    }
+
+    /// The request, unless this process is a fork() of its maker's.
+    pub(crate) fn usable(&self) -> Result<&Request> {
+        self.birth.check()?;
+        Ok(&self.req)
+    }
+}
+
+impl Drop for Issued {
+    fn drop(&mut self) {
+        if !self.birth.forked() {
+            // SAFETY: dropped once, here.
+            unsafe { ManuallyDrop::drop(&mut self.req) }
+        }
+    }
+}
+
 /// A communicator (process group).
-pub struct rdist_comm {
+pub struct rdist_comm(CommSlot);
+
+/// An operation in flight.
+pub struct rdist_request(RequestSlot);
+
+/// Key/value settings.
+pub struct rdist_options(OptionsSlot);
+
+// A handle's contents, the liveness word first (`#[repr(C)]`): a handle of
+// another kind is read at the same place (see `handles`). The handles
+// themselves stay opaque to C (no `#[repr(C)]`); each holds its slot
+// alone, at offset 0 (checked below).
+
+#[repr(C)]
+pub struct CommSlot {
     pub(crate) live: Liveness,
     pub(crate) comm: ManuallyDrop<Comm>,
 }
 
-/// An operation in flight.
-pub struct rdist_request {
+#[repr(C)]
+pub struct RequestSlot {
     pub(crate) live: Liveness,
-    pub(crate) req: ManuallyDrop<Request>,
+    pub(crate) req: ManuallyDrop<Issued>,
 }
 
-/// Key/value settings.
-pub struct rdist_options {
+#[repr(C)]
+pub struct OptionsSlot {
     pub(crate) live: Liveness,
     pub(crate) opts: ManuallyDrop<Options>,
 }
 
-/// Each handle with the one value it holds.
 macro_rules! handle_of {
-    ($handle:ident, $field:ident, $value:ty, $retire:literal, $retires:literal) => {
+    ($handle:ident, $slot:ident, $field:ident, $value:ty, $kind:expr, $retires:literal) => {
         impl $handle {
             /// A new handle holding `value`, as the pointer C gets.
             pub(crate) fn create(value: $value) -> *mut $handle {
-                handles::create($handle {
-                    live: Liveness::default(),
+                handles::create($handle($slot {
+                    live: Liveness::of::<$handle>(),
                     $field: ManuallyDrop::new(value),
-                })
+                }))
             }
         }
 
+        impl std::ops::Deref for $handle {
+            type Target = $slot;
+            fn deref(&self) -> &$slot {
+                &self.0
+            }
+        }
+
+        impl std::ops::DerefMut for $handle {
+            fn deref_mut(&mut self) -> &mut $slot {
+                &mut self.0
+            }
+        }
+
+        const _: () = assert!(std::mem::offset_of!($handle, 0) == 0);
+
         impl Handle for $handle {
-            const RETIRED_BY: &'static str = $retire;
+            const LIVE: u32 = $kind.0;
+            const KIND: &'static str = $kind.1;
+            const RETIRED_BY: &'static str = $kind.2;
             const RETIRES: &'static str = $retires;
 
             fn liveness(&self) -> &Liveness {
@@ -223,13 +287,21 @@ macro_rules! handle_of {
         }
     };
 }
-handle_of!(rdist_comm, comm, Comm, "rdist_comm_destroy", "destroyed");
-handle_of!(rdist_request, req, Request, "rdist_request_free", "freed");
+handle_of!(rdist_comm, CommSlot, comm, Comm, handles::COMM, "destroyed");
+handle_of!(
+    rdist_request,
+    RequestSlot,
+    req,
+    Issued,
+    handles::REQUEST,
+    "freed"
+);
 handle_of!(
     rdist_options,
+    OptionsSlot,
     opts,
     Options,
-    "rdist_options_destroy",
+    handles::OPTIONS,
     "destroyed"
 );
 

@@ -28,6 +28,9 @@ use crate::auth::{self, Side, Token, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{describe_io, Error, ErrorKind, Result};
 use crate::sync::lock;
 
+/// The least time a withdrawn wait's answer is waited for (see `wait_for`).
+const CANCEL_ANSWER_MIN: Duration = Duration::from_secs(1);
+
 /// The most a handshake may take once connected.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -415,8 +418,14 @@ impl TcpStoreClient {
                     ) =>
                 {
                     // Withdraw the wait; the store answers WAIT_CANCELED
-                    // (after STOP_WAITING if the keys came just now).
-                    c.stream.set_read_timeout(Some(OPERATION_TIMEOUT))?;
+                    // (after STOP_WAITING if the keys came just now). A
+                    // store that answered nothing for the wait's length is
+                    // given as long again (a second at least), not the
+                    // operations' bound: a stopped store host would hold
+                    // every slice of init's wait that long.
+                    c.stream.set_read_timeout(Some(
+                        timeout.clamp(CANCEL_ANSWER_MIN, OPERATION_TIMEOUT),
+                    ))?;
                     let mut cancel = Vec::new();
                     encode_query(&Query::CancelWait, &mut cancel);
                     c.stream.write_all(&cancel)?;
