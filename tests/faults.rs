@@ -49,6 +49,9 @@ fn worker_process() {
     let Ok(role) = std::env::var("RDIST_TEST_ROLE") else {
         return;
     };
+    if role == "dial_stopped" {
+        return wait_behind_dials_to_stopped_ranks();
+    }
     if role == "init_timed" {
         let t = Instant::now();
         match Comm::init("env://", -1, -1, &Options::default()) {
@@ -1210,6 +1213,48 @@ fn receive_from_a_stopped_rank_1(comm: &Comm) {
     }
 }
 
+/// The body of `a_wait_is_not_held_behind_dials_to_other_stopped_ranks`,
+/// through the C API as a C program would: every rank but 0 stops right
+/// after init; rank 0 posts receives from each (none connected yet) and
+/// waits for the last one.
+fn wait_behind_dials_to_stopped_ranks() {
+    use rdist::ffi::comm::rdist_init;
+    use rdist::ffi::p2p::rdist_irecv;
+    use rdist::ffi::requests::rdist_wait;
+    use rdist::ffi::version::rdist_last_error;
+    let mut comm = std::ptr::null_mut();
+    let rc = rdist_init(&mut comm, c"env://".as_ptr(), -1, -1, std::ptr::null());
+    assert_eq!(rc as i32, 0);
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    let size: usize = std::env::var("WORLD_SIZE").unwrap().parse().unwrap();
+    if rank != 0 {
+        // SAFETY: stops this process (as a debugger or ^Z would).
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut bufs = vec![[0u32; 16]; size];
+    let reqs: Vec<_> = (1..size)
+        .map(|p| {
+            let mut req = std::ptr::null_mut();
+            let rc = rdist_irecv(bufs[p].as_mut_ptr().cast(), 16, 3, p as i32, comm, &mut req);
+            assert_eq!(rc as i32, 0);
+            req
+        })
+        .collect();
+    let t = Instant::now();
+    let rc = rdist_wait(*reqs.last().unwrap());
+    // SAFETY: the thread's last error, a C string.
+    let msg = unsafe { std::ffi::CStr::from_ptr(rdist_last_error()) }.to_string_lossy();
+    println!(
+        "RESULT rc={rc:?} after={:.3} msg={msg}",
+        t.elapsed().as_secs_f64()
+    );
+    // SAFETY: ends the process without waiting for the stopped ranks.
+    unsafe { libc::_exit(0) };
+}
+
 /// The body of `an_abort_ends_a_dial_to_a_stopped_rank`: rank 0 stops
 /// itself; rank 1 makes `call` with it (a first one, so it dials rank 0)
 /// and aborts from another thread a second later.
@@ -1336,6 +1381,40 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
             assert!(after < 30.0, "{role}: rank {r} took {after} s:{line}");
         }
     }
+}
+
+/// Rank 0 waits for a receive from rank 4 while ranks 1-4 are stopped and
+/// none is connected yet: each dial to a stopped rank is held to its
+/// bound (10 s), and the wait dialed ranks 1, 2 and 3 first, in one pass,
+/// before it looked at its own call (about 40 s). The waited call's peer
+/// is now dialed first, and one dial is made a pass.
+#[test]
+fn a_wait_is_not_held_behind_dials_to_other_stopped_ranks() {
+    let port = common::free_port();
+    let mut workers: Vec<_> = (0..5)
+        .map(|r| {
+            let mut w = worker_command("dial_stopped", r, 5, port, 30_000);
+            w.stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null());
+            w.spawn().unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    let line = result_of(
+        &mut workers,
+        0,
+        start,
+        Duration::from_secs(90),
+        "dial_stopped",
+    );
+    for w in &mut workers {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    assert!(line.contains("RDIST_ERR_PEER_LOST"), "{line}");
+    assert!(line.contains("rank 4"), "{line}");
+    let after = after_of(&line);
+    assert!(after < 16.0, "the wait took {after} s:{line}");
 }
 
 /// A rank that is merely late (here 5 s, past the second after which the

@@ -208,11 +208,12 @@ impl Queued {
             "request did not complete within {:.1} s; the communicator was aborted",
             limit.as_secs_f64()
         );
+        let until = Instant::now() + Duration::from_secs(10);
         if let Some(comm) = self.comm.upgrade() {
-            comm.abort();
+            // Not `abort`: the call that overran may hold the engine.
+            comm.abort_until(until);
         }
-        let grace = Duration::from_secs(10);
-        if self.done.wait_until(Instant::now() + grace).is_none() {
+        if self.done.wait_until(until).is_none() {
             msg.push_str(" (and the call still had not ended 10 s later)");
         }
         Error::new(ErrorKind::Timeout, msg)
@@ -771,6 +772,22 @@ impl Runner {
         self.aborter.abort();
         // The running call (if any) notices at once and lets go of the engine.
         lock(&self.engine).abort();
+    }
+
+    /// `abort`, waiting for the engine until `until` at most: a call that
+    /// never notices the abort (the backstop's case) holds it.
+    fn abort_until(&self, until: Instant) {
+        self.aborter.abort();
+        loop {
+            if let Some(mut engine) = sync::try_lock(&self.engine) {
+                engine.abort();
+                return;
+            }
+            if Instant::now() >= until {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Local: runs the held sends/receives (bounded by the timeout),

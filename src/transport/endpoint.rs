@@ -451,7 +451,7 @@ impl Endpoint {
         let mut registered = false;
         while !t.done.is_finished() {
             if let Some(mut core) = try_lock(&sh.core) {
-                if core.drive(None, CALLER) {
+                if core.drive(None, caller_for(t)) {
                     spin_until = None;
                 }
             }
@@ -564,7 +564,7 @@ impl Endpoint {
                     // Announced, then looked at once more: a write after
                     // the look rings the doorbell.
                     let seen = bell.prepare();
-                    let moved = core.drive(None, THOROUGH);
+                    let moved = core.drive(None, thorough_for(t));
                     // Calls waiting on sockets too ring no doorbell: the
                     // naps stay short then.
                     let sockets = core.tagged_waits_on_sockets();
@@ -579,7 +579,7 @@ impl Endpoint {
                     }
                 }
                 _ => {
-                    let moved = core.drive(None, THOROUGH);
+                    let moved = core.drive(None, thorough_for(t));
                     fds.clear();
                     let buffered = core.tagged_fds(&mut fds);
                     drop(core);
@@ -612,7 +612,7 @@ impl Endpoint {
         }
         self.post_deferred();
         if let Some(mut core) = try_lock(&self.shared.core) {
-            core.drive(None, CALLER);
+            core.drive(None, caller_for(t));
         }
         t.done.get().map(|r| r.map_err(|e| named(t, e)))
     }
@@ -634,6 +634,7 @@ impl Endpoint {
                 Drive {
                     connect: true,
                     thorough: true,
+                    first: None,
                 },
             );
             if !core.tagged_sends_in_flight() {
@@ -682,6 +683,7 @@ const DEFERRED_MAX: usize = crate::transport::shm::WHOLE_PAYLOAD;
 const CALLER: Drive = Drive {
     connect: true,
     thorough: false,
+    first: None,
 };
 
 /// How a caller about to sleep looks: every connection its calls wait on
@@ -689,7 +691,24 @@ const CALLER: Drive = Drive {
 const THOROUGH: Drive = Drive {
     connect: true,
     thorough: true,
+    first: None,
 };
+
+/// How a caller waiting for `t` moves the calls: `t`'s peer first.
+fn caller_for(t: &Ticket) -> Drive {
+    Drive {
+        first: t.call.peer(),
+        ..CALLER
+    }
+}
+
+/// `THOROUGH`, `t`'s peer first.
+fn thorough_for(t: &Ticket) -> Drive {
+    Drive {
+        first: t.call.peer(),
+        ..THOROUGH
+    }
+}
 
 /// A call's error says which call failed, when it does not already.
 fn named(t: &Ticket, e: Error) -> Error {

@@ -75,6 +75,7 @@ const ACTIVE_FOR: Duration = Duration::from_millis(100);
 const THOROUGH: Drive = Drive {
     connect: false,
     thorough: true,
+    first: None,
 };
 
 /// Most connections greeted at once (see transport/greeting.rs).

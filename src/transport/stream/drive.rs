@@ -23,6 +23,9 @@ pub struct Drive {
     /// a peer's exit shows on shared memory); else only those with data,
     /// as a spinning caller looks.
     pub thorough: bool,
+    /// The peer of the call the caller waits for, driven (and dialed)
+    /// first.
+    pub first: Option<usize>,
 }
 impl StreamTransport {
     /// Takes in the tagged calls posted while the core was held elsewhere,
@@ -103,9 +106,15 @@ impl StreamTransport {
         match peer {
             Some(p) => self.drive_peer(p, how),
             None => {
+                let mut how = how;
+                if let Some(f) = how.first.filter(|f| self.tagged.used().contains(f)) {
+                    how = self.drive_dialing_once(f, how);
+                }
                 for i in 0..self.tagged.used().len() {
                     let p = self.tagged.used()[i];
-                    self.drive_peer(p, how);
+                    if Some(p) != how.first {
+                        how = self.drive_dialing_once(p, how);
+                    }
                 }
                 if self.tagged.wants_any_source() {
                     for i in 0..self.linked.len() {
@@ -134,6 +143,26 @@ impl StreamTransport {
             }
         }
         self.moved != before
+    }
+
+    /// `drive_peer`, then `how` for the rest of the pass: no more dials
+    /// once one was made. A peer that does not answer (stopped, its host
+    /// gone) holds its dial to its bound, and the caller looks at its own
+    /// call between two: a wait is not held behind the dials of every
+    /// stopped peer its rank has calls with.
+    fn drive_dialing_once(&mut self, peer: usize, how: Drive) -> Drive {
+        let dials = how.connect
+            && peer != self.rank
+            && self.conns[peer].is_none()
+            && (self.tagged.has_output(peer) || self.tagged.wants(peer));
+        self.drive_peer(peer, how);
+        match dials {
+            true => Drive {
+                connect: false,
+                ..how
+            },
+            false => how,
+        }
     }
 
     fn drive_peer(&mut self, peer: usize, how: Drive) {

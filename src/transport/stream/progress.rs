@@ -780,6 +780,7 @@ pub(super) mod tests {
                 let how = Drive {
                     connect: false,
                     thorough: true,
+                    first: None,
                 };
                 let deadline = Instant::now() + Duration::from_secs(20);
                 while !dones.iter().all(|d| d.is_finished()) {
@@ -874,6 +875,7 @@ pub(super) mod tests {
                     let how = Drive {
                         connect: false,
                         thorough: true,
+                        first: None,
                     };
                     t.drive(None, how);
                     std::thread::yield_now();
@@ -975,6 +977,7 @@ pub(super) mod tests {
     const THOROUGH: Drive = Drive {
         connect: false,
         thorough: true,
+        first: None,
     };
 
     /// A single-copy send withdrawn (its timeout) and its buffer gone:
@@ -1316,6 +1319,7 @@ pub(super) mod tests {
                 let thorough = Drive {
                     connect: false,
                     thorough: true,
+                    first: None,
                 };
                 t0.drive(None, thorough);
                 std::thread::sleep(Duration::from_micros(200));
