@@ -781,3 +781,60 @@ fn a_forked_child_is_refused_every_call_through_the_c_abi() {
         said[0]
     );
 }
+
+/// A group opened before fork() and ended in the child runs nothing there
+/// (its calls are the parent's) and says why; the parent's end runs them.
+#[test]
+fn a_group_opened_before_fork_is_refused_in_the_child() {
+    let mut id = rdist_unique_id_t {
+        internal: [0; RDIST_UNIQUE_ID_BYTES],
+    };
+    assert_eq!(rdist_get_unique_id(&mut id), rdist_result_t::RDIST_SUCCESS);
+    let mut comm = std::ptr::null_mut();
+    assert_eq!(
+        rdist_comm_init_rank(&mut comm, 1, id, 0, std::ptr::null()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    let mut v = [1.0f32; 2];
+    let p = v.as_mut_ptr().cast();
+    assert_eq!(rdist_group_start(), rdist_result_t::RDIST_SUCCESS);
+    assert_eq!(
+        rdist_allreduce(p, p, 2, 7, 0, comm, std::ptr::null_mut()),
+        rdist_result_t::RDIST_SUCCESS
+    );
+    let mut fds = [0i32; 2];
+    // SAFETY: a pipe for the child's verdict.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the child calls rdist, writes to the pipe and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: a bound on the child, whatever hangs.
+        unsafe { libc::alarm(10) };
+        let rc = rdist_group_end();
+        let msg = format!("{rc:?} {}", last_error());
+        // SAFETY: writing our own buffer to our pipe, then exiting.
+        unsafe {
+            libc::write(fds[1], msg.as_ptr().cast(), msg.len());
+            libc::_exit(0);
+        }
+    }
+    let mut status = 0;
+    let mut buf = [0u8; 2048];
+    // SAFETY: closing our write end, reaping the child, reading its verdict.
+    let n = unsafe {
+        libc::close(fds[1]);
+        libc::waitpid(pid, &mut status, 0);
+        let n = libc::read(fds[0], buf.as_mut_ptr().cast(), buf.len());
+        libc::close(fds[0]);
+        n
+    };
+    let said = String::from_utf8_lossy(&buf[..n.max(0) as usize]).into_owned();
+    assert_eq!(status, 0, "the child: {said}");
+    assert!(
+        said.starts_with("RDIST_ERR_INVALID_USAGE") && said.contains("fork()"),
+        "the child: {said}"
+    );
+    assert_eq!(rdist_group_end(), rdist_result_t::RDIST_SUCCESS);
+    assert_eq!(v, [1.0; 2]);
+    assert_eq!(rdist_comm_destroy(comm), rdist_result_t::RDIST_SUCCESS);
+}

@@ -18,7 +18,7 @@ use crate::call::{Call, Data, RawBuf};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::log;
-use crate::options::{Backend, LogLevel, Options};
+use crate::options::{LogLevel, Options};
 use crate::sync::lock;
 use crate::trace::Trace;
 use crate::transport::membership::Roster;
@@ -224,13 +224,6 @@ impl Engine {
     /// recorder's publisher).
     pub(crate) fn set_hook(&self, hook: Box<dyn FnMut() + Send>) {
         self.socket.endpoint().set_hook(hook);
-    }
-
-    pub(crate) fn backend(&self) -> Backend {
-        match self.nccl {
-            Some(_) => Backend::Nccl,
-            None => Backend::Socket,
-        }
     }
 
     pub(crate) fn has_nccl(&self) -> bool {

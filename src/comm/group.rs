@@ -12,6 +12,9 @@ use std::sync::Arc;
 
 struct Group {
     depth: usize,
+    /// The process that opened the outermost level: a fork() child that
+    /// ends it runs nothing (the calls are its parent's).
+    birth: Option<super::Birth>,
     queued: Vec<(Arc<Runner>, Call, Stream)>,
     /// Tagged sends/receives, posted at once (they have their own
     /// context), waited for at the end.
@@ -24,6 +27,7 @@ thread_local! {
     static GROUP: RefCell<Group> = const {
         RefCell::new(Group {
             depth: 0,
+            birth: None,
             queued: Vec::new(),
             posted: Vec::new(),
         })
@@ -39,7 +43,11 @@ static OPEN: AtomicUsize = AtomicUsize::new(0);
 
 pub fn start() {
     GROUP.with(|g| {
-        g.borrow_mut().depth += 1;
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            g.birth = Some(super::Birth::here());
+        }
+        g.depth += 1;
         OPEN.fetch_add(1, Ordering::Relaxed);
     });
 }
@@ -77,11 +85,17 @@ pub unsafe fn end() -> Result<()> {
         }
         g.depth -= 1;
         OPEN.fetch_sub(1, Ordering::Relaxed);
-        Ok(if g.depth == 0 {
-            (std::mem::take(&mut g.queued), std::mem::take(&mut g.posted))
-        } else {
-            (Vec::new(), Vec::new())
-        })
+        if g.depth > 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let (queued, posted) = (std::mem::take(&mut g.queued), std::mem::take(&mut g.posted));
+        let calls = !(queued.is_empty() && posted.is_empty());
+        if let Some(Err(e)) = g.birth.take().filter(|_| calls).map(|b| b.check()) {
+            // Let go without touching what the parent's threads share.
+            std::mem::forget((queued, posted));
+            return Err(e);
+        }
+        Ok((queued, posted))
     })?;
     // Split by communicator, keeping each one's order.
     let mut per_comm: Vec<(Arc<Runner>, Vec<Call>, Vec<Stream>)> = Vec::new();

@@ -111,13 +111,14 @@ impl Comm {
         engine: Engine,
         server: Option<StoreLease>,
     ) -> Comm {
+        let birth = Birth::here();
         Comm {
-            runner: Runner::new(rank, timeout, engine),
+            runner: Runner::new(rank, timeout, engine, birth),
             rank,
             size,
             local_rank,
             _server: server,
-            birth: Birth::here(),
+            birth,
         }
     }
 
@@ -133,23 +134,19 @@ impl Comm {
         self.local_rank
     }
 
-    /// The backend this communicator runs on. In a fork() child (see
-    /// `check_process`) it is not asked: the parent's threads may hold
-    /// what it needs.
+    /// The backend this communicator runs on (fixed when it is made: a
+    /// query that waits for no call, in a fork() child too).
     pub fn backend(&self) -> Backend {
-        self.runner.engine().backend()
+        match self.runner.has_nccl() {
+            true => Backend::Nccl,
+            false => Backend::Socket,
+        }
     }
 
     /// Refuses use from a process forked from the one that made this
     /// communicator (the C API refuses every call there), saying why.
     pub fn check_process(&self) -> Result<()> {
         self.birth.check()
-    }
-
-    /// Where this communicator was made (a request made on it refuses use
-    /// from a fork() as the communicator does).
-    pub(crate) fn birth(&self) -> Birth {
-        self.birth
     }
 
     /// Runs a call now (or queues it in the current group).

@@ -6,6 +6,7 @@
 //! request is waited for or tested, or another call comes, and then start
 //! together as one exchange. `Request` is a non-blocking call in flight.
 
+use super::Birth;
 use crate::backend::board::Board;
 use crate::backend::cuda::Stream;
 use crate::backend::engine::{Aborter, Engine};
@@ -16,6 +17,7 @@ use crate::rendezvous::store::Store;
 use crate::sync::{self, lock};
 use crate::transport::tagged::{Described, Incoming, Outgoing, Status};
 use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
@@ -46,6 +48,8 @@ pub(crate) struct Runner {
     /// The store the flight recorder publishes to, the world size, and
     /// where each rank runs.
     recorder: Mutex<Option<super::progress::Recorder>>,
+    /// The process that made it (its requests are refused in a fork()).
+    birth: Birth,
     /// `queue.unfinished`, readable without the lock (written under it):
     /// a blocking call runs inline only when nothing is queued.
     queued: AtomicUsize,
@@ -100,8 +104,14 @@ impl Completion {
     }
 }
 
-/// A non-blocking call in flight.
-pub struct Request(Kind);
+/// A non-blocking call in flight. It belongs to the process that made
+/// its communicator: in a fork() child every use is refused (the threads
+/// that would finish it run only in the parent), and it is let go there
+/// without touching what it shares with them.
+pub struct Request {
+    kind: ManuallyDrop<Kind>,
+    birth: Birth,
+}
 
 enum Kind {
     /// A collective, or a device send/receive, on the worker.
@@ -115,9 +125,26 @@ enum Kind {
     Complete(Status),
 }
 
+impl Drop for Request {
+    fn drop(&mut self) {
+        if !self.birth.forked() {
+            // SAFETY: dropped once, here.
+            unsafe { ManuallyDrop::drop(&mut self.kind) }
+        }
+    }
+}
+
 impl Request {
-    fn p2p(messages: Arc<Messages>, posted: Posted) -> Request {
-        Request(Kind::P2p { messages, posted })
+    fn of(kind: Kind, birth: Birth) -> Request {
+        Request {
+            kind: ManuallyDrop::new(kind),
+            birth,
+        }
+    }
+
+    /// Refuses use from a fork() of the process that made it, saying why.
+    pub fn check_process(&self) -> Result<()> {
+        self.birth.check()
     }
 
     /// Blocks until the call completes and returns its result (bounded by
@@ -128,7 +155,8 @@ impl Request {
 
     /// `wait`, with the status of a point-to-point call.
     pub fn wait_status(&self) -> Result<Option<Status>> {
-        match &self.0 {
+        self.check_process()?;
+        match &*self.kind {
             Kind::Queued(q) => q.wait().map(|_| None),
             Kind::P2p { messages, posted } => messages.wait(posted).map(Some),
             Kind::Complete(status) => Ok(Some(*status)),
@@ -138,7 +166,10 @@ impl Request {
     /// Whether the call has completed and a wait would find nothing left
     /// to do (no trace entry to record): freeing it then skips the wait.
     pub fn settled(&self) -> bool {
-        match &self.0 {
+        if self.birth.forked() {
+            return true; // nothing to wait for here
+        }
+        match &*self.kind {
             Kind::Queued(_) => false,
             Kind::P2p { messages, posted } => messages.settled(posted),
             Kind::Complete(_) => true,
@@ -147,7 +178,10 @@ impl Request {
 
     /// The result if the call has completed; never blocks.
     pub fn test(&self) -> Option<Result<()>> {
-        match &self.0 {
+        if let Err(e) = self.check_process() {
+            return Some(Err(e));
+        }
+        match &*self.kind {
             Kind::Queued(q) => q.test(),
             Kind::P2p { messages, posted } => messages.test(posted).map(|r| r.map(|_| ())),
             Kind::Complete(_) => Some(Ok(())),
@@ -157,7 +191,10 @@ impl Request {
     /// Who sent what, once a point-to-point call completed (None for
     /// other calls, or while in flight).
     pub fn status(&self) -> Option<Status> {
-        match &self.0 {
+        if self.birth.forked() {
+            return None;
+        }
+        match &*self.kind {
             Kind::Queued(_) => None,
             Kind::P2p { messages, posted } => messages.test(posted).and_then(|r| r.ok()),
             Kind::Complete(status) => Some(*status),
@@ -210,8 +247,22 @@ impl Queued {
         );
         let until = Instant::now() + Duration::from_secs(10);
         if let Some(comm) = self.comm.upgrade() {
-            // Not `abort`: the call that overran may hold the engine.
-            comm.abort_until(until);
+            if !comm.abort_until(until) {
+                // The call that overran holds the engine and may still
+                // write into this request's buffers: the error waits until
+                // it lets go (a caller frees them once it hears it), said
+                // now rather than silently.
+                crate::log::emit(
+                    crate::options::LogLevel::Warn,
+                    Some(comm.rank),
+                    &format!(
+                        "a call overran its bound ({:.1} s) and does not end on abort; its \
+                         wait returns only once it lets go of the communicator",
+                        limit.as_secs_f64()
+                    ),
+                );
+                comm.abort();
+            }
         }
         if self.done.wait_until(until).is_none() {
             msg.push_str(" (and the call still had not ended 10 s later)");
@@ -232,7 +283,7 @@ impl Queued {
 }
 
 impl Runner {
-    pub(crate) fn new(rank: usize, timeout: Duration, engine: Engine) -> Arc<Runner> {
+    pub(crate) fn new(rank: usize, timeout: Duration, engine: Engine, birth: Birth) -> Arc<Runner> {
         let aborter = engine.aborter();
         let has_nccl = engine.has_nccl();
         let messages = engine.messages();
@@ -254,7 +305,13 @@ impl Runner {
             queued: AtomicUsize::new(0),
             board,
             recorder: Mutex::new(None),
+            birth,
         })
+    }
+
+    /// Whether calls on device memory go to NCCL (fixed when it is made).
+    pub(crate) fn has_nccl(&self) -> bool {
+        self.has_nccl
     }
 
     /// Turns the flight recorder on: publishes this rank's board to
@@ -472,14 +529,18 @@ impl Runner {
             finish_on_device,
             done: vec![done.clone()],
         })?;
-        Ok(Request(Kind::Queued(Queued {
+        Ok(self.request_of(Kind::Queued(Queued {
             _arrays: arrays,
             ..self.queued_request(done, false)
         })))
     }
 
     fn request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Request {
-        Request(Kind::Queued(self.queued_request(done, held)))
+        self.request_of(Kind::Queued(self.queued_request(done, held)))
+    }
+
+    fn request_of(&self, kind: Kind) -> Request {
+        Request::of(kind, self.birth)
     }
 
     fn queued_request(self: &Arc<Self>, done: Arc<Completion>, held: bool) -> Queued {
@@ -571,10 +632,13 @@ impl Runner {
         blocking: bool,
     ) -> Result<Request> {
         if let Some(status) = self.messages.send_now(msg) {
-            return Ok(Request(Kind::Complete(status)));
+            return Ok(self.request_of(Kind::Complete(status)));
         }
         let posted = self.messages.send(msg, blocking)?;
-        Ok(Request::p2p(self.messages.clone(), posted))
+        Ok(self.request_of(Kind::P2p {
+            messages: self.messages.clone(),
+            posted,
+        }))
     }
 
     /// A blocking host send in the tagged context.
@@ -616,7 +680,10 @@ impl Runner {
         blocking: bool,
     ) -> Result<Request> {
         let posted = self.messages.recv(r, blocking)?;
-        Ok(Request::p2p(self.messages.clone(), posted))
+        Ok(self.request_of(Kind::P2p {
+            messages: self.messages.clone(),
+            posted,
+        }))
     }
 
     /// Holds a non-blocking send/receive until its request is waited for or
@@ -774,17 +841,18 @@ impl Runner {
         lock(&self.engine).abort();
     }
 
-    /// `abort`, waiting for the engine until `until` at most: a call that
-    /// never notices the abort (the backstop's case) holds it.
-    fn abort_until(&self, until: Instant) {
+    /// `abort`, waiting for the engine until `until` at most (a call that
+    /// never notices the abort, the backstop's case, holds it); whether
+    /// it got it.
+    fn abort_until(&self, until: Instant) -> bool {
         self.aborter.abort();
         loop {
             if let Some(mut engine) = sync::try_lock(&self.engine) {
                 engine.abort();
-                return;
+                return true;
             }
             if Instant::now() >= until {
-                return;
+                return false;
             }
             std::thread::sleep(Duration::from_millis(10));
         }

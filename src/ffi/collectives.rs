@@ -37,11 +37,7 @@ pub(crate) fn issue(
             Some(r) => {
                 // SAFETY: the C contract: buffers valid until the request completes.
                 let request = unsafe { c.submit(call) }?;
-                write_out(
-                    r,
-                    "req",
-                    rdist_request_t::create(Issued::new(request, c.birth())),
-                )
+                write_out(r, "req", rdist_request_t::create(request))
             }
         }
     })
@@ -632,11 +628,7 @@ fn run_or_submit_uneven(
                 // SAFETY: buffers valid until the request completes; the
                 // request keeps `arrays`.
                 let request = unsafe { c.submit_uneven(call, arrays) }?;
-                write_out(
-                    r,
-                    "req",
-                    rdist_request_t::create(Issued::new(request, c.birth())),
-                )
+                write_out(r, "req", rdist_request_t::create(request))
             }
         }
     })

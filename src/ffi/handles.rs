@@ -41,7 +41,9 @@ impl Liveness {
     }
 }
 
-/// A type C holds through a pointer from `create`.
+/// A type C holds through a pointer from `create`, its `Liveness` at
+/// offset 0 (every kind's: a pointer is read as a word before it is known
+/// to be this kind).
 pub trait Handle: Sized + 'static {
     /// Its liveness word while in use (`COMM`, `REQUEST`, `OPTIONS`) and
     /// what it is, for messages ("a communicator").
@@ -89,13 +91,27 @@ pub fn get<'a, T: Handle>(p: *const T, name: &str) -> Result<&'a T> {
     // SAFETY: NULL, or a pointer from `create`: its box lives until it
     // leaves the quarantine (a pointer used later than that is the
     // caller's undefined behaviour, as in C).
-    let handle =
-        unsafe { p.as_ref() }.ok_or_else(|| Error::invalid_argument(format!("{name} is NULL")))?;
-    let word = handle.liveness().0.load(Ordering::Acquire);
+    if p.is_null() {
+        return Err(Error::invalid_argument(format!("{name} is NULL")));
+    }
+    // The word first, through the pointer: a handle of another kind is no
+    // `T` to make a reference to.
+    let word = unsafe { word_of(p) };
     if word != T::LIVE {
         return Err(not_live::<T>(word, name));
     }
-    Ok(handle)
+    // SAFETY: a live `T`, from `create`.
+    Ok(unsafe { &*p })
+}
+
+/// The liveness word of the handle at `p`, of whatever kind.
+///
+/// # Safety
+/// `p` is a pointer from `create` of some handle type, whose box lives (a
+/// tombstone's does): each holds its `Liveness` at offset 0.
+unsafe fn word_of<T>(p: *const T) -> u32 {
+    // SAFETY: as the function says.
+    unsafe { (*p.cast::<Liveness>()).0.load(Ordering::Acquire) }
 }
 
 /// What a handle whose word is `word` is instead of a live `T`.
@@ -133,13 +149,12 @@ pub fn retire_after<T: Handle>(p: *mut T, name: &str, last: impl FnOnce(&T)) -> 
     if p.is_null() {
         return Ok(());
     }
-    // SAFETY: from `create`, and its box is not freed before it leaves the
-    // quarantine.
-    let handle = unsafe { &mut *p };
     // A look and a store, not a compare-and-swap (a request is freed per
     // message): two threads freeing one handle at once is outside the
     // contract, as a double free() is in C; one after the other is caught.
-    let word = handle.liveness().0.load(Ordering::Acquire);
+    // SAFETY: from `create`, and its box is not freed before it leaves the
+    // quarantine; the word is read before anything takes it for a `T`.
+    let word = unsafe { word_of(p) };
     if word == retired(T::LIVE) {
         return Err(Error::invalid_argument(format!(
             "{name} was already passed to {} before: it was {} twice",
@@ -150,6 +165,8 @@ pub fn retire_after<T: Handle>(p: *mut T, name: &str, last: impl FnOnce(&T)) -> 
     if word != T::LIVE {
         return Err(not_live::<T>(word, name));
     }
+    // SAFETY: a live `T` from `create`.
+    let handle = unsafe { &mut *p };
     handle
         .liveness()
         .0

@@ -77,11 +77,7 @@ pub extern "C" fn rdist_isend(
         let peer = check_rank("peer", peer.into(), c.size())?;
         // SAFETY: the C contract: buf valid until the request completes.
         let r = unsafe { c.isend_message(buf, data, peer, 0) }?;
-        write_out(
-            req,
-            "req",
-            rdist_request_t::create(Issued::new(r, c.birth())),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 
@@ -104,11 +100,7 @@ pub extern "C" fn rdist_irecv(
         // SAFETY: the C contract: buf valid and untouched until the
         // request completes.
         let r = unsafe { c.irecv_exact(buf, data, peer) }?;
-        write_out(
-            req,
-            "req",
-            rdist_request_t::create(Issued::new(r, c.birth())),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 
@@ -253,11 +245,7 @@ pub extern "C" fn rdist_isend_tagged(
         let peer = check_rank("peer", peer.into(), c.size())?;
         // SAFETY: the C contract: buf valid until the request completes.
         let r = unsafe { c.isend_message(buf, data, peer, tag) }?;
-        write_out(
-            req,
-            "req",
-            rdist_request_t::create(Issued::new(r, c.birth())),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }
 
@@ -281,10 +269,6 @@ pub extern "C" fn rdist_irecv_tagged(
         let peer = source(c, peer)?;
         // SAFETY: the C contract: buf valid and untouched until the request completes.
         let r = unsafe { c.irecv_message(buf, data, peer, tag_filter(tag)) }?;
-        write_out(
-            req,
-            "req",
-            rdist_request_t::create(Issued::new(r, c.birth())),
-        )
+        write_out(req, "req", rdist_request_t::create(r))
     })
 }

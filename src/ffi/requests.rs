@@ -10,9 +10,7 @@ use std::ffi::c_int;
 /// rdist_request_free.
 #[no_mangle]
 pub extern "C" fn rdist_wait(req: *mut rdist_request_t) -> rdist_result_t {
-    boundary("rdist_wait", None, || {
-        handle(req, "req")?.req.usable()?.wait()
-    })
+    boundary("rdist_wait", None, || handle(req, "req")?.req.wait())
 }
 
 /// Never blocks: *done = 1 when the request has completed (the call then
@@ -20,9 +18,9 @@ pub extern "C" fn rdist_wait(req: *mut rdist_request_t) -> rdist_result_t {
 #[no_mangle]
 pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdist_result_t {
     boundary("rdist_test", None, || {
-        let r = handle(req, "req")?.req.usable()?;
+        let r = handle(req, "req")?;
         super::check_out(done, "done")?;
-        match r.test() {
+        match r.req.test() {
             None => write_out(done, "done", 0),
             Some(result) => {
                 write_out(done, "done", 1)?;
@@ -37,11 +35,9 @@ pub extern "C" fn rdist_test(req: *mut rdist_request_t, done: *mut c_int) -> rdi
 pub extern "C" fn rdist_request_free(req: *mut rdist_request_t) {
     super::free_quietly("rdist_request_free", || {
         handles::retire_after(req, "req", |r| {
-            // In a fork() child it is only let go (see `Issued`).
-            if let Ok(r) = r.req.usable() {
-                if !r.settled() {
-                    let _ = r.wait();
-                }
+            // (In a fork() child it is settled: only let go.)
+            if !r.req.settled() {
+                let _ = r.req.wait();
             }
         })
     });
@@ -58,9 +54,10 @@ pub extern "C" fn rdist_request_status(
     status: *mut rdist_status_t,
 ) -> rdist_result_t {
     boundary("rdist_request_status", None, || {
-        let r = handle(req, "req")?.req.usable()?;
+        let r = handle(req, "req")?;
+        r.req.check_process()?;
         check_out(status, "status")?;
-        let s = r.status().ok_or_else(|| {
+        let s = r.req.status().ok_or_else(|| {
             Error::invalid_usage(
                 "the request has no status: it is still in flight, it failed, or it is not a point-to-point call on host memory",
             )

@@ -3,9 +3,8 @@
 //! the enum types in the header) and are validated with TryFrom.
 
 use super::handles::{self, Handle, Liveness};
-use crate::comm::{Birth, Comm, Request};
+use crate::comm::{Comm, Request};
 use crate::error::ErrorKind;
-use crate::error::Result;
 use crate::options::Options;
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -170,39 +169,6 @@ pub struct rdist_status_t {
     pub count: usize,
 }
 
-/// A request as C holds it, with where its communicator was made: in a
-/// fork() child it is refused as the communicator is (the parent's
-/// threads that would finish it do not run there), and dropped without
-/// touching what the parent's threads share.
-pub struct Issued {
-    req: ManuallyDrop<Request>,
-    birth: Birth,
-}
-
-impl Issued {
-    pub(crate) fn new(req: Request, birth: Birth) -> Issued {
-        Issued {
-            req: ManuallyDrop::new(req),
-            birth,
-        }
-    }
-
-    /// The request, unless this process is a fork() of its maker's.
-    pub(crate) fn usable(&self) -> Result<&Request> {
-        self.birth.check()?;
-        Ok(&self.req)
-    }
-}
-
-impl Drop for Issued {
-    fn drop(&mut self) {
-        if !self.birth.forked() {
-            // SAFETY: dropped once, here.
-            unsafe { ManuallyDrop::drop(&mut self.req) }
-        }
-    }
-}
-
 /// A communicator (process group).
 pub struct rdist_comm(CommSlot);
 
@@ -226,7 +192,7 @@ pub struct CommSlot {
 #[repr(C)]
 pub struct RequestSlot {
     pub(crate) live: Liveness,
-    pub(crate) req: ManuallyDrop<Issued>,
+    pub(crate) req: ManuallyDrop<Request>,
 }
 
 #[repr(C)]
@@ -260,7 +226,9 @@ macro_rules! handle_of {
             }
         }
 
-        const _: () = assert!(std::mem::offset_of!($handle, 0) == 0);
+        const _: () = assert!(
+            std::mem::offset_of!($handle, 0) == 0 && std::mem::offset_of!($slot, live) == 0
+        );
 
         impl Handle for $handle {
             const LIVE: u32 = $kind.0;
@@ -292,7 +260,7 @@ handle_of!(
     rdist_request,
     RequestSlot,
     req,
-    Issued,
+    Request,
     handles::REQUEST,
     "freed"
 );
