@@ -655,11 +655,9 @@ fn uneven_layouts_options_and_handles_are_refused_before_anything_moves() {
     rdist_options_destroy(opts);
 }
 
-/// A group whose communicator was destroyed before the group ended: its
-/// calls ran on the closed communicator (a panic at 2 ranks, a success at
-/// 1). Now refused, naming why.
-#[test]
-fn a_group_ending_after_its_communicator_was_destroyed_is_refused() {
+/// A one-rank communicator, and a group opened with an allreduce of `v`
+/// queued in it.
+fn one_rank_with_an_allreduce_queued_in_a_group(v: &mut [f32; 2]) -> *mut rdist_comm_t {
     let mut id = rdist_unique_id_t {
         internal: [0; RDIST_UNIQUE_ID_BYTES],
     };
@@ -669,13 +667,22 @@ fn a_group_ending_after_its_communicator_was_destroyed_is_refused() {
         rdist_comm_init_rank(&mut comm, 1, id, 0, std::ptr::null()),
         rdist_result_t::RDIST_SUCCESS
     );
-    let mut v = [1.0f32; 2];
     let p = v.as_mut_ptr().cast();
     assert_eq!(rdist_group_start(), rdist_result_t::RDIST_SUCCESS);
     assert_eq!(
         rdist_allreduce(p, p, 2, 7, 0, comm, std::ptr::null_mut()),
         rdist_result_t::RDIST_SUCCESS
     );
+    comm
+}
+
+/// A group whose communicator was destroyed before the group ended: its
+/// calls ran on the closed communicator (a panic at 2 ranks, a success at
+/// 1). Now refused, naming why.
+#[test]
+fn a_group_ending_after_its_communicator_was_destroyed_is_refused() {
+    let mut v = [1.0f32; 2];
+    let comm = one_rank_with_an_allreduce_queued_in_a_group(&mut v);
     assert_eq!(rdist_comm_destroy(comm), rdist_result_t::RDIST_SUCCESS);
     assert_eq!(rdist_group_end(), rdist_result_t::RDIST_ERR_INVALID_USAGE);
     assert!(
@@ -786,22 +793,8 @@ fn a_forked_child_is_refused_every_call_through_the_c_abi() {
 /// (its calls are the parent's) and says why; the parent's end runs them.
 #[test]
 fn a_group_opened_before_fork_is_refused_in_the_child() {
-    let mut id = rdist_unique_id_t {
-        internal: [0; RDIST_UNIQUE_ID_BYTES],
-    };
-    assert_eq!(rdist_get_unique_id(&mut id), rdist_result_t::RDIST_SUCCESS);
-    let mut comm = std::ptr::null_mut();
-    assert_eq!(
-        rdist_comm_init_rank(&mut comm, 1, id, 0, std::ptr::null()),
-        rdist_result_t::RDIST_SUCCESS
-    );
     let mut v = [1.0f32; 2];
-    let p = v.as_mut_ptr().cast();
-    assert_eq!(rdist_group_start(), rdist_result_t::RDIST_SUCCESS);
-    assert_eq!(
-        rdist_allreduce(p, p, 2, 7, 0, comm, std::ptr::null_mut()),
-        rdist_result_t::RDIST_SUCCESS
-    );
+    let comm = one_rank_with_an_allreduce_queued_in_a_group(&mut v);
     let mut fds = [0i32; 2];
     // SAFETY: a pipe for the child's verdict.
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);

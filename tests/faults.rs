@@ -435,15 +435,7 @@ fn init_ends_near_its_timeout_when_the_store_host_is_stopped() {
         .find_map(|l| l.split_once("RESULT").map(|x| x.1))
         .unwrap_or_else(|| panic!("rank 1 printed no result:\n{text}"));
     assert!(line.contains("kind=Timeout"), "{line}");
-    let after: f64 = line
-        .split("after=")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let after = after_of(line);
     assert!(
         after < timeout_ms as f64 / 1000.0 + 6.0,
         "rank 1's init took {after} s with a {timeout_ms} ms timeout: {line}"
