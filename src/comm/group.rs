@@ -12,9 +12,6 @@ use std::sync::Arc;
 
 struct Group {
     depth: usize,
-    /// The process that opened the outermost level: a fork() child that
-    /// ends it runs nothing (the calls are its parent's).
-    birth: Option<super::Birth>,
     queued: Vec<(Arc<Runner>, Call, Stream)>,
     /// Tagged sends/receives, posted at once (they have their own
     /// context), waited for at the end.
@@ -27,7 +24,6 @@ thread_local! {
     static GROUP: RefCell<Group> = const {
         RefCell::new(Group {
             depth: 0,
-            birth: None,
             queued: Vec::new(),
             posted: Vec::new(),
         })
@@ -43,11 +39,7 @@ static OPEN: AtomicUsize = AtomicUsize::new(0);
 
 pub fn start() {
     GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth == 0 {
-            g.birth = Some(super::Birth::here());
-        }
-        g.depth += 1;
+        g.borrow_mut().depth += 1;
         OPEN.fetch_add(1, Ordering::Relaxed);
     });
 }
@@ -89,9 +81,12 @@ pub unsafe fn end() -> Result<()> {
             return Ok((Vec::new(), Vec::new()));
         }
         let (queued, posted) = (std::mem::take(&mut g.queued), std::mem::take(&mut g.posted));
-        let calls = !(queued.is_empty() && posted.is_empty());
-        if let Some(Err(e)) = g.birth.take().filter(|_| calls).map(|b| b.check()) {
-            // Let go without touching what the parent's threads share.
+        // In a fork() child the calls are the parent's: they run nothing,
+        // and are let go without touching what the parent's threads share.
+        let foreign = (queued.iter().map(|(runner, ..)| runner.check_process()))
+            .chain(posted.iter().map(Request::check_process))
+            .find_map(Result::err);
+        if let Some(e) = foreign {
             std::mem::forget((queued, posted));
             return Err(e);
         }

@@ -309,6 +309,11 @@ impl Runner {
         })
     }
 
+    /// Refuses use from a fork() of the process that made it, saying why.
+    pub(crate) fn check_process(&self) -> Result<()> {
+        self.birth.check()
+    }
+
     /// Whether calls on device memory go to NCCL (fixed when it is made).
     pub(crate) fn has_nccl(&self) -> bool {
         self.has_nccl
