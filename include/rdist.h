@@ -429,8 +429,12 @@ rdist_result_t rdist_comm_abort(rdist_comm_t *comm);
 /**
  * Local: needs no other rank. Finishes this rank's queued non-blocking
  * calls, lets data already handed to rdist reach the peers, then frees
- * every thread, socket and buffer of `comm`. A peer that later waits on
- * this rank gets RDIST_ERR_PEER_LOST. NULL is a no-op.
+ * every thread, socket and buffer of `comm`. A send still waiting for its
+ * receive is waited for up to the timeout (said on stderr after
+ * `peer_check_ms`); one to a rank whose process does not answer (stopped,
+ * or its host gone) fails with RDIST_ERR_PEER_LOST within about 15 s.
+ * A peer that later waits on this rank gets RDIST_ERR_PEER_LOST. NULL is
+ * a no-op.
  */
 rdist_result_t rdist_comm_destroy(rdist_comm_t *comm);
 

@@ -52,6 +52,9 @@ fn worker_process() {
     if role == "dial_stopped" {
         return wait_behind_dials_to_stopped_ranks();
     }
+    if role == "destroy_stopped" {
+        return destroy_with_a_send_to_a_stopped_rank();
+    }
     if role == "init_timed" {
         let t = Instant::now();
         match Comm::init("env://", -1, -1, &Options::default()) {
@@ -70,6 +73,9 @@ fn worker_process() {
     }
     if role == "hush_p2p" {
         return receive_from_a_stopped_rank_1(&comm);
+    }
+    if role == "hush_any" {
+        return receive_from_any_while_rank_1_stops_and_rank_2_dies(&comm);
     }
     if let Some(call) = role.strip_prefix("abort_dial_") {
         return abort_a_dial_to_a_stopped_rank_0(&comm, call);
@@ -1205,6 +1211,74 @@ fn receive_from_a_stopped_rank_1(comm: &Comm) {
     }
 }
 
+/// The body of `a_receive_from_any_source_ends_when_every_sender_is_gone`:
+/// rank 1 stops itself and rank 2 dies after a barrier; rank 0 receives
+/// from any source.
+fn receive_from_any_while_rank_1_stops_and_rank_2_dies(comm: &Comm) {
+    comm.barrier().unwrap();
+    match comm.rank() {
+        0 => {
+            let t = Instant::now();
+            match comm.recv_tagged(&mut [0u32; 8], None, None) {
+                Ok(s) => println!("RESULT never failed: {s:?}"),
+                Err(e) => println!(
+                    "RESULT kind={:?} after={:.3} failed={:?} msg={e}",
+                    e.kind(),
+                    t.elapsed().as_secs_f64(),
+                    comm.failed_ranks()
+                ),
+            }
+            // SAFETY: ends the process without waiting for the others.
+            unsafe { libc::_exit(0) };
+        }
+        1 => {
+            // SAFETY: stops this process (as a debugger or ^Z would).
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        _ => {
+            // SAFETY: a deliberate crash, no cleanup, as a segfault would.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+    }
+}
+
+/// The body of `destroy_does_not_wait_out_the_timeout_for_a_stopped_receiver`,
+/// through the C API: rank 1 stops itself after a barrier; rank 0 starts
+/// a send to it too large for the way between them to hold, never waits
+/// for it, and destroys its communicator.
+fn destroy_with_a_send_to_a_stopped_rank() {
+    use rdist::ffi::collectives::rdist_barrier;
+    use rdist::ffi::comm::{rdist_comm_destroy, rdist_init};
+    use rdist::ffi::p2p::rdist_isend;
+    use rdist::ffi::requests::rdist_wait;
+    use rdist::ffi::version::rdist_last_error;
+    let mut comm = std::ptr::null_mut();
+    let rc = rdist_init(&mut comm, c"env://".as_ptr(), -1, -1, std::ptr::null());
+    assert_eq!(rc as i32, 0);
+    assert_eq!(rdist_barrier(comm) as i32, 0);
+    if std::env::var("RANK").unwrap() != "0" {
+        // SAFETY: stops this process (as a debugger or ^Z would).
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let data = vec![7u8; 32 << 20];
+    let mut req = std::ptr::null_mut();
+    let rc = rdist_isend(data.as_ptr().cast(), data.len(), 0, 1, comm, &mut req);
+    assert_eq!(rc as i32, 0);
+    let t = Instant::now();
+    let rc = rdist_comm_destroy(comm);
+    let took = t.elapsed().as_secs_f64();
+    let send = rdist_wait(req);
+    // SAFETY: the thread's last error, a C string.
+    let msg = unsafe { std::ffi::CStr::from_ptr(rdist_last_error()) }.to_string_lossy();
+    println!("RESULT rc={rc:?} after={took:.3} send={send:?} msg={msg}");
+    // SAFETY: ends the process without waiting for the stopped rank.
+    unsafe { libc::_exit(0) };
+}
+
 /// The body of `a_wait_is_not_held_behind_dials_to_other_stopped_ranks`,
 /// through the C API as a C program would: every rank but 0 stops right
 /// after init; rank 0 posts receives from each (none connected yet) and
@@ -1373,6 +1447,85 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
             assert!(after < 30.0, "{role}: rank {r} took {after} s:{line}");
         }
     }
+}
+
+/// A receive from any source, while one rank is stopped and the other
+/// died: the stopped one is asked (as a receive from it would ask it) and
+/// given up, and with no rank left to send, the receive fails with
+/// `PeerLost` within seconds. (Before, a receive from any source never
+/// asked, and waited for the whole timeout, here 60 s.)
+#[test]
+fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
+    let port = common::free_port();
+    let mut workers: Vec<_> = (0..3)
+        .map(|r| {
+            let mut w = worker_command("hush_any", r, 3, port, 60_000);
+            w.env_remove("RDIST_PEER_CHECK_MS")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null());
+            w.spawn().unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    let line = result_of(&mut workers, 0, start, Duration::from_secs(80), "hush_any");
+    for w in &mut workers {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    assert!(line.contains("kind=PeerLost"), "{line}");
+    assert!(line.contains("every other rank is gone"), "{line}");
+    assert!(line.contains("rank 1 does not answer"), "{line}");
+    assert!(line.contains("failed=[1, 2]"), "{line}");
+    let after = after_of(&line);
+    assert!(after < 35.0, "the receive took {after} s:{line}");
+}
+
+/// A communicator destroyed with a send still waiting for a stopped
+/// receiver (SIGSTOP, a debugger) returns within seconds: its send fails
+/// with `PeerLost` naming the rank, and stderr says so. (Before, the
+/// destroy waited for the whole timeout, here 60 s, with nothing said, and
+/// the send failed as "aborted".)
+#[test]
+fn destroy_does_not_wait_out_the_timeout_for_a_stopped_receiver() {
+    let port = common::free_port();
+    let mut workers: Vec<_> = (0..2)
+        .map(|r| {
+            let mut w = worker_command("destroy_stopped", r, 2, port, 60_000);
+            w.env_remove("RDIST_PEER_CHECK_MS")
+                .env_remove("RDIST_DEBUG")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            w.spawn().unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    let line = result_of(
+        &mut workers,
+        0,
+        start,
+        Duration::from_secs(80),
+        "destroy_stopped",
+    );
+    let mut said = String::new();
+    std::io::Read::read_to_string(workers[0].stderr.as_mut().unwrap(), &mut said).unwrap();
+    for w in &mut workers {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    // Said on stderr too, for a program that never waits for the send.
+    assert!(
+        said.contains("rdist WARN [rank 0] rdist_comm_destroy waits for ranks [1] to receive"),
+        "{said}"
+    );
+    assert!(
+        said.contains("rdist WARN [rank 0] rdist_comm_destroy: the sends to rank 1 failed: rank 1 does not answer"),
+        "{said}"
+    );
+    assert!(line.contains("rc=RDIST_SUCCESS"), "{line}");
+    assert!(line.contains("send=RDIST_ERR_PEER_LOST"), "{line}");
+    assert!(line.contains("rank 1 does not answer"), "{line}");
+    let after = after_of(&line);
+    assert!(after < 25.0, "the destroy took {after} s:{line}");
 }
 
 /// Rank 0 waits for a receive from rank 4 while ranks 1-4 are stopped and

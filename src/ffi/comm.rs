@@ -302,8 +302,12 @@ pub extern "C" fn rdist_comm_abort(comm: *mut rdist_comm_t) -> rdist_result_t {
 
 /// Local: needs no other rank. Finishes this rank's queued non-blocking
 /// calls, lets data already handed to rdist reach the peers, then frees
-/// every thread, socket and buffer of `comm`. A peer that later waits on
-/// this rank gets RDIST_ERR_PEER_LOST. NULL is a no-op.
+/// every thread, socket and buffer of `comm`. A send still waiting for its
+/// receive is waited for up to the timeout (said on stderr after
+/// `peer_check_ms`); one to a rank whose process does not answer (stopped,
+/// or its host gone) fails with RDIST_ERR_PEER_LOST within about 15 s.
+/// A peer that later waits on this rank gets RDIST_ERR_PEER_LOST. NULL is
+/// a no-op.
 #[no_mangle]
 pub extern "C" fn rdist_comm_destroy(comm: *mut rdist_comm_t) -> rdist_result_t {
     boundary("rdist_comm_destroy", rank_of(comm), || {

@@ -17,6 +17,7 @@ use super::tagged::Described;
 use super::tagged::{Done, Incoming, Outgoing, Post, Status, Ticket};
 use super::watch::Watch;
 use crate::error::{Error, ErrorKind, Result};
+use crate::options::LogLevel;
 use crate::sync::{lock, try_lock};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -543,9 +544,14 @@ impl Endpoint {
                 return;
             }
             let idle = now.duration_since(quiet_since);
-            if let Some(peer) = t.call.peer().filter(|_| watch.due(idle, moves, now)) {
+            if watch.due(idle, moves, now) {
+                // A receive from any source waits on every rank not gone.
+                let waited = match t.call.peer() {
+                    Some(peer) => vec![peer],
+                    None => self.core().tagged_others_not_gone(),
+                };
                 let during = format!(" in {}", t.call);
-                let asked = watch.look(&sh.links.spec, &[peer], idle, moves, &during);
+                let asked = watch.look(&sh.links.spec, &waited, idle, moves, &during);
                 if let Some((peer, text)) = asked {
                     // Fails this call, and every other with that peer.
                     self.core().silent(peer, text);
@@ -617,8 +623,10 @@ impl Endpoint {
         t.done.get().map(|r| r.map_err(|e| named(t, e)))
     }
 
-    /// Local: lets posted sends finish (bounded by the timeout), then
-    /// stops the thread; the core says goodbye when it goes.
+    /// Local: lets posted sends finish (bounded by the timeout, and by
+    /// the receivers' liveness: one whose process does not answer after
+    /// a silence fails the sends to it), then stops the thread; the core
+    /// says goodbye when it goes.
     pub fn close(&self) {
         let sh = &self.shared;
         let deadline = Instant::now() + self.timeout;
@@ -627,30 +635,64 @@ impl Endpoint {
             core.take_posts();
             core.tagged.set_closing();
         }
+        let mut watch = Watch::new(self.peer_check);
+        let (mut quiet_since, mut moves, mut told) = (Instant::now(), 0u64, false);
         loop {
             let mut core = self.core();
-            core.drive(
-                None,
-                Drive {
-                    connect: true,
-                    thorough: true,
-                    first: None,
-                },
-            );
+            if core.drive(None, THOROUGH) {
+                quiet_since = Instant::now();
+                moves += 1;
+            }
             if !core.tagged_sends_in_flight() {
                 break;
             }
-            if Instant::now() >= deadline {
-                core.fail(
-                    Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "rank {}: the communicator was destroyed while sends were still waiting for their receives",
-                            sh.rank
-                        ),
+            let now = Instant::now();
+            let idle = now.duration_since(quiet_since);
+            if !told && watch.on() && idle >= self.peer_check {
+                // Once: a destroy that waits is not silent about what for.
+                told = true;
+                crate::log::emit(
+                    LogLevel::Warn,
+                    Some(sh.rank),
+                    &format!(
+                        "rdist_comm_destroy waits for ranks {:?} to receive what this rank sent them (up to {:.1} s, the timeout)",
+                        core.tagged_send_peers(),
+                        deadline.saturating_duration_since(now).as_secs_f64()
                     ),
-                    false,
                 );
+            }
+            if watch.due(idle, moves, now) {
+                let peers = core.tagged_send_peers();
+                let during = " in destroy for its sends to finish";
+                if let Some((peer, text)) = watch.look(&sh.links.spec, &peers, idle, moves, during)
+                {
+                    // Fails the sends to it (and says so to the others);
+                    // said here too, as nobody may wait for them.
+                    crate::log::emit(
+                        LogLevel::Warn,
+                        Some(sh.rank),
+                        &format!("rdist_comm_destroy: the sends to rank {peer} failed: {text}"),
+                    );
+                    core.silent(peer, text);
+                    continue;
+                }
+            }
+            if Instant::now() >= deadline {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "rank {}: the communicator was destroyed while sends to ranks {:?} were still waiting for their receives, {:.1} s (the timeout)",
+                        sh.rank,
+                        core.tagged_send_peers(),
+                        self.timeout.as_secs_f64()
+                    ),
+                );
+                crate::log::emit(
+                    LogLevel::Warn,
+                    Some(sh.rank),
+                    &format!("rdist_comm_destroy: {e}"),
+                );
+                core.fail(e, false);
                 break;
             }
             drop(core);

@@ -407,6 +407,20 @@ impl StreamTransport {
         self.failed.is_none() && self.tagged.sends_in_flight()
     }
 
+    /// The other ranks not known to be gone (what a receive from any
+    /// source waits on).
+    pub fn tagged_others_not_gone(&self) -> Vec<usize> {
+        self.tagged.others_not_gone()
+    }
+
+    /// The peers that tagged sends in flight still go to.
+    pub fn tagged_send_peers(&self) -> Vec<usize> {
+        match self.failed {
+            None => self.tagged.send_peers(),
+            Some(_) => Vec::new(),
+        }
+    }
+
     /// Makes tagged call `id` (which gave up waiting) never touch its
     /// buffer again (see `Tagged::withdraw`); where that needs memory
     /// there is none of, the pair fails.

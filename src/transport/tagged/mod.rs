@@ -1583,6 +1583,22 @@ impl Tagged {
             }
         }
         self.matching.posted = keep;
+        if self.others_not_gone().is_empty() {
+            // A receive from any source would wait for nobody.
+            let last = Error::new(
+                err.kind(),
+                format!(
+                    "every other rank is gone, the last rank {peer}: {}",
+                    err.message()
+                ),
+            );
+            let (any, named): (VecDeque<_>, VecDeque<_>) =
+                (self.matching.posted.drain(..)).partition(|r| r.source.is_none());
+            self.matching.posted = named;
+            for r in any {
+                r.done.complete(Err(last.clone()));
+            }
+        }
         // Its messages not here whole (still in its memory, or waiting to
         // be asked for) are lost with it.
         let m = &mut self.matching;
@@ -1609,11 +1625,27 @@ impl Tagged {
 
     /// Whether a send to any peer is still in flight.
     pub fn sends_in_flight(&self) -> bool {
-        self.used.iter().any(|&p| {
-            self.peer_ref(p).is_some_and(|q| {
-                q.gone.is_none()
-                    && (!q.queued.is_empty() || !q.out.is_empty() || !q.awaiting.is_empty())
-            })
+        self.used.iter().any(|&p| self.sends_in_flight_to(p))
+    }
+
+    /// The other ranks not known to be gone.
+    pub fn others_not_gone(&self) -> Vec<usize> {
+        (0..self.peers.len())
+            .filter(|&q| q != self.rank && self.peer_ref(q).is_none_or(|p| p.gone.is_none()))
+            .collect()
+    }
+
+    /// The peers that sends in flight still go to.
+    pub fn send_peers(&self) -> Vec<usize> {
+        (self.used.iter().copied())
+            .filter(|&p| self.sends_in_flight_to(p))
+            .collect()
+    }
+
+    fn sends_in_flight_to(&self, p: usize) -> bool {
+        self.peer_ref(p).is_some_and(|q| {
+            q.gone.is_none()
+                && (!q.queued.is_empty() || !q.out.is_empty() || !q.awaiting.is_empty())
         })
     }
 
