@@ -1219,12 +1219,17 @@ fn receive_from_any_while_rank_1_stops_and_rank_2_dies(comm: &Comm) {
     match comm.rank() {
         0 => {
             let t = Instant::now();
-            match comm.recv_tagged(&mut [0u32; 8], None, None) {
+            let first = comm.recv_tagged(&mut [0u32; 8], None, None);
+            let took = t.elapsed().as_secs_f64();
+            // Another, once nobody is left: at once.
+            let t = Instant::now();
+            let again = comm.recv_tagged(&mut [0u32; 8], None, None);
+            let again = format!("{:.3} {again:?}", t.elapsed().as_secs_f64());
+            match first {
                 Ok(s) => println!("RESULT never failed: {s:?}"),
                 Err(e) => println!(
-                    "RESULT kind={:?} after={:.3} failed={:?} msg={e}",
+                    "RESULT kind={:?} after={took:.3} failed={:?} msg={e} again={again}",
                     e.kind(),
-                    t.elapsed().as_secs_f64(),
                     comm.failed_ranks()
                 ),
             }
@@ -1452,8 +1457,9 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
 /// A receive from any source, while one rank is stopped and the other
 /// died: the stopped one is asked (as a receive from it would ask it) and
 /// given up, and with no rank left to send, the receive fails with
-/// `PeerLost` within seconds. (Before, a receive from any source never
-/// asked, and waited for the whole timeout, here 60 s.)
+/// `PeerLost` within seconds, and one posted afterwards at once. (Before,
+/// a receive from any source never asked, and waited for the whole
+/// timeout, here 60 s.)
 #[test]
 fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
     let port = common::free_port();
@@ -1478,6 +1484,14 @@ fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
     assert!(line.contains("failed=[1, 2]"), "{line}");
     let after = after_of(&line);
     assert!(after < 35.0, "the receive took {after} s:{line}");
+    // One posted then fails at once.
+    let again = line.split_once("again=").unwrap().1;
+    assert!(
+        again.contains("PeerLost") && again.contains("every other rank is gone"),
+        "{line}"
+    );
+    let took: f64 = again.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(took < 1.0, "{line}");
 }
 
 /// A communicator destroyed with a send still waiting for a stopped

@@ -984,6 +984,16 @@ impl Tagged {
                     self.matching.cancel(id);
                     return Err(e);
                 }
+                if r.peer.is_none() && self.peers.len() > 1 && self.others_not_gone().is_empty() {
+                    self.matching.cancel(id);
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!(
+                            "rank {}: a receive from any rank, but every other rank is gone (failed or left)",
+                            self.rank
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
