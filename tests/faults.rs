@@ -1457,7 +1457,7 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
 /// A receive from any source, while one rank is stopped and the other
 /// died: the stopped one is asked (as a receive from it would ask it) and
 /// given up, and with no rank left to send, the receive fails with
-/// `PeerLost` within seconds, and one posted afterwards at once. (Before,
+/// `PeerLost` within seconds, and so does one posted afterwards. (Before,
 /// a receive from any source never asked, and waited for the whole
 /// timeout, here 60 s.)
 #[test]
@@ -1480,18 +1480,18 @@ fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
     }
     assert!(line.contains("kind=PeerLost"), "{line}");
     assert!(line.contains("every other rank is gone"), "{line}");
-    assert!(line.contains("rank 1 does not answer"), "{line}");
     assert!(line.contains("failed=[1, 2]"), "{line}");
     let after = after_of(&line);
     assert!(after < 35.0, "the receive took {after} s:{line}");
-    // One posted then fails at once.
+    // So does one posted then, after the silence that starts a question
+    // (a send to self could still come meanwhile).
     let again = line.split_once("again=").unwrap().1;
     assert!(
         again.contains("PeerLost") && again.contains("every other rank is gone"),
         "{line}"
     );
     let took: f64 = again.split_whitespace().next().unwrap().parse().unwrap();
-    assert!(took < 1.0, "{line}");
+    assert!(took < 8.0, "{line}");
 }
 
 /// A communicator destroyed with a send still waiting for a stopped

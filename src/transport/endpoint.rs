@@ -545,17 +545,32 @@ impl Endpoint {
             }
             let idle = now.duration_since(quiet_since);
             if watch.due(idle, moves, now) {
-                // A receive from any source waits on every rank not gone.
-                let waited = match t.call.peer() {
-                    Some(peer) => vec![peer],
-                    None => self.core().tagged_others_not_gone(),
+                // A receive from any source waits on every rank not gone
+                // (looked up when the core is free: else on a later pass,
+                // as the question stays due).
+                let waited = match (watch.asking(), t.call.peer()) {
+                    (true, _) => Some(Vec::new()),
+                    (false, Some(peer)) => Some(vec![peer]),
+                    (false, None) => self.try_core().map(|c| c.tagged_others_not_gone()),
                 };
-                let during = format!(" in {}", t.call);
-                let asked = watch.look(&sh.links.spec, &waited, idle, moves, &during);
-                if let Some((peer, text)) = asked {
-                    // Fails this call, and every other with that peer.
-                    self.core().silent(peer, text);
-                    continue;
+                if let Some(waited) = waited {
+                    if !watch.asking()
+                        && waited.is_empty()
+                        && t.call.peer().is_none()
+                        && self.nobody_left(t).is_some()
+                    {
+                        return;
+                    }
+                    let during = format!(" in {}", t.call);
+                    let given_up = watch.look_all(&sh.links.spec, &waited, idle, moves, &during);
+                    if !given_up.is_empty() {
+                        let mut core = self.core();
+                        for (peer, text) in given_up {
+                            // Fails this call, and every other with that peer.
+                            core.silent(peer, text);
+                        }
+                        continue;
+                    }
                 }
             }
             let nap_now = nap.min(left);
@@ -610,6 +625,31 @@ impl Endpoint {
         }
     }
 
+    /// Ends a receive from any source for which no other rank is left
+    /// (each failed or gone): nothing can come but a send to self, which
+    /// had `peer_check` to come. None where there is no other rank at all,
+    /// or the core is busy (tried again on a later pass).
+    fn nobody_left(&self, t: &Ticket) -> Option<()> {
+        let sh = &self.shared;
+        if sh.links.spec.size < 2 {
+            return None;
+        }
+        let mut core = self.try_core()?;
+        if t.done.is_finished() {
+            return Some(());
+        }
+        core.withdraw_tagged(t.id);
+        drop(core);
+        t.done.complete(Err(Error::new(
+            ErrorKind::PeerLost,
+            format!(
+                "rank {}: {} waits for nobody: every other rank is gone (failed or left)",
+                sh.rank, t.call
+            ),
+        )));
+        Some(())
+    }
+
     /// The ticket's result once complete; never blocks (it moves what it
     /// can when the core is free, as MPI_Test does).
     pub fn test(&self, t: &Ticket) -> Option<Result<Status>> {
@@ -648,7 +688,13 @@ impl Endpoint {
             }
             let now = Instant::now();
             let idle = now.duration_since(quiet_since);
-            if !told && watch.on() && idle >= self.peer_check {
+            // Said after the silence that starts the question, or 3 s
+            // where nobody is asked.
+            let say_after = match watch.on() {
+                true => self.peer_check,
+                false => Duration::from_secs(3),
+            };
+            if !told && idle >= say_after {
                 // Once: a destroy that waits is not silent about what for.
                 told = true;
                 crate::log::emit(
@@ -664,8 +710,8 @@ impl Endpoint {
             if watch.due(idle, moves, now) {
                 let peers = core.tagged_send_peers();
                 let during = " in destroy for its sends to finish";
-                if let Some((peer, text)) = watch.look(&sh.links.spec, &peers, idle, moves, during)
-                {
+                let given_up = watch.look_all(&sh.links.spec, &peers, idle, moves, during);
+                for (peer, text) in &given_up {
                     // Fails the sends to it (and says so to the others);
                     // said here too, as nobody may wait for them.
                     crate::log::emit(
@@ -673,7 +719,9 @@ impl Endpoint {
                         Some(sh.rank),
                         &format!("rdist_comm_destroy: the sends to rank {peer} failed: {text}"),
                     );
-                    core.silent(peer, text);
+                    core.silent(*peer, text.clone());
+                }
+                if !given_up.is_empty() {
                     continue;
                 }
             }
@@ -698,6 +746,8 @@ impl Endpoint {
             drop(core);
             std::thread::sleep(Duration::from_micros(200));
         }
+        // A question still on its way has no thread outlive the destroy.
+        watch.finish();
         sh.closing.store(true, Ordering::Release);
         sh.wake.ring();
         if let Some(h) = lock(&self.thread).take() {

@@ -39,9 +39,9 @@ pub struct Watch {
     asking: Option<Asking>,
 }
 
-/// The asking thread's finding: None until it is done; then the first
-/// peer that did not answer, if any, and how.
-type Verdict = Arc<Mutex<Option<Option<(usize, Liveness)>>>>;
+/// The asking thread's finding: None until it is done; then the peers
+/// that did not answer (in the order asked), and how.
+type Verdict = Arc<Mutex<Option<Vec<(usize, Liveness)>>>>;
 
 /// A question on its way.
 struct Asking {
@@ -51,6 +51,8 @@ struct Asking {
     /// The silence when it asked.
     idle: Duration,
     verdict: Verdict,
+    /// The asking thread (joined by `finish`).
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Watch {
@@ -101,15 +103,37 @@ impl Watch {
         moves: u64,
         during: &str,
     ) -> Option<(usize, String)> {
+        self.look_all(spec, waited, idle, moves, during)
+            .into_iter()
+            .next()
+    }
+
+    /// Whether a question is on its way (`look` then takes its answer and
+    /// needs no peers).
+    pub fn asking(&self) -> bool {
+        self.asking.is_some()
+    }
+
+    /// `look`, giving up every peer of the question that did not answer.
+    pub fn look_all(
+        &mut self,
+        spec: &MeshSpec,
+        waited: &[usize],
+        idle: Duration,
+        moves: u64,
+        during: &str,
+    ) -> Vec<(usize, String)> {
         if let Some(a) = self.asking.take() {
             self.next = Some(Instant::now() + self.after);
-            let (peer, how) = lock(&a.verdict).take().flatten()?;
-            return Some((peer, given_up(spec.rank, peer, how, a.idle, during)));
+            let found = lock(&a.verdict).take().unwrap_or_default();
+            return (found.into_iter())
+                .map(|(peer, how)| (peer, given_up(spec.rank, peer, how, a.idle, during)))
+                .collect();
         }
         let peers: Vec<usize> = waited.iter().copied().filter(|&p| p != spec.rank).collect();
         if peers.is_empty() {
             self.next = Some(Instant::now() + self.after);
-            return None;
+            return Vec::new();
         }
         let k = peers.len().min(ASK_AT_ONCE);
         let asked: Vec<usize> = (0..k)
@@ -137,25 +161,33 @@ impl Watch {
                         .map(|h| h.join().unwrap_or(Liveness::Runs))
                         .collect()
                 });
-                let first = asked
-                    .iter()
+                let silent = (asked.iter().copied())
                     .zip(answers)
-                    .find(|(_, a)| *a != Liveness::Runs)
-                    .map(|(&peer, a)| (peer, a));
-                *lock(&told) = Some(first);
+                    .filter(|(_, a)| *a != Liveness::Runs)
+                    .collect();
+                *lock(&told) = Some(silent);
             });
         match thread {
-            Ok(_) => {
+            Ok(thread) => {
                 self.asking = Some(Asking {
                     moves,
                     idle,
                     verdict,
+                    thread: Some(thread),
                 })
             }
             // No thread to ask from: again after the silence.
             Err(_) => self.next = Some(Instant::now() + self.after),
         }
-        None
+        Vec::new()
+    }
+
+    /// Waits for a question still on its way (at most `ANSWER_LIMIT`), so
+    /// that no thread of this watch outlives its owner.
+    pub fn finish(&mut self) {
+        if let Some(h) = self.asking.take().and_then(|mut a| a.thread.take()) {
+            let _ = h.join();
+        }
     }
 }
 
@@ -199,11 +231,12 @@ mod tests {
         }
     }
 
-    fn asking(w: &mut Watch, verdict: Option<Option<(usize, Liveness)>>, moves: u64) {
+    fn asking(w: &mut Watch, verdict: Option<Vec<(usize, Liveness)>>, moves: u64) {
         w.asking = Some(Asking {
             moves,
             idle: Duration::from_secs(3),
             verdict: Arc::new(Mutex::new(verdict)),
+            thread: None,
         });
     }
 
@@ -228,16 +261,16 @@ mod tests {
         asking(&mut w, None, 7);
         assert!(!w.due(idle, 7, now));
         // Answered by everyone: the peers run; asked again only after the silence.
-        asking(&mut w, Some(None), 7);
+        asking(&mut w, Some(vec![]), 7);
         assert!(w.due(idle, 7, now));
         assert!(w.look(&s, &[1], idle, 7, "").is_none());
         assert!(w.asking.is_none() && !w.due(idle, 7, Instant::now()));
         // Unanswered, but the wait moved since: forgotten.
-        asking(&mut w, Some(Some((1, Liveness::Silent))), 7);
+        asking(&mut w, Some(vec![(1, Liveness::Silent)]), 7);
         assert!(!w.due(idle, 8, now));
         assert!(w.asking.is_none());
         // Unanswered while nothing moved: given up, named.
-        asking(&mut w, Some(Some((1, Liveness::Silent))), 7);
+        asking(&mut w, Some(vec![(1, Liveness::Silent)]), 7);
         assert!(w.due(idle, 7, now));
         let (peer, why) = w.look(&s, &[1], idle, 7, " in allreduce #3").unwrap();
         assert_eq!(peer, 1);
@@ -247,9 +280,17 @@ mod tests {
             ),
             "{why}"
         );
-        asking(&mut w, Some(Some((1, Liveness::Gone))), 7);
+        asking(&mut w, Some(vec![(1, Liveness::Gone)]), 7);
         let (_, why) = w.look(&s, &[1], idle, 7, "").unwrap();
         assert!(why.starts_with("rank 1 is gone"), "{why}");
+        // Every peer of one question that did not answer is given up.
+        asking(
+            &mut w,
+            Some(vec![(1, Liveness::Silent), (2, Liveness::Gone)]),
+            7,
+        );
+        let all = w.look_all(&s, &[1, 2], idle, 7, "");
+        assert_eq!(all.iter().map(|(p, _)| *p).collect::<Vec<_>>(), [1, 2]);
     }
 
     #[test]

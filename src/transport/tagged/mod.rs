@@ -984,16 +984,6 @@ impl Tagged {
                     self.matching.cancel(id);
                     return Err(e);
                 }
-                if r.peer.is_none() && self.peers.len() > 1 && self.others_not_gone().is_empty() {
-                    self.matching.cancel(id);
-                    return Err(Error::new(
-                        ErrorKind::PeerLost,
-                        format!(
-                            "rank {}: a receive from any rank, but every other rank is gone (failed or left)",
-                            self.rank
-                        ),
-                    ));
-                }
             }
         }
         Ok(())
@@ -1593,22 +1583,6 @@ impl Tagged {
             }
         }
         self.matching.posted = keep;
-        if self.others_not_gone().is_empty() {
-            // A receive from any source would wait for nobody.
-            let last = Error::new(
-                err.kind(),
-                format!(
-                    "every other rank is gone, the last rank {peer}: {}",
-                    err.message()
-                ),
-            );
-            let (any, named): (VecDeque<_>, VecDeque<_>) =
-                (self.matching.posted.drain(..)).partition(|r| r.source.is_none());
-            self.matching.posted = named;
-            for r in any {
-                r.done.complete(Err(last.clone()));
-            }
-        }
         // Its messages not here whole (still in its memory, or waiting to
         // be asked for) are lost with it.
         let m = &mut self.matching;
