@@ -42,6 +42,26 @@ fn spawn_worker(role: &str, rank: usize, size: usize, port: u16) -> std::process
         .unwrap()
 }
 
+/// Starts a job of `size` workers in `role` with timeout `timeout_ms` and
+/// the default peer check, their stdout piped (and stderr, with
+/// `stderr`; else dropped).
+fn start_job(role: &str, size: usize, timeout_ms: u64, stderr: bool) -> Vec<std::process::Child> {
+    let port = common::free_port();
+    (0..size)
+        .map(|r| {
+            let mut w = worker_command(role, r, size, port, timeout_ms);
+            w.env_remove("RDIST_PEER_CHECK_MS")
+                .env_remove("RDIST_DEBUG")
+                .stdout(std::process::Stdio::piped())
+                .stderr(match stderr {
+                    true => std::process::Stdio::piped(),
+                    false => std::process::Stdio::null(),
+                });
+            w.spawn().unwrap()
+        })
+        .collect()
+}
+
 /// Not a test of its own: the body of worker processes started by other
 /// tests (does nothing without RDIST_TEST_ROLE).
 #[test]
@@ -1419,16 +1439,7 @@ fn an_abort_ends_a_dial_to_a_stopped_rank() {
 #[test]
 fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
     for role in ["hush1", "hush_p2p"] {
-        let port = common::free_port();
-        let mut workers: Vec<_> = (0..3)
-            .map(|r| {
-                let mut w = worker_command(role, r, 3, port, 60_000);
-                w.env_remove("RDIST_PEER_CHECK_MS")
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::null());
-                w.spawn().unwrap()
-            })
-            .collect();
+        let mut workers = start_job(role, 3, 60_000, false);
         let start = Instant::now();
         let said: Vec<(usize, String)> = [0usize, 2]
             .into_iter()
@@ -1462,16 +1473,7 @@ fn a_stopped_rank_is_named_within_seconds_not_at_the_timeout() {
 /// timeout, here 60 s.)
 #[test]
 fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
-    let port = common::free_port();
-    let mut workers: Vec<_> = (0..3)
-        .map(|r| {
-            let mut w = worker_command("hush_any", r, 3, port, 60_000);
-            w.env_remove("RDIST_PEER_CHECK_MS")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::null());
-            w.spawn().unwrap()
-        })
-        .collect();
+    let mut workers = start_job("hush_any", 3, 60_000, false);
     let start = Instant::now();
     let line = result_of(&mut workers, 0, start, Duration::from_secs(80), "hush_any");
     for w in &mut workers {
@@ -1501,17 +1503,7 @@ fn a_receive_from_any_source_ends_when_every_sender_is_gone() {
 /// the send failed as "aborted".)
 #[test]
 fn destroy_does_not_wait_out_the_timeout_for_a_stopped_receiver() {
-    let port = common::free_port();
-    let mut workers: Vec<_> = (0..2)
-        .map(|r| {
-            let mut w = worker_command("destroy_stopped", r, 2, port, 60_000);
-            w.env_remove("RDIST_PEER_CHECK_MS")
-                .env_remove("RDIST_DEBUG")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            w.spawn().unwrap()
-        })
-        .collect();
+    let mut workers = start_job("destroy_stopped", 2, 60_000, true);
     let start = Instant::now();
     let line = result_of(
         &mut workers,
